@@ -1,0 +1,83 @@
+"""The one interface every engine adapter speaks: launch, stop, health, load snapshot, abort, KV events.
+
+An adapter owns one deployment (site x model x version x N instances). The gateway
+never cares which engine sits behind an instance; it only sees `Instance` records
+and `LoadSnapshot`s, and speaks the OpenAI API to `Instance.url`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    instance_id: str
+    site: str
+    model: str  # the served model name the gateway sends upstream
+    version: str
+    url: str  # base URL, no trailing slash, e.g. http://127.0.0.1:8001
+    adapter: str
+    block_size: int = 16
+    max_model_len: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """An engine's load as last scraped (vLLM metric semantics)."""
+
+    ready: bool
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    block_size: int | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    """Blocks an engine stored or dropped, in vLLM's KVEventBatch shape."""
+
+    instance_id: str
+    seq: int
+    events: list[dict[str, Any]]
+
+
+class EngineAdapter(abc.ABC):
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def instances(self) -> list[Instance]:
+        """Instances launched (or attached) so far."""
+
+    @abc.abstractmethod
+    async def launch(self) -> list[Instance]:
+        """Start (or attach to) the deployment's instances; returns once they answer health."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop whatever this adapter started; attached engines are left running."""
+
+    @abc.abstractmethod
+    async def health(self, instance: Instance) -> bool: ...
+
+    @abc.abstractmethod
+    async def snapshot(self, instance: Instance) -> LoadSnapshot: ...
+
+    async def abort(self, instance: Instance, request_id: str) -> bool:
+        """Ask the engine to drop a request. Closing the upstream connection also aborts it."""
+        return False
+
+    def kv_events(self, instance: Instance) -> AsyncIterator[KVEventBatch] | None:
+        """A stream of KV cache events, or None when the engine does not publish them."""
+        return None
+
+
+class AdapterError(RuntimeError):
+    """An engine could not be launched or reached."""

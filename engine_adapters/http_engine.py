@@ -1,0 +1,76 @@
+"""Shared behaviour of adapters whose engines speak OpenAI + Prometheus over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+from engine_adapters.base import EngineAdapter, Instance, KVEventBatch, LoadSnapshot
+from engine_adapters.metrics_scrape import parse_metrics
+
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
+class HttpEngineAdapter(EngineAdapter):
+    """Health from `GET /health`, load from `GET /metrics`, abort via `POST /abort_request`."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=PROBE_TIMEOUT)
+        return self._session
+
+    async def close_http(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def health(self, instance: Instance) -> bool:
+        try:
+            async with self._http().get(f"{instance.url}/health") as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def snapshot(self, instance: Instance) -> LoadSnapshot:
+        try:
+            async with self._http().get(f"{instance.url}/metrics") as r:
+                if r.status != 200:
+                    return LoadSnapshot(ready=False)
+                return parse_metrics(await r.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return LoadSnapshot(ready=False)
+
+    async def abort(self, instance: Instance, request_id: str) -> bool:
+        try:
+            async with self._http().post(f"{instance.url}/abort_request", json={"rid": request_id}) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def wait_ready(self, instance: Instance, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if await self.health(instance):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+
+async def ndjson_kv_events(session: aiohttp.ClientSession, instance: Instance) -> AsyncIterator[KVEventBatch]:
+    """Follow a worker's `GET /kv_events` feed (one JSON batch per line) until it closes."""
+    async with session.get(f"{instance.url}/kv_events",
+                           timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0)) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            line = line.strip()
+            if not line:
+                continue
+            batch = json.loads(line)
+            yield KVEventBatch(instance.instance_id, int(batch.get("seq", 0)), list(batch.get("events", [])))

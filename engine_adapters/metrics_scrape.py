@@ -1,0 +1,51 @@
+"""Read an engine's Prometheus text into a LoadSnapshot.
+
+vLLM and the bundled simulated worker share metric names (`vllm:*`); SGLang's
+(`sglang:*`) map onto the same fields. One parser for all adapters.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_adapters.base import LoadSnapshot
+
+# snapshot field -> metric sample names that feed it, first found wins
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
+    "num_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total",),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total",),
+}
+
+
+def parse_metrics(text: str) -> LoadSnapshot:
+    """Sum each metric over its label sets (one engine may report per model or per rank)."""
+    sums: dict[str, float] = defaultdict(float)
+    block_size: int | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] += sample.value
+            if sample.name == "vllm:cache_config_info" and "block_size" in sample.labels:
+                try:
+                    block_size = int(sample.labels["block_size"])
+                except ValueError:
+                    pass
+    values: dict[str, float] = {}
+    for field, names in _FIELDS.items():
+        for name in names:
+            if name in sums:
+                values[field] = sums[name]
+                break
+    return LoadSnapshot(
+        ready=True,
+        num_running=int(values.get("num_running", 0)),
+        num_waiting=int(values.get("num_waiting", 0)),
+        kv_usage=float(values.get("kv_usage", 0.0)),
+        prefix_cache_queries=values.get("prefix_cache_queries", 0.0),
+        prefix_cache_hits=values.get("prefix_cache_hits", 0.0),
+        block_size=block_size,
+    )

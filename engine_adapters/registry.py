@@ -1,0 +1,66 @@
+"""Build one adapter per deployment of a fleet file, and run them as a group."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from engine_adapters.base import AdapterError, EngineAdapter, Instance
+from fleetcore.fleet_config import DeploymentConfig, FleetConfig, FleetConfigError
+
+
+def build_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str) -> EngineAdapter:
+    model = config.model(d.model)
+    version = config.deployment_version(d)
+    eng = model.engine
+    if d.adapter == "static":
+        from engine_adapters.static import StaticAdapter
+        return StaticAdapter(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
+                             urls=d.urls, block_size=eng.block_size, max_model_len=eng.max_model_len)
+    if d.adapter == "sim":
+        from engine_adapters.sim.launcher import SimAdapter
+        _check_sim_hardware(eng.spec, d.gpu, d.tp, id_prefix)
+        return SimAdapter(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
+                          instances=d.instance_count, spec=eng.spec, gpu=d.gpu, tp=d.tp,
+                          block_size=eng.block_size, max_model_len=eng.max_model_len,
+                          max_num_batched_tokens=eng.max_num_batched_tokens,
+                          max_num_seqs=eng.max_num_seqs,
+                          gpu_memory_utilization=eng.gpu_memory_utilization, options=d.options)
+    raise FleetConfigError(f"deployment {id_prefix}: adapter {d.adapter!r} is not available yet")
+
+
+def _check_sim_hardware(spec: str, gpu: str, tp: int, where: str) -> None:
+    """Fail at load time, not at launch, when the simulated model cannot exist."""
+    from engine_adapters.sim import hardware
+    from engine_adapters.sim.physics import StepTimer
+    try:
+        StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp).kv_capacity_tokens()
+    except ValueError as e:
+        raise FleetConfigError(f"deployment {where}: {e}") from None
+
+
+def build_adapters(config: FleetConfig) -> list[EngineAdapter]:
+    """One adapter per deployment; instance ids read `site/model/N` (`site/model#k/N` when a
+    site runs several deployments of one model)."""
+    seen: Counter[tuple[str, str]] = Counter()
+    adapters = []
+    for d in config.deployments:
+        k = seen[(d.site, d.model)]
+        seen[(d.site, d.model)] += 1
+        prefix = f"{d.site}/{d.model}" + (f"#{k}" if k else "")
+        adapters.append(build_adapter(config, d, prefix))
+    return adapters
+
+
+async def launch_all(adapters: list[EngineAdapter]) -> list[Instance]:
+    """Launch every adapter concurrently; if any fails, stop them all and raise."""
+    results = await asyncio.gather(*(a.launch() for a in adapters), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        await stop_all(adapters)
+        raise errors[0] if isinstance(errors[0], AdapterError) else AdapterError(str(errors[0]))
+    return [i for r in results if not isinstance(r, BaseException) for i in r]
+
+
+async def stop_all(adapters: list[EngineAdapter]) -> None:
+    await asyncio.gather(*(a.stop() for a in adapters), return_exceptions=True)

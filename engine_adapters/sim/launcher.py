@@ -1,0 +1,132 @@
+"""The sim adapter: runs bundled simulated workers as local processes, one per instance."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine_adapters.base import AdapterError, Instance, KVEventBatch
+from engine_adapters.http_engine import HttpEngineAdapter, ndjson_kv_events
+
+READY_TIMEOUT_S = 30.0
+STOP_GRACE_S = 5.0
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGTERM if the gateway dies, so no orphans even on SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class SimAdapter(HttpEngineAdapter):
+    name = "sim"
+
+    def __init__(self, *, id_prefix: str, site: str, model: str, version: str, instances: int,
+                 spec: str, gpu: str, tp: int = 1, block_size: int = 16, max_model_len: int = 32768,
+                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 gpu_memory_utilization: float = 0.9, options: dict[str, Any] | None = None,
+                 host: str = "127.0.0.1") -> None:
+        super().__init__()
+        self.id_prefix, self.site, self.model, self.version = id_prefix, site, model, version
+        self.count = instances
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.host = host
+        opts = dict(options or {})
+        self._args = [
+            "--served-model-name", model, "--spec", spec, "--gpu", gpu, "--tp", str(tp),
+            "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", str(max_num_batched_tokens),
+            "--max-num-seqs", str(max_num_seqs),
+            "--time-scale", str(float(opts.pop("time_scale", 1.0))),
+        ]
+        if "num_gpu_blocks_override" in opts:
+            self._args += ["--num-gpu-blocks-override", str(int(opts.pop("num_gpu_blocks_override")))]
+        if opts:
+            raise AdapterError(f"{id_prefix}: unknown sim option(s) {sorted(opts)} "
+                               "(known: time_scale, num_gpu_blocks_override)")
+        self._gpu_util = gpu_memory_utilization
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._instances: list[Instance] = []
+
+    @property
+    def instances(self) -> list[Instance]:
+        return list(self._instances)
+
+    def process(self, instance: Instance) -> asyncio.subprocess.Process | None:
+        return self._procs.get(instance.instance_id)
+
+    async def launch(self) -> list[Instance]:
+        ids = [f"{self.id_prefix}/{i}" for i in range(self.count)]
+        results = await asyncio.gather(*(self._launch_one(i, iid) for i, iid in enumerate(ids)),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.stop()
+            raise AdapterError(f"{self.id_prefix}: {errors[0]}")
+        self._instances = [r for r in results if isinstance(r, Instance)]
+        return self.instances
+
+    async def _launch_one(self, index: int, instance_id: str) -> Instance:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engine_adapters.sim.worker", *self._args,
+            "--host", self.host, "--port", "0", "--instance-id", instance_id, "--seed", str(index),
+            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self._procs[instance_id] = proc
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise AdapterError(f"worker {instance_id} did not become ready in {READY_TIMEOUT_S:.0f} s") from None
+        try:
+            ready = json.loads(line)
+            url = str(ready["url"])
+        except (ValueError, KeyError, TypeError):
+            code = await _exit_code_soon(proc)
+            raise AdapterError(f"worker {instance_id} failed to start (exit code {code})") from None
+        # Keep reading stdout so a chatty worker can never block on a full pipe.
+        asyncio.get_running_loop().create_task(_drain(proc.stdout))
+        return Instance(instance_id=instance_id, site=self.site, model=self.model, version=self.version,
+                        url=url, adapter=self.name, block_size=self.block_size,
+                        max_model_len=self.max_model_len)
+
+    async def stop(self) -> None:
+        procs = list(self._procs.values())
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                p.kill()
+                await p.wait()
+        self._procs.clear()
+        await self.close_http()
+
+    def kv_events(self, instance: Instance) -> AsyncIterator[KVEventBatch] | None:
+        return ndjson_kv_events(self._http(), instance)
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
+
+
+async def _exit_code_soon(proc: asyncio.subprocess.Process) -> int | None:
+    try:
+        return await asyncio.wait_for(proc.wait(), 2.0)
+    except asyncio.TimeoutError:
+        return None

@@ -1,0 +1,216 @@
+"""The fleet file: sites, model pools, deployments and tenants, validated with clear errors.
+
+Example (the embedded default is `deploy/local/fleet.yaml`)::
+
+    regions: [us-east, eu-west]          # client entry regions (default: the sites' regions)
+    default_region: us-east              # entry region of clients that do not say
+    sites:
+      - {name: use1, region: us-east, jurisdiction: us, rtt_ms: {us-east: 1, eu-west: 80}}
+    models:
+      - name: llama-3.1-8b
+        versions: ["2024-07"]            # the first is the default
+        engine: {spec: llama-3.1-8b, max_model_len: 32768, block_size: 16}
+    deployments:
+      - {site: use1, model: llama-3.1-8b, instances: 2, gpu: H100, adapter: sim}
+      - {site: use1, model: llama-3.1-8b, adapter: static, urls: ["http://10.0.0.5:8000"]}
+    tenants:
+      - {name: dev, api_keys: [sk-dev], default_class: interactive, region: us-east}
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class FleetConfigError(ValueError):
+    """A fleet file that cannot be used; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SiteConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    region: str = Field(min_length=1)
+    jurisdiction: str = Field(min_length=1)
+    rtt_ms: dict[str, float] = Field(default_factory=dict)
+    egress_cost_per_gb: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _rtt_non_negative(self) -> SiteConfig:
+        for region, rtt in self.rtt_ms.items():
+            if rtt < 0:
+                raise ValueError(f"rtt_ms[{region}] must be >= 0, got {rtt}")
+        return self
+
+
+class EngineConfigSpec(_Strict):
+    spec: str = Field(description="model architecture in the simulated engine's table, e.g. llama-3.1-8b")
+    max_model_len: int = Field(default=32768, gt=0)
+    block_size: int = Field(default=16, gt=0)
+    max_num_batched_tokens: int = Field(default=8192, gt=0)
+    max_num_seqs: int = Field(default=256, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    versions: list[str] = Field(default_factory=lambda: ["v1"], min_length=1)
+    engine: EngineConfigSpec
+
+    @property
+    def default_version(self) -> str:
+        return self.versions[0]
+
+
+class DeploymentConfig(_Strict):
+    site: str
+    model: str
+    version: str | None = None
+    adapter: Literal["sim", "static", "vllm", "sglang"] = "sim"
+    instances: int | None = Field(default=None, ge=0)
+    gpu: str = "H100"
+    tp: int = Field(default=1, ge=1)
+    urls: list[str] = Field(default_factory=list)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _instances_match_adapter(self) -> DeploymentConfig:
+        if self.adapter == "static":
+            if not self.urls:
+                raise ValueError("a static deployment needs `urls`")
+            if self.instances is not None and self.instances != len(self.urls):
+                raise ValueError(f"instances={self.instances} but {len(self.urls)} urls given")
+        elif self.urls:
+            raise ValueError(f"`urls` is only for the static adapter, not {self.adapter!r}")
+        return self
+
+    @property
+    def instance_count(self) -> int:
+        if self.adapter == "static":
+            return len(self.urls)
+        return 1 if self.instances is None else self.instances
+
+
+class TenantConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    api_keys: list[str] = Field(default_factory=list, description="plain keys (dev only)")
+    api_key_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of keys")
+    default_class: str = "interactive"
+    region: str | None = None
+
+    def key_hashes(self) -> list[str]:
+        return [hash_api_key(k) for k in self.api_keys] + [h.lower() for h in self.api_key_sha256]
+
+
+class FleetConfig(_Strict):
+    regions: list[str] = Field(default_factory=list)
+    default_region: str | None = None
+    sites: list[SiteConfig] = Field(min_length=1)
+    models: list[ModelConfig] = Field(min_length=1)
+    deployments: list[DeploymentConfig] = Field(default_factory=list)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> FleetConfig:
+        _unique("sites", [s.name for s in self.sites])
+        _unique("models", [m.name for m in self.models])
+        _unique("tenants", [t.name for t in self.tenants])
+        keys = [h for t in self.tenants for h in t.key_hashes()]
+        if len(keys) != len(set(keys)):
+            raise ValueError("tenants: the same API key is given to more than one tenant")
+        regions = set(self.client_regions)
+        for s in self.sites:
+            missing = sorted(regions - set(s.rtt_ms) - {s.region})
+            if missing:
+                raise ValueError(f"site {s.name!r}: rtt_ms lacks client region(s) {missing}")
+        if self.default_region is not None and self.default_region not in regions:
+            raise ValueError(f"default_region {self.default_region!r} is not one of {sorted(regions)}")
+        sites = {s.name for s in self.sites}
+        models = {m.name: m for m in self.models}
+        for i, d in enumerate(self.deployments):
+            where = f"deployments[{i}]"
+            if d.site not in sites:
+                raise ValueError(f"{where}: unknown site {d.site!r} (known: {sorted(sites)})")
+            if d.model not in models:
+                raise ValueError(f"{where}: unknown model {d.model!r} (known: {sorted(models)})")
+            versions = models[d.model].versions
+            if d.version is not None and d.version not in versions:
+                raise ValueError(f"{where}: model {d.model!r} has no version {d.version!r} (known: {versions})")
+        for t in self.tenants:
+            if t.region is not None and t.region not in regions:
+                raise ValueError(f"tenant {t.name!r}: region {t.region!r} is not one of {sorted(regions)}")
+        return self
+
+    @property
+    def client_regions(self) -> list[str]:
+        return self.regions or sorted({s.region for s in self.sites})
+
+    @property
+    def entry_region(self) -> str:
+        return self.default_region or self.client_regions[0]
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def site(self, name: str) -> SiteConfig:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def deployment_version(self, d: DeploymentConfig) -> str:
+        return d.version or self.model(d.model).default_version
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _unique(what: str, names: list[str]) -> None:
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{what}: duplicate name(s) {dupes}")
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid fleet file"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_fleet(data: Any, source: str = "<fleet>") -> FleetConfig:
+    if not isinstance(data, dict):
+        raise FleetConfigError(f"{source}: the fleet file must be a mapping at top level")
+    try:
+        return FleetConfig.model_validate(data)
+    except ValidationError as e:
+        raise FleetConfigError(_format_errors(source, e)) from None
+
+
+def load_fleet_file(path: str | Path) -> FleetConfig:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise FleetConfigError(f"{p}: cannot read fleet file: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise FleetConfigError(f"{p}: not valid YAML: {e}") from None
+    return parse_fleet(data, str(p))
+
+
+DEFAULT_FLEET_FILE = Path(__file__).resolve().parent.parent / "deploy" / "local" / "fleet.yaml"

@@ -1,0 +1,82 @@
+"""Deterministic tokenizer and chat template shared by the gateway and the simulated engine.
+
+The simulated engine has no vocabulary of its own; what matters is that the gateway
+and the worker count the same prompt tokens and derive the same block hashes, so that
+a prefix the gateway believes is cached really is. Real engines (vLLM, SGLang) bring
+their own tokenizer; the gateway uses this one only as an estimate for them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+VOCAB_SIZE = 1 << 17
+
+# Words, numbers, single punctuation marks, and runs of whitespace that carry a newline.
+# Roughly 1.3 tokens per English word, close to what BPE tokenizers give.
+_PIECE = re.compile(r"\s*[A-Za-z]+|\s*\d{1,3}|\s*[^\sA-Za-z\d]|\s+")
+
+
+def split_pieces(text: str) -> list[str]:
+    return _PIECE.findall(text)
+
+
+def token_id(piece: str) -> int:
+    return xxhash.xxh32_intdigest(piece.encode("utf-8")) % VOCAB_SIZE
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of `text`; equal text gives equal ids."""
+    return [token_id(p) for p in split_pieces(text)]
+
+
+def count_tokens(text: str) -> int:
+    return len(split_pieces(text))
+
+
+def _content_text(content: Any) -> str:
+    """Message content as text: a string, or the text parts of a content-part list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise TypeError("message content must be a string or a list of content parts")
+
+
+def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
+    """The prompt a chat request becomes (a Llama-3-like template).
+
+    Earlier turns render identically whatever follows them, so a multi-turn
+    conversation's prompt grows by appending: its prefix blocks stay cacheable.
+    """
+    out = ["<|begin_of_text|>"]
+    for m in messages:
+        out.append(f"<|start_header_id|>{m.get('role', 'user')}<|end_header_id|>\n\n")
+        out.append(_content_text(m.get("content")))
+        out.append("<|eot_id|>")
+    out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    return "".join(out)
+
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by at this from or an are not "
+    "fleet token cache prefix model engine site queue route batch stream latency goodput "
+    "tensor kernel block decode prefill request answer signal vector memory compute river "
+    "stone garden window silver orange quiet rapid gentle bright north south harbor meadow"
+).split()
+
+
+def pseudo_word(seed: int, index: int) -> str:
+    """The `index`-th output word of a response seeded by `seed` (deterministic filler text)."""
+    h = xxhash.xxh64_intdigest(index.to_bytes(8, "little"), seed=seed & 0xFFFFFFFFFFFFFFFF)
+    return " " + _WORDS[h % len(_WORDS)]

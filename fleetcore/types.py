@@ -1,0 +1,132 @@
+"""Plain data the policies read and return: request profiles, fleet snapshots, decisions.
+
+Policies (`tokenpilot`, `fleetmind`, `slomax`) see the world only through these
+types; the gateway and the simulator both build them, so one policy object runs
+unchanged in production and in a benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProfile:
+    """What the gateway knows about a request before it runs anywhere."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    block_size: int = 16
+    max_tokens: int | None = None  # a constraint on output length, not a prediction of it
+    model_version: str | None = None  # None: any ready version
+    tenant: str = "anonymous"
+    request_class: str | None = None  # None until admission classifies it
+    task_type: str | None = None
+    stream: bool = False
+    client_region: str | None = None
+    arrival: float = 0.0
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSnapshot:
+    """One engine instance as the policies see it at a moment.
+
+    `inflight` is what the gateway itself has sent and not yet seen finish; the
+    engine-reported `num_running` / `num_waiting` lag by one scrape.
+    """
+
+    instance_id: str
+    site: str
+    model: str
+    version: str
+    url: str
+    ready: bool = True
+    draining: bool = False
+    role: Role = "both"
+    inflight: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    block_size: int = 16
+    max_model_len: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class SiteSnapshot:
+    name: str
+    region: str
+    jurisdiction: str
+    rtt_ms: Mapping[str, float]
+    instances: tuple[InstanceSnapshot, ...] = ()
+
+    def pool(self, model: str, version: str | None = None) -> tuple[InstanceSnapshot, ...]:
+        """Ready, non-draining instances serving `model` (and `version`, when given)."""
+        return tuple(
+            i for i in self.instances
+            if i.model == model and i.ready and not i.draining
+            and (version is None or i.version == version)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    sites: tuple[SiteSnapshot, ...]
+
+    def site(self, name: str) -> SiteSnapshot:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def instances(self) -> tuple[InstanceSnapshot, ...]:
+        return tuple(i for s in self.sites for i in s.instances)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One option a policy weighed, kept for explanations (lower score is better)."""
+
+    name: str
+    score: float
+    detail: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SiteDecision:
+    site: str | None
+    reason: str
+    candidates: Sequence[Candidate] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    instance_id: str | None
+    reason: str
+    candidates: Sequence[Candidate] = ()
+    predicted_ttft_s: float | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """What happened to a routed request; fed back to every policy's `observe`."""
+
+    request_id: str
+    instance_id: str
+    site: str
+    ok: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    mean_tpot_s: float | None = None
+    e2e_s: float | None = None
+    error: str | None = None
+    cancelled: bool = False

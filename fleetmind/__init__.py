@@ -1,0 +1,1 @@
+"""FleetMind: picks the site for a request and plans replica placement (pure policy)."""

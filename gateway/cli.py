@@ -1,0 +1,154 @@
+"""`tokenfleet` command line: `up` runs a fleet and its gateway; `check` validates a fleet file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import uvicorn
+
+from engine_adapters.base import AdapterError, EngineAdapter
+from engine_adapters.registry import build_adapters, launch_all, stop_all
+from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
+from tokenpilot.baselines import ROUTERS, make_router
+
+log = logging.getLogger("tokenfleet")
+
+
+def _say(msg: str) -> None:
+    print(f"tokenfleet: {msg}", flush=True)
+
+
+def _load(path: str | None) -> tuple[FleetConfig, list[EngineAdapter]]:
+    fleet_path = Path(path) if path else DEFAULT_FLEET_FILE
+    config = load_fleet_file(fleet_path)
+    return config, build_adapters(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after serving, which would kill us before the engines are
+    stopped; here a signal only asks the server to finish, and `_up` cleans up after it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def _dev_key(config: FleetConfig) -> str | None:
+    for t in config.tenants:
+        if t.api_keys:
+            return t.api_keys[0]
+    return None
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from gateway.app import create_app
+
+    config, adapters = _load(args.fleet)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        _say(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+        return 2
+    n = sum(d.instance_count for d in config.deployments)
+    _say(f"launching {n} instance(s) in {len(config.sites)} site(s)...")
+    # Until the server takes over signals, Ctrl-C or SIGTERM cancels the launch cleanly.
+    loop, main_task = asyncio.get_running_loop(), asyncio.current_task()
+    assert main_task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main_task.cancel)
+    try:
+        try:
+            instances = await launch_all(adapters)
+        except AdapterError as e:
+            _say(f"launch failed: {e}")
+            return 1
+        app = create_app(config, adapters, router=make_router(args.router))
+        server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                        timeout_graceful_shutdown=5))
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        sites = sorted({i.site for i in instances})
+        _say(f"{len(instances)} instance(s) ready in {len(sites)} site(s): {', '.join(sites)}")
+        _say(f"gateway  http://{shown}:{port}/v1")
+        key = _dev_key(config)
+        _say(f"api key  {key}" if key else "api key  (none needed: the fleet file has no tenants)")
+        _say("stop with Ctrl-C")
+        await server.serve(sockets=[sock])
+    finally:
+        # Runs on a signal, a launch failure or a crash alike: no engine outlives the gateway.
+        _say("stopping engines...")
+        await asyncio.shield(stop_all(adapters))
+        sock.close()
+        _say("stopped")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    config, _ = _load(args.fleet)
+    n = sum(d.instance_count for d in config.deployments)
+    print(f"{args.fleet or DEFAULT_FLEET_FILE}: ok — {len(config.sites)} site(s), "
+          f"{len(config.models)} model(s), {n} instance(s), {len(config.tenants)} tenant(s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenfleet", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="launch the fleet's engines and the gateway in front of them")
+    up.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    up.add_argument("--router", default="least_loaded", choices=sorted(ROUTERS))
+    up.add_argument("--log-level", default="warning",
+                    choices=["critical", "error", "warning", "info", "debug"])
+    chk = sub.add_parser("check", help="validate a fleet file")
+    chk.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "up":
+            return asyncio.run(_up(args))
+        return _check(args)
+    except FleetConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""SLOMax: class-based admission with goodput feedback (pure policy)."""

@@ -1,0 +1,91 @@
+"""`tokenfleet up` as a user runs it: a subprocess, its printed URL and key, a streamed answer, a clean stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")
+
+
+def children_of(pid: int) -> set[int]:
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.add(int(entry))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def read_until(proc: subprocess.Popen[str], pattern: str, timeout_s: float) -> re.Match[str]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"tokenfleet exited early; output so far: {seen}")
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r} in {seen}")
+
+
+def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(FLEET_FILE), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = read_until(proc, r"gateway\s+(http://\S+)", 60).group(1)
+        key = read_until(proc, r"api key\s+(\S+)", 5).group(1)
+        workers = children_of(proc.pid)
+        assert len(workers) == 3
+
+        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
+        stream = client.chat.completions.create(
+            model="llama-3.1-8b", messages=[{"role": "user", "content": "hello"}], max_tokens=10, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text.strip()
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        deadline = time.monotonic() + 5
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(w) for w in workers), "worker processes outlived tokenfleet up"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_check_reports_fleet_file_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("sites: []\nmodels: []\n")
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "check", "--fleet", str(bad)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "sites" in r.stderr and "invalid fleet file" in r.stderr
+    ok = subprocess.run([sys.executable, "-m", "gateway.cli", "check"], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    assert "8 instance(s)" in ok.stdout

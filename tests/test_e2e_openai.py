@@ -1,0 +1,157 @@
+"""The real `openai` SDK against the `tokenfleet up` wiring: sim workers as processes, gateway on uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_adapters.base import EngineAdapter, Instance
+from engine_adapters.registry import build_adapters, launch_all, stop_all
+from fleetcore.fleet_config import load_fleet_file
+from tests.servers import serve_app
+
+FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")
+KEY = "sk-test-acme"
+MODEL = "llama-3.1-8b"
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@dataclass
+class Fleet:
+    url: str
+    adapters: list[EngineAdapter]
+
+    def instance(self, instance_id: str) -> tuple[EngineAdapter, Instance]:
+        for a in self.adapters:
+            for i in a.instances:
+                if i.instance_id == instance_id:
+                    return a, i
+        raise KeyError(instance_id)
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet() -> AsyncIterator[Fleet]:
+    from gateway.app import create_app
+
+    config = load_fleet_file(FLEET_FILE)
+    adapters = build_adapters(config)
+    await launch_all(adapters)
+    try:
+        app = create_app(config, adapters, poll_interval_s=0.2)
+        async with serve_app(app) as url:
+            yield Fleet(url, adapters)
+    finally:
+        await stop_all(adapters)
+
+
+def long_prompt(topic: str, words: int = 1500) -> str:
+    return " ".join(f"{topic} section {i} describes the routing of cached prefixes." for i in range(words // 8))
+
+
+async def metric(instance: Instance, name: str) -> float:
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{instance.url}/metrics")).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+async def test_models_lists_ready_models(fleet: Fleet) -> None:
+    models = await fleet.client().models.list()
+    assert MODEL in [m.id for m in models.data]
+
+
+async def test_chat_non_stream(fleet: Fleet) -> None:
+    r = await fleet.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello to the fleet."}], max_tokens=12)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.usage is not None and r.usage.prompt_tokens > 0
+    assert 0 < r.usage.completion_tokens <= 12
+
+
+async def test_chat_stream_with_usage(fleet: Fleet) -> None:
+    stream = await fleet.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Stream a few words."}], max_tokens=20,
+        stream=True, stream_options={"include_usage": True})
+    text, usage, finish = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(text).strip()
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens == len([t for t in text if t])
+
+
+async def test_completions_stream_and_not(fleet: Fleet) -> None:
+    client = fleet.client()
+    r = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
+    assert r.choices[0].text and r.usage is not None and r.usage.completion_tokens <= 8
+    stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True)
+    parts = [c.choices[0].text async for c in stream if c.choices]
+    assert "".join(parts) == r.choices[0].text  # deterministic pseudo-words
+
+
+async def test_repeated_long_prefix_is_cached(fleet: Fleet) -> None:
+    client = fleet.client()
+    prompt = long_prompt("cache")
+    first = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    second = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens > 1000
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens > 0.8 * second.usage.prompt_tokens
+
+
+async def test_client_disconnect_aborts_on_worker(fleet: Fleet) -> None:
+    body = {"model": MODEL, "prompt": "A very long story:", "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream("POST", f"{fleet.url}/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            _, instance = fleet.instance(r.headers["x-tokenfleet-instance"])
+            lines = r.aiter_lines()
+            for _ in range(3):
+                await lines.__anext__()
+            assert await metric(instance, "vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 5
+    while await metric(instance, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "worker kept running the abandoned request"
+        await asyncio.sleep(0.05)
+
+
+async def test_killed_worker_requests_still_answered(fleet: Fleet) -> None:
+    """Runs last in this module: it leaves the fleet one worker short."""
+    from engine_adapters.sim.launcher import SimAdapter
+
+    adapter, victim = next((a, i) for a in fleet.adapters for i in a.instances if i.site == "east")
+    assert isinstance(adapter, SimAdapter)
+    proc = adapter.process(victim)
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    await proc.wait()
+    client = fleet.client()
+    served_by = set()
+    for n in range(12):
+        raw = await client.completions.with_raw_response.create(model=MODEL, prompt=f"question {n}", max_tokens=4)
+        served_by.add(raw.headers["x-tokenfleet-instance"])
+        assert raw.parse().choices[0].text
+    assert victim.instance_id not in served_by
