@@ -69,3 +69,17 @@ def test_site_pool_filters_version() -> None:
     s = SiteSnapshot("x", "r", "j", {}, (inst("a"), InstanceSnapshot("b", "x", "m", "v2", "http://b")))
     assert [i.instance_id for i in s.pool("m", "v2")] == ["b"]
     assert len(s.pool("m")) == 2
+
+
+def test_class_slos() -> None:
+    from fleetcore.slo import BATCH, DEFAULT_SLOS, INTERACTIVE, LONG_CONTEXT, class_by_length
+
+    assert class_by_length(8191) == INTERACTIVE and class_by_length(8192) == LONG_CONTEXT
+    inter = DEFAULT_SLOS[INTERACTIVE]
+    assert inter.met(0.9, 0.04, 5.0)
+    assert not inter.met(1.1, 0.04, 5.0)
+    assert not inter.met(0.5, 0.06, 5.0)
+    assert not inter.met(None, None, None)  # never produced a token
+    assert inter.met(0.5, None, 0.5)  # a one-token answer has no TPOT
+    assert DEFAULT_SLOS[BATCH].met(300.0, 0.5, 599.0) and not DEFAULT_SLOS[BATCH].met(1.0, 0.01, 601.0)
+    assert DEFAULT_SLOS[LONG_CONTEXT].met(7.9, 0.079, 100.0)
