@@ -68,7 +68,7 @@ class SimAdapter(HttpEngineAdapter):
 
     async def launch(self) -> list[Instance]:
         ids = [f"{self.id_prefix}/{i}" for i in range(self.count)]
-        results = await asyncio.gather(*(self._launch_one(i, iid) for i, iid in enumerate(ids)),
+        results = await asyncio.gather(*(self._launch_one(iid) for iid in ids),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -77,10 +77,10 @@ class SimAdapter(HttpEngineAdapter):
         self._instances = [r for r in results if isinstance(r, Instance)]
         return self.instances
 
-    async def _launch_one(self, index: int, instance_id: str) -> Instance:
+    async def _launch_one(self, instance_id: str) -> Instance:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "engine_adapters.sim.worker", *self._args,
-            "--host", self.host, "--port", "0", "--instance-id", instance_id, "--seed", str(index),
+            "--host", self.host, "--port", "0", "--instance-id", instance_id,
             stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )

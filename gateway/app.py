@@ -1,0 +1,218 @@
+"""The FastAPI app: composition root of the serving path.
+
+`create_app` wires config, adapters (already launched by the CLI), fleet state,
+policies and the relay. The lifespan owns only what the app itself creates:
+the fleet-state pollers and one pooled aiohttp session; the adapters' engines
+belong to whoever launched them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine_adapters.base import EngineAdapter
+from fleetcore.fleet_config import FleetConfig
+from fleetmind.site_choice import NearestReadySite
+from gateway.auth import Authenticator, Caller
+from gateway.errors import GatewayError, body_too_large, install_handlers
+from gateway.fleet_state import FleetState
+from gateway.metrics import GatewayMetrics
+from gateway.relay import DecisionLog, Relay, SiteChooser
+from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
+from tokenpilot.baselines import LeastLoaded
+from tokenpilot.policy import InstanceRouter
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+CONNECT_TIMEOUT_S = 5.0
+# Tokenizing a prompt of this many bytes takes long enough to stall other requests' relays.
+_THREAD_PARSE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayContext:
+    """What the app holds; reachable as `app.state.tokenfleet` (CLI, admin tools, tests)."""
+
+    config: FleetConfig
+    state: FleetState
+    relay: Relay
+    metrics: GatewayMetrics
+    decisions: DecisionLog
+    auth: Authenticator
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: refuse bodies over `max_bytes` with 413 before anything parses them.
+
+    It buffers the (bounded) body and replays it, so the app and the relay's
+    disconnect watch see an ordinary receive channel afterwards.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._declared_length(scope) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left while still sending: no one to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    @staticmethod
+    def _declared_length(scope: Scope) -> int:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return 0
+        return 0
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = body_too_large(self.max_bytes).response({"connection": "close"})
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _client_session() -> aiohttp.ClientSession:
+    # No total/read timeout: a long generation or a long prefill is not a failure.
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=None, connect=2 * CONNECT_TIMEOUT_S,
+                                    sock_connect=CONNECT_TIMEOUT_S)
+    # aiohttp's default pool caps at 100 connections, i.e. 100 concurrent streams.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector)
+
+
+def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
+               router: InstanceRouter | None = None, site_chooser: SiteChooser | None = None,
+               poll_interval_s: float = 0.5, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               decision_log_size: int = 256,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The gateway app over adapters that are already launched (the caller stops them)."""
+    state = FleetState(config, adapters, poll_interval_s, clock=clock)
+    metrics = GatewayMetrics()
+    decisions = DecisionLog(decision_log_size)
+    relay = Relay(config, state, router if router is not None else LeastLoaded(),
+                  site_chooser if site_chooser is not None else NearestReadySite(),
+                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)))
+    ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        relay.session = _client_session()
+        try:
+            await state.start()
+            yield
+        finally:
+            await state.stop()
+            await relay.session.close()
+            relay.session = None
+
+    app = FastAPI(title="TokenFleet gateway", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tokenfleet = ctx
+    install_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    _add_openai_routes(app, ctx)
+    _add_ops_routes(app, ctx)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
+    created = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(ctx, request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(ctx, request, "completion", "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        ctx.auth.authenticate(request.headers)
+        ready: dict[str, set[str]] = {}
+        for inst in ctx.state.view().instances():
+            if inst.ready and not inst.draining:
+                ready.setdefault(inst.model, set()).add(inst.version)
+        data = [{"id": m.name, "object": "model", "created": created, "owned_by": "tokenfleet",
+                 "versions": sorted(ready[m.name]), "max_model_len": m.engine.max_model_len}
+                for m in ctx.config.models if m.name in ready]
+        return JSONResponse({"object": "list", "data": data})
+
+
+def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        c = ctx.state.counts()
+        return JSONResponse({"status": "ok", "ready_instances": c.ready, "instances": c.total,
+                             "models": c.by_model, "sites": c.by_site})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+
+    @app.get("/debug/decisions")
+    async def debug_decisions(request: Request, limit: int = 50) -> JSONResponse:
+        ctx.auth.authenticate(request.headers)
+        return JSONResponse({"decisions": ctx.decisions.last(max(0, min(limit, 1000)))})
+
+
+async def _serve(ctx: GatewayContext, request: Request, kind: Kind, path: str) -> Response:
+    rid = new_request_id(request.headers)
+    try:
+        caller = ctx.auth.authenticate(request.headers)
+        parsed = await _parse(ctx, request, kind, caller, rid)
+    except GatewayError as e:
+        e.headers.setdefault("x-request-id", rid)
+        ctx.metrics.answered("", "", "", str(e.status))
+        raise
+    return await ctx.relay.handle(request, parsed, path)
+
+
+async def _parse(ctx: GatewayContext, request: Request, kind: Kind, caller: Caller,
+                 rid: str) -> ParsedRequest:
+    raw = await request.body()
+    args: dict[str, Any] = dict(config=ctx.config, caller=caller, headers=request.headers,
+                                request_id=rid, now=ctx.relay.clock())
+    if len(raw) > _THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(parse_request, kind, raw, **args)
+    return parse_request(kind, raw, **args)

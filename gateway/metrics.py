@@ -1,0 +1,61 @@
+"""Prometheus metrics of the gateway, in a registry of its own.
+
+One registry per app (not the process-global default) so that several gateways
+in one process (tests, benchmarks) do not collide on metric names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from fleetcore.types import RequestOutcome
+
+# TTFT of interactive requests sits well under a second; long-context prefill can take tens.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tokenfleet_requests", "Requests answered, by outcome status",
+                                ["model", "site", "instance", "status"], registry=r)
+        self.ttft = Histogram("tokenfleet_ttft_seconds", "Time to first token (gateway arrival to first token)",
+                              ["model", "site"], buckets=_TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenfleet_e2e_seconds", "Gateway arrival to last byte",
+                             ["model", "site"], buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tokenfleet_prompt_tokens", "Prompt tokens of routed requests",
+                                     ["model", "site"], registry=r)
+        self.output_tokens = Counter("tokenfleet_output_tokens", "Output tokens relayed",
+                                     ["model", "site"], registry=r)
+        self.cached_tokens = Counter("tokenfleet_cached_prompt_tokens",
+                                     "Prompt tokens the engine reported as served from its prefix cache",
+                                     ["model", "site"], registry=r)
+        self.retries = Counter("tokenfleet_retries", "Requests retried on another instance",
+                               ["model"], registry=r)
+        self.upstream_errors = Counter("tokenfleet_upstream_errors", "Upstream failures by kind",
+                                       ["instance", "kind"], registry=r)
+        self.inflight = Gauge("tokenfleet_inflight", "Requests the gateway has in flight per instance",
+                              ["instance"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def answered(self, model: str, site: str, instance: str, status: str) -> None:
+        self.requests.labels(model, site, instance, status).inc()
+
+    def record_outcome(self, model: str, outcome: RequestOutcome) -> None:
+        site = outcome.site
+        if outcome.ttft_s is not None:
+            self.ttft.labels(model, site).observe(outcome.ttft_s)
+        if outcome.e2e_s is not None and outcome.ok:
+            self.e2e.labels(model, site).observe(outcome.e2e_s)
+        self.prompt_tokens.labels(model, site).inc(outcome.prompt_tokens)
+        self.output_tokens.labels(model, site).inc(outcome.output_tokens)
+        self.cached_tokens.labels(model, site).inc(outcome.cached_tokens)
+
+    def set_inflight(self, instance: str, value: int) -> None:
+        self.inflight.labels(instance).set(value)

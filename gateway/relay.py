@@ -1,0 +1,582 @@
+"""A request's way through the gateway after validation: site → instance → upstream → client.
+
+- Choice: the site chooser picks a site, the router an instance in that site's pool.
+- Forward: aiohttp to `instance.url + path`, with the model renamed to the served
+  name and, for streams, `stream_options.include_usage` forced on (the usage chunk
+  is how the gateway learns output and cached tokens); the client sees that chunk
+  only if it asked for it.
+- Retry once elsewhere when an instance fails before the first byte reached the
+  client (connection refused/reset, 5xx, stream closed before any event); the
+  failed instance is excluded and marked unready.
+- Cancellation: a client that goes away closes the upstream response, which is
+  how OpenAI-compatible engines learn to abort (vLLM, SGLang, the sim worker).
+- After a stream started, an upstream failure ends it with an SSE error event
+  and `[DONE]`, never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol, TypeVar
+
+import aiohttp
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine_adapters.base import Instance
+from fleetcore.fleet_config import FleetConfig
+from fleetcore.types import Candidate, FleetView, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
+from gateway.errors import GatewayError, no_ready_instance, sse_error_event, upstream_failed
+from gateway.fleet_state import FleetState
+from gateway.metrics import GatewayMetrics
+from gateway.requests import ParsedRequest
+from tokenpilot.policy import InstanceRouter
+
+log = logging.getLogger("tokenfleet.gateway")
+T = TypeVar("T")
+
+MAX_ATTEMPTS = 2  # the first try plus one retry elsewhere
+CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
+_ERROR_SNIPPET = 300
+
+
+class SiteChooser(Protocol):
+    def choose(self, profile: RequestProfile, view: FleetView, now: float,
+               exclude_instances: Collection[str] = ()) -> SiteDecision: ...
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was handed over."""
+
+
+class RetryableFailure(Exception):
+    """The instance failed before the client saw a byte: try another one."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+# --- SSE parsing (pure) ---
+
+class SSESplitter:
+    """Cuts a byte stream into whole SSE events (each keeps its own terminator, bytes untouched)."""
+
+    _SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        events: list[bytes] = []
+        while True:
+            cut = self._next_cut()
+            if cut < 0:
+                return events
+            events.append(self._buf[:cut])
+            self._buf = self._buf[cut:]
+
+    def _next_cut(self) -> int:
+        best = -1
+        for sep in self._SEPARATORS:
+            i = self._buf.find(sep)
+            if i >= 0 and (best < 0 or i + len(sep) < best):
+                best = i + len(sep)
+        return best
+
+    def flush(self) -> list[bytes]:
+        """What is left at end of stream, if it holds anything but whitespace."""
+        rest, self._buf = self._buf, b""
+        return [rest + b"\n\n"] if rest.strip() else []
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    data: str | None
+    done: bool = False
+    obj: dict[str, Any] | None = None
+
+
+def parse_sse_event(raw: bytes) -> SSEEvent:
+    lines = raw.decode("utf-8", errors="replace").splitlines()
+    data = [ln[5:].removeprefix(" ") for ln in lines if ln.startswith("data:")]
+    if not data:
+        return SSEEvent(None)
+    text = "\n".join(data)
+    if text.strip() == "[DONE]":
+        return SSEEvent(text, done=True)
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return SSEEvent(text)
+    return SSEEvent(text, obj=obj if isinstance(obj, dict) else None)
+
+
+# --- what a response tells us (pure) ---
+
+@dataclass(slots=True)
+class StreamStats:
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    token_events: int = 0
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+
+    def observe(self, obj: Mapping[str, Any], now: float) -> bool:
+        """Account one chunk; True when it is the usage-only chunk (no choices)."""
+        if isinstance(obj.get("error"), Mapping):
+            self.error = str(obj["error"].get("message", "upstream error"))
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        choices = obj.get("choices")
+        if any(_carries_token(c) for c in choices or () if isinstance(c, Mapping)):
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.token_events += 1
+        return isinstance(usage, dict) and not choices
+
+    def output_tokens(self) -> int:
+        return usage_tokens(self.usage)[1] if self.usage else self.token_events
+
+
+def _carries_token(choice: Mapping[str, Any]) -> bool:
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, Mapping) and any(
+        delta.get(k) for k in ("content", "reasoning_content", "tool_calls", "function_call"))
+
+
+def usage_tokens(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of an OpenAI `usage` object."""
+    if not usage:
+        return 0, 0, 0
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), _int(cached)
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def upstream_body(parsed: ParsedRequest, served_model: str) -> bytes:
+    """The client's body, unknown fields untouched, with the served model name and forced usage."""
+    body = dict(parsed.body)
+    body["model"] = served_model
+    if parsed.stream:
+        opts = body.get("stream_options")
+        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# --- decisions kept for /debug/decisions ---
+
+def _candidates(cands: Iterable[Candidate]) -> list[dict[str, Any]]:
+    return [{"name": c.name, "score": c.score, "detail": dict(c.detail)} for c in cands]
+
+
+class DecisionLog:
+    def __init__(self, size: int = 256) -> None:
+        self._entries: deque[dict[str, Any]] = deque(maxlen=size)
+
+    def add(self, profile: RequestProfile, attempt: int, excluded: Collection[str],
+            site: SiteDecision, route: RouteDecision | None) -> None:
+        self._entries.append({
+            "request_id": profile.request_id, "time": time.time(), "attempt": attempt,
+            "model": profile.model, "version": profile.model_version, "tenant": profile.tenant,
+            "client_region": profile.client_region, "prompt_tokens": profile.prompt_tokens,
+            "excluded": sorted(excluded),
+            "site": site.site, "site_reason": site.reason, "site_candidates": _candidates(site.candidates),
+            "instance": route.instance_id if route else None,
+            "reason": route.reason if route else None,
+            "candidates": _candidates(route.candidates) if route else [],
+            "predicted_ttft_s": route.predicted_ttft_s if route else None,
+            "cached_tokens_estimate": route.cached_tokens if route else 0,
+        })
+
+    def last(self, n: int) -> list[dict[str, Any]]:
+        return list(self._entries)[-n:] if n > 0 else []
+
+
+# --- client disconnects ---
+
+class DisconnectWatch:
+    """Watches the ASGI receive channel for `http.disconnect` while the gateway waits upstream."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.gone = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> DisconnectWatch:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+
+    async def race(self, aw: Awaitable[T]) -> T:
+        """`aw`'s result, or ClientGone (and `aw` cancelled) when the client leaves first."""
+        work = asyncio.ensure_future(aw)
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+        if work.cancelled():
+            raise ClientGone()
+        return work.result()  # a result that raced the disconnect still wins: it owns resources
+
+
+# --- one dispatch to one instance ---
+
+@dataclass(slots=True)
+class Target:
+    site: str
+    instance: Instance
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """One attempt on one instance; `finish` runs exactly once and does all the bookkeeping."""
+
+    relay: Relay
+    parsed: ParsedRequest
+    target: Target
+    resp: aiohttp.ClientResponse | None = None
+    stats: StreamStats = field(default_factory=StreamStats)
+    finished: bool = False
+
+    @property
+    def iid(self) -> str:
+        return self.target.instance.instance_id
+
+    def close_upstream(self, abort: bool) -> None:
+        if self.resp is None:
+            return
+        if abort:
+            self.resp.close()  # drops the connection: this is what tells the engine to abort
+        else:
+            self.resp.release()
+        self.resp = None
+
+    def finish(self, *, ok: bool, status: str | None, error: str | None = None,
+               cancelled: bool = False, abort: bool = False) -> None:
+        """Release upstream, in-flight count, metrics, policy feedback. `status` None: not answered."""
+        if self.finished:
+            return
+        self.finished = True
+        self.close_upstream(abort or cancelled or not ok)
+        r = self.relay
+        r.metrics.set_inflight(self.iid, r.state.end(self.iid))
+        profile = self.parsed.profile
+        if status is not None:
+            r.metrics.answered(profile.model, self.target.site, self.iid, status)
+        outcome = self._outcome(ok, error, cancelled)
+        r.metrics.record_outcome(profile.model, outcome)
+        r.observe(outcome)
+
+    def _outcome(self, ok: bool, error: str | None, cancelled: bool) -> RequestOutcome:
+        now = self.relay.clock()
+        arrival = self.parsed.profile.arrival
+        prompt, completion, cached = usage_tokens(self.stats.usage)
+        out_tokens = completion if self.stats.usage else self.stats.token_events
+        first, last = self.stats.first_token_at, self.stats.last_token_at
+        tpot = (last - first) / (out_tokens - 1) if first is not None and last is not None and out_tokens > 1 else None
+        return RequestOutcome(
+            request_id=self.parsed.profile.request_id, instance_id=self.iid, site=self.target.site,
+            ok=ok, prompt_tokens=prompt or self.parsed.profile.prompt_tokens, cached_tokens=cached,
+            output_tokens=out_tokens, ttft_s=(first - arrival) if first is not None else None,
+            mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled)
+
+    def headers(self) -> dict[str, str]:
+        return {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
+                "x-request-id": self.parsed.profile.request_id}
+
+
+class RelayStream:
+    """The upstream SSE body, relayed event by event with usage chunks filtered and stats taken."""
+
+    def __init__(self, dispatch: Dispatch, include_usage: bool) -> None:
+        self.d = dispatch
+        self.include_usage = include_usage
+        self._splitter = SSESplitter()
+        self._pending = b""
+        self._saw_done = False
+
+    async def _read(self) -> bytes:
+        assert self.d.resp is not None
+        return await self.d.resp.content.readany()
+
+    def _process(self, events: list[bytes]) -> bytes:
+        out: list[bytes] = []
+        for raw in events:
+            if self._saw_done:
+                break
+            ev = parse_sse_event(raw)
+            if ev.done:
+                self._saw_done = True
+            elif ev.obj is not None and self.d.stats.observe(ev.obj, self.d.relay.clock()) \
+                    and not self.include_usage:
+                continue  # the usage chunk the gateway asked for on its own behalf
+            out.append(raw)
+        return b"".join(out)
+
+    async def prefetch(self) -> None:
+        """Read until the first whole event; failing here is still retryable."""
+        try:
+            while not self._pending and not self._saw_done:
+                data = await self._read()
+                if not data:
+                    self._pending = self._process(self._splitter.flush())
+                    if not self._pending:
+                        raise RetryableFailure("empty_stream", "upstream closed the stream before any event")
+                    return
+                self._pending = self._process(self._splitter.feed(data))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise RetryableFailure("stream_start", _describe(e)) from None
+
+    async def iter_bytes(self) -> AsyncIterator[bytes]:
+        if self._pending:
+            chunk, self._pending = self._pending, b""
+            yield self._checked(chunk)
+        try:
+            while not self._saw_done:
+                data = await self._read()
+                if not data:
+                    break
+                chunk = self._process(self._splitter.feed(data))
+                if chunk:
+                    yield self._checked(chunk)
+            if not self._saw_done:
+                tail = self._process(self._splitter.flush())
+                if tail:
+                    yield tail
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            message = f"upstream stream broke: {_describe(e)}"
+            # a dropped connection mid-stream is an engine that died: stop sending it work now
+            self.d.relay.state.mark_failed(self.d.iid, message)
+            yield self._fail("stream_broken", message)
+            return
+        if not self._saw_done:
+            yield self._fail("stream_truncated", "upstream ended the stream without [DONE]")
+
+    def _checked(self, chunk: bytes) -> bytes:
+        """Finish the dispatch as soon as [DONE] passes by, before handing the last bytes on."""
+        if self._saw_done:
+            error = self.d.stats.error
+            self.d.finish(ok=error is None, status="200" if error is None else "stream_error", error=error)
+        return chunk
+
+    def _fail(self, kind: str, message: str) -> bytes:
+        log.warning("request %s on %s: %s", self.d.parsed.profile.request_id, self.d.iid, message)
+        self.d.relay.metrics.upstream_errors.labels(self.d.iid, kind).inc()
+        self.d.finish(ok=False, status="stream_error", error=message, abort=True)
+        return sse_error_event(message)
+
+    async def close(self) -> None:
+        """The response is over; if the stream did not finish, the client left: abort upstream."""
+        self.d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
+
+
+class RelayStreamingResponse(StreamingResponse):
+    """Streams a RelayStream and stops the moment the client disconnects, whatever the ASGI server.
+
+    Starlette only watches for disconnects on servers below ASGI spec 2.4 and otherwise
+    notices at the next send; an engine in a long prefill sends nothing for seconds, so
+    the gateway watches the receive channel itself and always cleans up in `finally`.
+    """
+
+    def __init__(self, stream: RelayStream, headers: Mapping[str, str]) -> None:
+        super().__init__(stream.iter_bytes(), media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
+        self._relay_stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.create_task(self.stream_response(send))
+        watcher = asyncio.create_task(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (sender, watcher):
+                t.cancel()
+            for t in (sender, watcher):
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await t
+            await self._relay_stream.close()
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# --- the relay ---
+
+class Relay:
+    def __init__(self, config: FleetConfig, state: FleetState, router: InstanceRouter,
+                 site_chooser: SiteChooser, metrics: GatewayMetrics, decisions: DecisionLog,
+                 clock: Callable[[], float] = time.monotonic, retry_after_s: int = 1) -> None:
+        self.config = config
+        self.state = state
+        self.router = router
+        self.site_chooser = site_chooser
+        self.metrics = metrics
+        self.decisions = decisions
+        self.clock = clock
+        self.retry_after_s = retry_after_s
+        self.session: aiohttp.ClientSession | None = None  # set by the app's lifespan
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        """Feed every policy that learns; a policy bug must not fail the request."""
+        for policy in (self.router, self.site_chooser):
+            observe = getattr(policy, "observe", None)
+            if observe is None:
+                continue
+            try:
+                observe(outcome)
+            except Exception:
+                log.exception("%s.observe failed", type(policy).__name__)
+
+    def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int) -> Target | None:
+        view = self.state.view()
+        now = self.clock()
+        site = self.site_chooser.choose(profile, view, now, exclude_instances=excluded)
+        if site.site is None:
+            self.decisions.add(profile, attempt, excluded, site, None)
+            return None
+        pool = tuple(i for i in view.site(site.site).pool(profile.model, profile.model_version)
+                     if i.instance_id not in excluded)
+        route = self.router.route(profile, pool, now)
+        self.decisions.add(profile, attempt, excluded, site, route)
+        st = self.state.get(route.instance_id) if route.instance_id else None
+        if st is None or route.instance_id not in {i.instance_id for i in pool}:
+            return None
+        return Target(site.site, st.instance)
+
+    async def handle(self, request: Request, parsed: ParsedRequest, path: str) -> Response:
+        rid = parsed.profile.request_id
+        try:
+            async with DisconnectWatch(request.receive) as watch:
+                return await self._attempts(watch, parsed, path)
+        except GatewayError as e:
+            e.headers.setdefault("x-request-id", rid)
+            self.metrics.answered(parsed.profile.model, "", "", str(e.status))
+            raise
+
+    async def _attempts(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str) -> Response:
+        excluded: list[str] = []
+        last_error = "no instance answered"
+        for attempt in range(MAX_ATTEMPTS):
+            target = self.choose(parsed.profile, excluded, attempt)
+            if target is None:
+                if attempt == 0:
+                    raise no_ready_instance(parsed.profile.model, self.retry_after_s)
+                break  # nowhere else to go: report the failure we had
+            if attempt > 0:
+                self.metrics.retries.labels(parsed.profile.model).inc()
+            try:
+                return await self._dispatch(watch, parsed, path, target)
+            except RetryableFailure as f:
+                log.warning("request %s: instance %s failed before first byte (%s); %s",
+                            parsed.profile.request_id, target.instance.instance_id, f,
+                            "retrying elsewhere" if attempt + 1 < MAX_ATTEMPTS else "giving up")
+                self.state.mark_failed(target.instance.instance_id, str(f))
+                excluded.append(target.instance.instance_id)
+                last_error = str(f)
+        raise upstream_failed(last_error)
+
+    async def _dispatch(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
+                        target: Target) -> Response:
+        d = Dispatch(self, parsed, target)
+        self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
+        handed_over = False
+        try:
+            d.resp = await watch.race(self._send(parsed, path, target.instance))
+            if d.resp.status >= 500:
+                raise RetryableFailure(f"http_{d.resp.status}", await self._error_text(d.resp))
+            if d.resp.status >= 400 or not parsed.stream:
+                return await self._whole_body(watch, d)
+            stream = RelayStream(d, parsed.include_usage)
+            await watch.race(stream.prefetch())
+            handed_over = True
+            return RelayStreamingResponse(stream, d.headers())
+        except RetryableFailure as f:
+            self.metrics.upstream_errors.labels(d.iid, f.kind).inc()
+            d.finish(ok=False, status=None, error=str(f), abort=True)
+            raise
+        except ClientGone:
+            d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
+            return Response(status_code=CLIENT_CLOSED)  # nobody is listening any more
+        finally:
+            if not handed_over:
+                # covers cancellation and bugs too: never leak a connection or an in-flight count
+                d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
+
+    async def _send(self, parsed: ParsedRequest, path: str, instance: Instance) -> aiohttp.ClientResponse:
+        if self.session is None:
+            raise RuntimeError("the gateway's HTTP session is not started (lifespan not run)")
+        headers = {"Content-Type": "application/json", "X-Request-Id": parsed.profile.request_id,
+                   "Accept": "text/event-stream" if parsed.stream else "application/json"}
+        try:
+            return await self.session.post(instance.url + path, data=upstream_body(parsed, instance.model),
+                                           headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise RetryableFailure("connect", _describe(e)) from None
+
+    @staticmethod
+    async def _error_text(resp: aiohttp.ClientResponse) -> str:
+        try:
+            body = await asyncio.wait_for(resp.read(), 2.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            body = b""
+        text = body.decode("utf-8", errors="replace").strip()[:_ERROR_SNIPPET]
+        return f"HTTP {resp.status}" + (f": {text}" if text else "")
+
+    async def _whole_body(self, watch: DisconnectWatch, d: Dispatch) -> Response:
+        """Non-stream answers and upstream 4xx: read it all, pass it through unchanged."""
+        assert d.resp is not None
+        status = d.resp.status
+        content_type = d.resp.headers.get("Content-Type", "application/json")
+        try:
+            body = await watch.race(d.resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise RetryableFailure("body", _describe(e)) from None
+        if status < 400:
+            d.stats.usage = _usage_of(body)
+        d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")
+        return Response(body, status_code=status, media_type=content_type, headers=d.headers())
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None

@@ -1,0 +1,256 @@
+"""Body validation: an OpenAI chat / completion body → a `RequestProfile`.
+
+Validation is deliberately about what the gateway needs to route safely and
+what would otherwise surface as an opaque engine error; every unknown field is
+left in the body and forwarded untouched (engines take extras such as
+`ignore_eos`). Every failure is a 400 naming the offending `param`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fleetcore.fleet_config import FleetConfig, ModelConfig
+from fleetcore.prefix import block_hashes
+from fleetcore.tokens import encode, render_chat
+from fleetcore.types import RequestProfile
+from gateway.auth import Caller
+from gateway.errors import bad_request, context_length_exceeded, model_not_found
+
+Kind = Literal["chat", "completion"]
+
+REGION_HEADER = "x-tokenfleet-region"
+TASK_TYPE_HEADER = "x-tokenfleet-task-type"
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: Kind
+    body: dict[str, Any]  # the client's body as sent; the relay copies before changing it
+    profile: RequestProfile
+    model: ModelConfig
+    include_usage: bool  # the client itself asked for the streamed usage chunk
+
+    @property
+    def stream(self) -> bool:
+        return self.profile.stream
+
+
+def new_request_id(headers: Mapping[str, str]) -> str:
+    """The client's `X-Request-Id` when it is sane (for end-to-end tracing), else a fresh one."""
+    given = headers.get("x-request-id", "")
+    return given if _REQUEST_ID.match(given) else f"req-{uuid.uuid4().hex}"
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller,
+                  headers: Mapping[str, str], request_id: str, now: float) -> ParsedRequest:
+    """Validate `raw` and build its profile; raises a 4xx GatewayError on bad input."""
+    body = parse_json_object(raw)
+    model_cfg, version = resolve_model(body.get("model"), config)
+    stream, include_usage = _stream_flags(body)
+    _check_sampling(body)
+    max_tokens = _output_budget(body, kind)
+    ids, param = (_chat_prompt_ids(body) if kind == "chat" else _completion_prompt_ids(body))
+    output = max_tokens if max_tokens is not None else 1  # the engine needs room for >= 1 token
+    max_len = model_cfg.engine.max_model_len
+    if len(ids) + output > max_len:
+        raise context_length_exceeded(param, max_len, len(ids), output)
+    block_size = model_cfg.engine.block_size
+    profile = RequestProfile(
+        request_id=request_id, model=model_cfg.name, prompt_tokens=len(ids),
+        block_hashes=tuple(block_hashes(ids, block_size)), block_size=block_size,
+        max_tokens=max_tokens, model_version=version, tenant=caller.tenant,
+        task_type=headers.get(TASK_TYPE_HEADER) or None, stream=stream,
+        client_region=resolve_region(headers.get(REGION_HEADER), caller, config), arrival=now)
+    return ParsedRequest(kind, body, profile, model_cfg, include_usage)
+
+
+# --- model, region ---
+
+def resolve_model(value: Any, config: FleetConfig) -> tuple[ModelConfig, str | None]:
+    """`name` or `name@version` → (model config, version or None for any ready version)."""
+    if value is None:
+        raise bad_request("You must provide a model parameter.", "model")
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request("`model` must be a non-empty string.", "model")
+    name, sep, version = value.partition("@")
+    try:
+        model_cfg = config.model(name)
+    except KeyError:
+        raise model_not_found(value) from None
+    if sep and version not in model_cfg.versions:
+        raise model_not_found(value)
+    return model_cfg, (version if sep else None)
+
+
+def resolve_region(header: str | None, caller: Caller, config: FleetConfig) -> str:
+    """Header (validated: a typo must not silently route across the world), tenant, fleet default."""
+    if header:
+        region = header.strip()
+        if region not in config.client_regions:
+            raise bad_request(f"Unknown region {region!r} in {REGION_HEADER}; known: "
+                              f"{', '.join(config.client_regions)}.", REGION_HEADER)
+        return region
+    return caller.region or config.entry_region
+
+
+# --- generic field checks ---
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(float(v)))
+
+
+def _check_number(body: Mapping[str, Any], name: str, ok: Callable[[float], bool],
+                  expect: str) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if not _is_number(v) or not ok(float(v)):
+        raise bad_request(f"`{name}` must be {expect}; got {v!r}.", name)
+
+
+def _check_sampling(body: Mapping[str, Any]) -> None:
+    _check_number(body, "temperature", lambda x: 0.0 <= x <= 2.0, "a number between 0 and 2")
+    _check_number(body, "top_p", lambda x: 0.0 < x <= 1.0, "a number in (0, 1]")
+    _check_number(body, "presence_penalty", lambda x: -2.0 <= x <= 2.0, "a number between -2 and 2")
+    _check_number(body, "frequency_penalty", lambda x: -2.0 <= x <= 2.0, "a number between -2 and 2")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise bad_request(f"Only n=1 is supported; got {n!r}.", "n")
+    if body.get("seed") is not None and not _is_int(body["seed"]):
+        raise bad_request("`seed` must be an integer.", "seed")
+    _check_stop(body.get("stop"))
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad_request("`user` must be a string.", "user")
+
+
+def _check_stop(stop: Any) -> None:
+    if stop is None or isinstance(stop, str):
+        return
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad_request("`stop` must be a string or a list of strings.", "stop")
+
+
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, client asked for include_usage)."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"`stream` must be a boolean; got {stream!r}.", "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not stream:
+        raise bad_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
+    if not isinstance(opts, dict):
+        raise bad_request("`stream_options` must be an object.", "stream_options")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise bad_request("`stream_options.include_usage` must be a boolean.",
+                          "stream_options.include_usage")
+    return True, bool(usage)
+
+
+def _output_budget(body: Mapping[str, Any], kind: Kind) -> int | None:
+    """`max_completion_tokens` (newer chat name) wins over `max_tokens`; both must be positive ints."""
+    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+    budget: int | None = None
+    for name in names:
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise bad_request(f"`{name}` must be a positive integer; got {v!r}.", name)
+        budget = v if budget is None else budget
+    return budget
+
+
+# --- prompts ---
+
+def _chat_prompt_ids(body: Mapping[str, Any]) -> tuple[list[int], str]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("`messages` is required.", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty list of message objects.", "messages")
+    for i, m in enumerate(messages):
+        _check_message(i, m)
+    return encode(render_chat(messages)), "messages"
+
+
+def _check_message(i: int, m: Any) -> None:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(f"`{where}` must be an object.", where)
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"`{where}.role` must be one of {sorted(CHAT_ROLES)}; got {role!r}.",
+                          f"{where}.role")
+    content = m.get("content")
+    if content is None:
+        # Only an assistant turn that calls tools may omit its text.
+        if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
+            return
+        raise bad_request(f"`{where}.content` is required.", f"{where}.content")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list) or not all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                                for p in content):
+        raise bad_request(f"`{where}.content` must be a string or a list of content parts "
+                          "with a `type`.", f"{where}.content")
+
+
+def _completion_prompt_ids(body: Mapping[str, Any]) -> tuple[list[int], str]:
+    """`prompt` as text, token ids, or a batch of either; the profile covers the whole batch."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("`prompt` is required.", "prompt")
+    if isinstance(prompt, str):
+        return encode(prompt), "prompt"
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("`prompt` must be a string, a list of strings, or a list of token ids.",
+                          "prompt")
+    if all(_is_int(t) for t in prompt):
+        return _checked_ids(prompt), "prompt"
+    ids: list[int] = []
+    for item in prompt:
+        ids.extend(_one_prompt(item))
+    return ids, "prompt"
+
+
+def _one_prompt(item: Any) -> list[int]:
+    if isinstance(item, str):
+        return encode(item)
+    if isinstance(item, list) and item and all(_is_int(t) for t in item):
+        return _checked_ids(item)
+    raise bad_request("Each element of `prompt` must be a string or a non-empty list of token ids.",
+                      "prompt")
+
+
+def _checked_ids(ids: Sequence[int]) -> list[int]:
+    # block_hashes packs ids as uint32; anything else is not a token id anyway
+    if not all(0 <= t < 2**32 for t in ids):
+        raise bad_request("Token ids in `prompt` must be non-negative 32-bit integers.", "prompt")
+    return list(ids)
