@@ -11,6 +11,7 @@ import pytest
 
 from fleetcore.slo import BATCH, INTERACTIVE, LONG_CONTEXT
 from fleetcore.tokens import count_tokens
+from tests.paths import TRACES
 from workloads import (
     TraceRequest,
     Workload,
@@ -29,10 +30,6 @@ from workloads import (
     window,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-if not TRACES.is_dir():
-    TRACES = Path("/work/shared/traces")
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="shared/traces not present")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +40,6 @@ def conversation() -> Workload:
 # ---------------------------------------------------------------- loaders
 
 
-@needs_traces
 def test_conversation_trace_loads_fast_and_matches_sources(conversation: Workload) -> None:
     t = time.perf_counter()
     w = load_trace(TRACES / "conversation_trace.jsonl.gz", fmt="mooncake")
@@ -59,7 +55,6 @@ def test_conversation_trace_loads_fast_and_matches_sources(conversation: Workloa
     assert conversation.requests[0].hash_ids[0] == 0 and conversation.requests[0].block_tokens == 512
 
 
-@needs_traces
 @pytest.mark.parametrize("name,rows,span_s", [
     ("synthetic_trace.jsonl", 3_993, 1022.025),
     ("AzureLLMInferenceTrace_code.csv", 8_819, 3435.95),
@@ -72,7 +67,6 @@ def test_other_traces_row_counts_and_spans(name: str, rows: int, span_s: float) 
     assert w.requests[0].timestamp_ms == 0.0
 
 
-@needs_traces
 def test_azure_has_no_shared_prefix_and_exact_ms() -> None:
     w = load_trace(TRACES / "AzureLLMInferenceTrace_code.csv")
     assert detect_format(TRACES / "AzureLLMInferenceTrace_code.csv") == "azure"
@@ -253,7 +247,6 @@ def test_prompt_text_token_count_and_shared_prefix_bytes() -> None:
     assert count_tokens(prompt_text((5,), 2000, 512)) == 2000
 
 
-@needs_traces
 def test_prompt_text_for_trace_requests(conversation: Workload) -> None:
     t = time.perf_counter()
     for r in conversation.requests[:200]:
