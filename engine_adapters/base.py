@@ -23,6 +23,12 @@ class Instance:
     adapter: str
     block_size: int = 16
     max_model_len: int = 8192
+    # What the engine runs on, when the fleet file says: lets policies start from a
+    # roofline prior instead of a guess (see tokenpilot.priors).
+    engine_spec: str | None = None
+    gpu: str | None = None
+    tp: int = 1
+    max_batched_tokens: int = 8192
 
 
 @dataclass(frozen=True, slots=True)

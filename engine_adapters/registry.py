@@ -16,7 +16,9 @@ def build_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str) -> E
     if d.adapter == "static":
         from engine_adapters.static import StaticAdapter
         return StaticAdapter(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
-                             urls=d.urls, block_size=eng.block_size, max_model_len=eng.max_model_len)
+                             urls=d.urls, block_size=eng.block_size, max_model_len=eng.max_model_len,
+                             engine_spec=eng.spec, gpu=d.gpu, tp=d.tp,
+                             max_batched_tokens=eng.max_num_batched_tokens)
     if d.adapter == "sim":
         from engine_adapters.sim.launcher import SimAdapter
         _check_sim_hardware(eng.spec, d.gpu, d.tp, id_prefix)

@@ -26,10 +26,11 @@ from fleetmind.site_choice import NearestReadySite
 from gateway.auth import Authenticator, Caller
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_state import FleetState
+from gateway.kv_feed import KVEventFeed
 from gateway.metrics import GatewayMetrics
 from gateway.relay import DecisionLog, Relay, SiteChooser
+from gateway.routing import DEFAULT_ROUTER, build_router
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
-from tokenpilot.baselines import LeastLoaded
 from tokenpilot.policy import InstanceRouter
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -129,18 +130,26 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
     decisions = DecisionLog(decision_log_size)
-    relay = Relay(config, state, router if router is not None else LeastLoaded(),
+    if router is None:
+        router = build_router(DEFAULT_ROUTER, [i for a in adapters for i in a.instances])
+    relay = Relay(config, state, router,
                   site_chooser if site_chooser is not None else NearestReadySite(),
                   metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)))
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config))
+
+    kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         relay.session = _client_session()
         try:
             await state.start()
+            if kv_feed is not None:
+                await kv_feed.start()
             yield
         finally:
+            if kv_feed is not None:
+                await kv_feed.stop()
             await state.stop()
             await relay.session.close()
             relay.session = None

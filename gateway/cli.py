@@ -17,7 +17,8 @@ import uvicorn
 from engine_adapters.base import AdapterError, EngineAdapter
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
-from tokenpilot.baselines import ROUTERS, make_router
+from gateway.routing import DEFAULT_ROUTER, build_router
+from tokenpilot.registry import ROUTER_NAMES
 
 log = logging.getLogger("tokenfleet")
 
@@ -92,7 +93,7 @@ async def _up(args: argparse.Namespace) -> int:
         except AdapterError as e:
             _say(f"launch failed: {e}")
             return 1
-        app = create_app(config, adapters, router=make_router(args.router))
+        app = create_app(config, adapters, router=build_router(args.router, instances))
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                         timeout_graceful_shutdown=5))
         host, port = sock.getsockname()[:2]
@@ -128,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    up.add_argument("--router", default="least_loaded", choices=sorted(ROUTERS))
+    up.add_argument("--router", default=DEFAULT_ROUTER, choices=ROUTER_NAMES,
+                    help="instance routing policy (default: %(default)s)")
     up.add_argument("--log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug"])
     chk = sub.add_parser("check", help="validate a fleet file")

@@ -189,26 +189,35 @@ def _candidates(cands: Iterable[Candidate]) -> list[dict[str, Any]]:
 
 
 class DecisionLog:
+    """The last decisions, kept as the policies returned them and formatted only when read:
+    explanations must cost nothing on the request path."""
+
     def __init__(self, size: int = 256) -> None:
-        self._entries: deque[dict[str, Any]] = deque(maxlen=size)
+        self._entries: deque[tuple[float, RequestProfile, int, tuple[str, ...], SiteDecision,
+                                   RouteDecision | None]] = deque(maxlen=size)
 
     def add(self, profile: RequestProfile, attempt: int, excluded: Collection[str],
             site: SiteDecision, route: RouteDecision | None) -> None:
-        self._entries.append({
-            "request_id": profile.request_id, "time": time.time(), "attempt": attempt,
-            "model": profile.model, "version": profile.model_version, "tenant": profile.tenant,
-            "client_region": profile.client_region, "prompt_tokens": profile.prompt_tokens,
-            "excluded": sorted(excluded),
-            "site": site.site, "site_reason": site.reason, "site_candidates": _candidates(site.candidates),
-            "instance": route.instance_id if route else None,
-            "reason": route.reason if route else None,
-            "candidates": _candidates(route.candidates) if route else [],
-            "predicted_ttft_s": route.predicted_ttft_s if route else None,
-            "cached_tokens_estimate": route.cached_tokens if route else 0,
-        })
+        self._entries.append((time.time(), profile, attempt, tuple(excluded), site, route))
 
     def last(self, n: int) -> list[dict[str, Any]]:
-        return list(self._entries)[-n:] if n > 0 else []
+        return [_format_decision(*e) for e in list(self._entries)[-n:]] if n > 0 else []
+
+
+def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded: tuple[str, ...],
+                     site: SiteDecision, route: RouteDecision | None) -> dict[str, Any]:
+    return {
+        "request_id": profile.request_id, "time": at, "attempt": attempt,
+        "model": profile.model, "version": profile.model_version, "tenant": profile.tenant,
+        "client_region": profile.client_region, "prompt_tokens": profile.prompt_tokens,
+        "excluded": sorted(excluded),
+        "site": site.site, "site_reason": site.reason, "site_candidates": _candidates(site.candidates),
+        "instance": route.instance_id if route else None,
+        "reason": route.reason if route else None,
+        "candidates": _candidates(route.candidates) if route else [],
+        "predicted_ttft_s": route.predicted_ttft_s if route else None,
+        "cached_tokens_estimate": route.cached_tokens if route else 0,
+    }
 
 
 # --- client disconnects ---
@@ -259,6 +268,7 @@ class DisconnectWatch:
 class Target:
     site: str
     instance: Instance
+    route: RouteDecision | None = None
 
 
 @dataclass(slots=True)
@@ -315,8 +325,15 @@ class Dispatch:
             mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled)
 
     def headers(self) -> dict[str, str]:
-        return {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
-                "x-request-id": self.parsed.profile.request_id}
+        h = {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
+             "x-request-id": self.parsed.profile.request_id}
+        route = self.target.route
+        if route is not None:
+            # The router's prediction, so operators can compare it with what they saw.
+            h["x-tokenfleet-cached-tokens"] = str(route.cached_tokens)
+            if route.predicted_ttft_s is not None:
+                h["x-tokenfleet-predicted-ttft-ms"] = f"{route.predicted_ttft_s * 1000:.1f}"
+        return h
 
 
 class RelayStream:
@@ -477,7 +494,7 @@ class Relay:
         st = self.state.get(route.instance_id) if route.instance_id else None
         if st is None or route.instance_id not in {i.instance_id for i in pool}:
             return None
-        return Target(site.site, st.instance)
+        return Target(site.site, st.instance, route)
 
     async def handle(self, request: Request, parsed: ParsedRequest, path: str) -> Response:
         rid = parsed.profile.request_id

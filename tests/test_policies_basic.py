@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, SiteSnapshot
 from fleetmind.site_choice import NearestReadySite
-from tokenpilot.baselines import LeastLoaded, RoundRobin, make_router
+from tokenpilot.baselines import LeastLoaded, RoundRobin
+from tokenpilot.registry import make_router
 
 
 def inst(iid: str, site: str = "a", model: str = "m", **kw: object) -> InstanceSnapshot:

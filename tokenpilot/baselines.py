@@ -49,11 +49,4 @@ class LeastLoaded:
         pass
 
 
-ROUTERS = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
-
-
-def make_router(name: str) -> RoundRobin | LeastLoaded:
-    try:
-        return ROUTERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r} (known: {sorted(ROUTERS)})") from None
+ROUTERS = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}  # TODO(lead): fold into tokenpilot.registry

@@ -41,6 +41,7 @@ class SimAdapter(HttpEngineAdapter):
         self.id_prefix, self.site, self.model, self.version = id_prefix, site, model, version
         self.count = instances
         self.block_size, self.max_model_len = block_size, max_model_len
+        self.spec, self.gpu, self.tp, self.max_batched_tokens = spec, gpu, tp, max_num_batched_tokens
         self.host = host
         opts = dict(options or {})
         self._args = [
@@ -100,7 +101,8 @@ class SimAdapter(HttpEngineAdapter):
         asyncio.get_running_loop().create_task(_drain(proc.stdout))
         return Instance(instance_id=instance_id, site=self.site, model=self.model, version=self.version,
                         url=url, adapter=self.name, block_size=self.block_size,
-                        max_model_len=self.max_model_len)
+                        max_model_len=self.max_model_len, engine_spec=self.spec, gpu=self.gpu,
+                        tp=self.tp, max_batched_tokens=self.max_batched_tokens)
 
     async def stop(self) -> None:
         procs = list(self._procs.values())

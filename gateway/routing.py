@@ -1,0 +1,44 @@
+"""Compose the routing policy for a live fleet: pick it by name and give it its priors.
+
+TokenPilot starts each instance from a roofline prior (model x GPU x TP, as the fleet
+file describes the deployment) and learns from there; instances whose hardware is
+not described start from a generic prior.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from engine_adapters.base import Instance
+from tokenpilot.policy import InstanceRouter
+from tokenpilot.priors import EnginePrior, prior_from_physics
+from tokenpilot.registry import make_router
+
+log = logging.getLogger("tokenfleet.gateway")
+
+DEFAULT_ROUTER = "tokenpilot"
+
+
+def instance_prior(inst: Instance) -> EnginePrior:
+    if inst.engine_spec and inst.gpu:
+        try:
+            return prior_from_physics(inst.engine_spec, inst.gpu, inst.tp, inst.block_size,
+                                      inst.max_batched_tokens)
+        except ValueError as e:
+            log.warning("no roofline prior for %s (%s); using the generic one", inst.instance_id, e)
+    return EnginePrior(block_size=inst.block_size, max_batched_tokens=inst.max_batched_tokens)
+
+
+def register_instances(router: InstanceRouter, instances: Iterable[Instance]) -> None:
+    register = getattr(router, "register_instance", None)
+    if register is None:
+        return
+    for inst in instances:
+        register(inst.instance_id, instance_prior(inst))
+
+
+def build_router(name: str, instances: Iterable[Instance], seed: int = 0) -> InstanceRouter:
+    router = make_router(name, seed=seed)
+    register_instances(router, instances)
+    return router

@@ -1,0 +1,247 @@
+"""Which prefix blocks each instance holds: fed by routing history or by engine KV events.
+
+One global map `block hash -> bitmask of instances` answers, for every candidate at
+once, how many leading blocks of a request each instance holds. Block hashes are
+chained (`fleetcore.prefix`), so an instance that holds block k almost always
+holds blocks 0..k-1 too ("prefix closure"); `match` exploits that with a binary
+search per change point, so a decision costs O(candidates x log(prompt blocks))
+dict lookups instead of walking every block of a long prompt.
+
+Approximate mode (no events): routing a request to an instance records its blocks
+there, and an LRU bounded by the instance's KV capacity forgets the oldest.
+Blocks of one request are touched last-block-first, so a prefix is always more
+recent than its suffix and LRU keeps prefix closure, as vLLM's free-block order does.
+
+Exact mode: once an instance's engine publishes KV events (BlockStored /
+BlockRemoved / AllBlocksCleared) the index follows them; routing history is still
+recorded, because a routed request's blocks appear on the engine only as its
+prefill runs and a second request with the same prefix may arrive before that.
+An exact instance whose events stop (`stale_after_s`) falls back to the LRU bound.
+
+Sparse keys. Because hashes are chained, the hash of block k names the whole
+prefix up to k, so the index keeps only every `stride`-th block (default 8: one
+key per 128 tokens at 16-token blocks). That divides memory and update time by
+`stride` and costs at most `stride - 1` blocks of precision in a match, noise next
+to a prefill's cost. Callers pass and receive ordinary block counts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class _InstanceBlocks:
+    """One instance's entries with an LRU kept in batches, one batch per request or event.
+
+    `last` maps entry -> the tick that last touched it; `batches` holds (tick, keys)
+    in touch order. Touching a whole request is one C-level dict update plus one
+    append; eviction pops the oldest batch and drops only the keys whose last touch
+    is still that batch's tick. A request's blocks thus age and leave together, and a
+    prefix that a newer request touched stays: prefix closure holds.
+    """
+
+    bit: int
+    capacity: int
+    last: dict[int, int] = field(default_factory=dict)
+    batches: deque[tuple[int, Sequence[int]]] = field(default_factory=deque)
+    batch_refs: int = 0
+    exact: bool = False
+    last_event_at: float = float("-inf")
+    last_seq: int = -1
+
+
+class PrefixCacheIndex:
+    def __init__(self, default_capacity_blocks: int = 1 << 16, stale_after_s: float = 30.0,
+                 max_total_blocks: int = 4_000_000, stride: int = 8) -> None:
+        if stride < 1:
+            raise ValueError("stride must be >= 1")
+        self.stride = stride
+        self.default_capacity = default_capacity_blocks
+        self.stale_after_s = stale_after_s
+        self.max_total_blocks = max_total_blocks
+        self._mask: dict[int, int] = {}
+        self._inst: dict[str, _InstanceBlocks] = {}
+        self._by_bit: dict[int, str] = {}
+        self._free_bits: list[int] = []
+        self._tick = 0
+        self._want_cache: dict[tuple[str, ...], int] = {}
+
+    # -- instances ---------------------------------------------------------
+    def _entry(self, instance: str) -> _InstanceBlocks:
+        e = self._inst.get(instance)
+        if e is None:
+            bit = self._free_bits.pop() if self._free_bits else len(self._inst)
+            e = _InstanceBlocks(bit=bit, capacity=max(1, self.default_capacity // self.stride))
+            self._inst[instance] = e
+            self._by_bit[bit] = instance
+            self._want_cache.clear()
+        return e
+
+    def set_capacity(self, instance: str, capacity_blocks: int) -> None:
+        e = self._entry(instance)
+        e.capacity = max(1, capacity_blocks // self.stride)
+        self._evict(e, e.capacity)
+
+    def forget(self, instance: str) -> None:
+        """Drop an instance (gone from the fleet) and everything it held."""
+        e = self._inst.pop(instance, None)
+        if e is None:
+            return
+        self._clear(e)
+        del self._by_bit[e.bit]
+        self._free_bits.append(e.bit)
+        self._want_cache.clear()
+
+    def is_exact(self, instance: str, now: float) -> bool:
+        e = self._inst.get(instance)
+        return e is not None and e.exact and now - e.last_event_at <= self.stale_after_s
+
+    def entries(self, instance: str) -> int:
+        """Index entries for `instance`: sparse keys from routing, every block from events."""
+        e = self._inst.get(instance)
+        return 0 if e is None else len(e.last)
+
+    @property
+    def total_entries(self) -> int:
+        return len(self._mask)
+
+    def _keys(self, block_hashes: Sequence[int]) -> Sequence[int]:
+        s = self.stride
+        return block_hashes[s - 1::s] if s > 1 else block_hashes
+
+    # -- updates -----------------------------------------------------------
+    def record_route(self, instance: str, block_hashes: Sequence[int], now: float) -> None:
+        """The request was sent to `instance`: its blocks will be cached there."""
+        e = self._entry(instance)
+        self._touch(e, self._keys(block_hashes))
+        if not self.is_exact(instance, now):
+            self._evict(e, e.capacity)
+        self._bound_total(e)
+
+    def apply_events(self, instance: str, seq: int, events: Iterable[Mapping[str, Any]], now: float) -> None:
+        """Engine KV events (vLLM KVEventBatch shape). A sequence number that goes
+        backwards means the engine restarted with an empty cache."""
+        e = self._entry(instance)
+        if seq <= e.last_seq:
+            self._clear(e)
+        e.last_seq = seq
+        e.exact = True
+        e.last_event_at = now
+        for ev in events:
+            kind = ev.get("type")
+            if kind == "BlockStored":
+                self._touch(e, list(ev.get("block_hashes") or ()))
+            elif kind == "BlockRemoved":
+                self._remove(e, ev.get("block_hashes") or ())
+            elif kind == "AllBlocksCleared":
+                self._clear(e)
+            # Engines report every block; with stride > 1 the non-key hashes are simply
+            # never looked up, and they cost memory only until removed.
+        self._bound_total(e)
+
+    def _touch(self, e: _InstanceBlocks, keys: Sequence[int]) -> None:
+        if not keys:
+            return
+        self._tick += 1
+        last = e.last
+        new = set(keys).difference(last)
+        last.update(dict.fromkeys(keys, self._tick))
+        e.batches.append((self._tick, keys))
+        e.batch_refs += len(keys)
+        if new:
+            bit, mask = 1 << e.bit, self._mask
+            for h in new:
+                mask[h] = mask.get(h, 0) | bit
+        if e.batch_refs > 4 * len(last) + 1024:
+            self._compact(e)
+
+    def _compact(self, e: _InstanceBlocks) -> None:
+        """Rebuild the batch queue from live entries when stale references pile up."""
+        by_tick: dict[int, list[int]] = {}
+        for h, t in e.last.items():
+            by_tick.setdefault(t, []).append(h)
+        e.batches = deque(sorted(by_tick.items()))
+        e.batch_refs = len(e.last)
+
+    def _remove(self, e: _InstanceBlocks, hashes: Iterable[int]) -> None:
+        last = e.last
+        for h in hashes:
+            if last.pop(h, None) is not None:
+                self._unset(h, e.bit)
+
+    def _unset(self, h: int, bit: int) -> None:
+        m = self._mask.get(h, 0) & ~(1 << bit)
+        if m:
+            self._mask[h] = m
+        else:
+            self._mask.pop(h, None)
+
+    def _evict(self, e: _InstanceBlocks, limit: int) -> None:
+        last, batches = e.last, e.batches
+        while len(last) > limit and batches:
+            tick, keys = batches.popleft()
+            e.batch_refs -= len(keys)
+            for h in keys:
+                if last.get(h) == tick:
+                    del last[h]
+                    self._unset(h, e.bit)
+
+    def _bound_total(self, e: _InstanceBlocks) -> None:
+        # A hard memory bound even for exact instances whose engines never evict.
+        if len(self._mask) > self.max_total_blocks:
+            self._evict(e, max(0, len(e.last) - (len(self._mask) - self.max_total_blocks)))
+
+    def _clear(self, e: _InstanceBlocks) -> None:
+        for h in e.last:
+            self._unset(h, e.bit)
+        e.last.clear()
+        e.batches.clear()
+        e.batch_refs = 0
+
+    # -- queries ---------------------------------------------------------
+    def _want_mask(self, instances: tuple[str, ...]) -> int:
+        """Bits of `instances`; pools repeat, so the answer is cached until membership changes."""
+        cached = self._want_cache.get(instances)
+        if cached is None:
+            cached = 0
+            for i in instances:
+                e = self._inst.get(i)
+                if e is not None:
+                    cached |= 1 << e.bit
+            if len(self._want_cache) > 1024:
+                self._want_cache.clear()
+            self._want_cache[instances] = cached
+        return cached
+    def match(self, block_hashes: Sequence[int], instances: Iterable[str]) -> dict[str, int]:
+        """Leading blocks of `block_hashes` held by each of `instances` (0 when none)."""
+        result = dict.fromkeys(instances, 0)
+        keys = self._keys(block_hashes)
+        n = len(keys)
+        if not n:
+            return result
+        want = self._want_mask(tuple(result))
+        get = self._mask.get
+        mask = get(keys[0], 0) & want
+        lo = 0
+        stride = self.stride
+        while mask:
+            # Everyone in `mask` holds block `lo`; find the last block they all hold.
+            a, b = lo, n - 1
+            while a < b:
+                mid = (a + b + 1) >> 1
+                if get(keys[mid], 0) & mask == mask:
+                    a = mid
+                else:
+                    b = mid - 1
+            nxt = get(keys[a + 1], 0) & mask if a + 1 < n else 0
+            dropped = mask & ~nxt
+            while dropped:
+                low = dropped & -dropped
+                result[self._by_bit[low.bit_length() - 1]] = (a + 1) * stride
+                dropped ^= low
+            mask, lo = nxt, a + 1
+        return result

@@ -1,0 +1,45 @@
+"""What TokenPilot believes about an instance before it has seen a single request.
+
+Starting values come from the same roofline the simulated engine uses (a model on
+a GPU at a tensor-parallel degree); online learning (`tokenpilot.learning`)
+corrects them from observed timings, so a wrong prior costs only a few requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePrior:
+    prefill_token_s: float = 1 / 20_000  # compute time per prefill token in a full batch
+    kv_read_s_per_token: float = 4e-8  # time to read one context token's KV in a decode step
+    step_overhead_s: float = 0.008  # weights read + fixed cost: a decode-only step's floor
+    capacity_blocks: int = 1 << 15
+    block_size: int = 16
+    max_batched_tokens: int = 8192
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return 1.0 / self.prefill_token_s
+
+
+def prior_from_physics(spec: str, gpu: str, tp: int = 1, block_size: int = 16,
+                       max_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9) -> EnginePrior:
+    """Prior for an engine whose model and GPU are in the simulated engine's tables."""
+    from engine_adapters.sim import hardware
+    from engine_adapters.sim.physics import StepTimer
+
+    timer = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp)
+    full = timer.step_time([(max_batched_tokens, 0)], [])
+    one = timer.step_time([], [1])
+    ctx = 8192
+    kv = (timer.step_time([], [1 + ctx]) - one) / ctx
+    return EnginePrior(
+        prefill_token_s=max(full - one, 1e-9) / max_batched_tokens,
+        kv_read_s_per_token=max(kv, 0.0),
+        step_overhead_s=one,
+        capacity_blocks=max(1, timer.kv_capacity_tokens(gpu_memory_utilization) // block_size),
+        block_size=block_size,
+        max_batched_tokens=max_batched_tokens,
+    )
