@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 class Fleet:
     url: str
     adapters: list[EngineAdapter]
+    app: Any
 
     def instance(self, instance_id: str) -> tuple[EngineAdapter, Instance]:
         for a in self.adapters:
@@ -54,7 +56,7 @@ async def fleet() -> AsyncIterator[Fleet]:
     try:
         app = create_app(config, adapters, poll_interval_s=0.2)
         async with serve_app(app) as url:
-            yield Fleet(url, adapters)
+            yield Fleet(url, adapters, app)
     finally:
         await stop_all(adapters)
 
@@ -118,6 +120,31 @@ async def test_repeated_long_prefix_is_cached(fleet: Fleet) -> None:
     details = second.usage.prompt_tokens_details
     assert details is not None and details.cached_tokens is not None
     assert details.cached_tokens > 0.8 * second.usage.prompt_tokens
+
+
+async def test_tokenpilot_headers_and_exact_cache_index(fleet: Fleet) -> None:
+    """TokenPilot (the default router) explains itself in headers, and KV events from the
+    workers put its cache index in exact mode."""
+    client = fleet.client()
+    prompt = long_prompt("headers")
+    first = await client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert float(first.headers["x-tokenfleet-predicted-ttft-ms"]) > 0
+    assert first.headers["x-tokenfleet-cached-tokens"] == "0"
+    await asyncio.sleep(0.3)  # the worker's KV events reach the gateway
+    second = await client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert second.headers["x-tokenfleet-instance"] == first.headers["x-tokenfleet-instance"]
+    predicted_cached = int(second.headers["x-tokenfleet-cached-tokens"])
+    usage = second.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    actual_cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert predicted_cached > 0.8 * usage.prompt_tokens
+    assert abs(predicted_cached - actual_cached) <= 8 * 16  # one index stride
+    router = fleet.app.state.tokenfleet.relay.router
+    assert router.index.is_exact(first.headers["x-tokenfleet-instance"], time.monotonic())
+    async with httpx.AsyncClient() as c:
+        decisions = (await c.get(f"{fleet.url}/debug/decisions?limit=1",
+                                 headers={"Authorization": f"Bearer {KEY}"})).json()["decisions"]
+    assert decisions[-1]["candidates"] and "predicted_ttft_s" in decisions[-1]["candidates"][0]["detail"]
 
 
 async def test_client_disconnect_aborts_on_worker(fleet: Fleet) -> None:
