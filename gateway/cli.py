@@ -1,4 +1,5 @@
-"""`tokenfleet` command line: `up` runs a fleet and its gateway; `check` validates a fleet file."""
+"""`tokenfleet` command line: `up` runs a fleet and its gateway; `simulate` replays a trace through
+the routing policies in virtual time; `check` validates a fleet file."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import uvicorn
 
 from engine_adapters.base import AdapterError, EngineAdapter
 from engine_adapters.registry import build_adapters, launch_all, stop_all
+from fleetsim.cli import add_simulate_parser, run_simulate
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
 from gateway.routing import DEFAULT_ROUTER, build_router
 from tokenpilot.registry import ROUTER_NAMES
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["critical", "error", "warning", "info", "debug"])
     chk = sub.add_parser("check", help="validate a fleet file")
     chk.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
+    add_simulate_parser(sub)
     return p
 
 
@@ -144,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "up":
             return asyncio.run(_up(args))
+        if args.command == "simulate":
+            return run_simulate(args)
         return _check(args)
     except FleetConfigError as e:
         print(e, file=sys.stderr)

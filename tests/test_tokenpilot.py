@@ -9,7 +9,7 @@ from fleetcore.prefix import synthetic_block_hashes
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
 from tokenpilot.cache_index import PrefixCacheIndex
 from tokenpilot.learning import SpeedFactor
-from tokenpilot.priors import EnginePrior, prior_from_physics
+from tokenpilot.priors import prior_from_physics
 from tokenpilot.router import TokenPilot, TokenPilotConfig
 
 PRIOR = prior_from_physics("llama-3.1-8b", "H100")

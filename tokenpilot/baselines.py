@@ -48,5 +48,3 @@ class LeastLoaded:
     def observe(self, outcome: RequestOutcome) -> None:
         pass
 
-
-ROUTERS = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}  # TODO(lead): fold into tokenpilot.registry

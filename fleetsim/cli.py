@@ -1,0 +1,285 @@
+"""`tokenfleet simulate`: replay a trace through every routing policy on a simulated fleet.
+
+    tokenfleet simulate --trace FILE [--trace-format mooncake|azure|auto]
+        [--fleet FILE] [--policy P1,P2,...] [--rate-scale X]
+        [--max-requests N] [--seed S] [--json OUT.json] [--plot OUT.png]
+
+This command line is a contract outside checks rely on. Extra options:
+`--timeout S` (client gives up S seconds after arrival), `--describe-capacity`
+(print the fleet's estimated capacity for the workload and exit),
+`--no-progress`.
+
+Each policy runs on a fresh simulator (fresh engines, fresh policy object seeded
+with `--seed`) over the same prepared workload. Runnable without the gateway:
+`python -m fleetsim.cli simulate ...` (or without the word `simulate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
+
+from tokenpilot.priors import prior_from_physics
+from tokenpilot.registry import ROUTER_NAMES, make_router
+
+from .metrics import summarize_all, ttft_values_ms
+from .report import PlotUnavailable, build_report, format_table, plot_ttft_cdf, result_row, write_json
+from .simulator import FleetSimulator, HashCache, estimate_capacity, fleet_instances, prepare
+
+DEFAULT_SIM_FLEET = Path(__file__).resolve().parent.parent / "deploy" / "sim" / "fleet32.yaml"
+TRACE_FORMATS = ("mooncake", "azure", "auto", "canonical")
+
+
+# --- policies -------------------------------------------------------------------------
+
+
+def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
+    """A fresh, seeded router, told the fleet's engines when it keeps per-instance priors
+    (`register_instance`), as the gateway's composition root does."""
+    router = make_router(name, seed=seed)
+    if fleet is not None and hasattr(router, "register_instance"):
+        for s in fleet_instances(fleet):
+            eng = fleet.model(s.model).engine
+            router.register_instance(s.instance_id, prior_from_physics(
+                eng.spec, s.gpu, s.tp, block_size=eng.block_size,
+                max_batched_tokens=eng.max_num_batched_tokens,
+                gpu_memory_utilization=eng.gpu_memory_utilization))
+    return router
+
+
+# --- progress -------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line stderr progress bar that appears only once a run has taken `after_s`."""
+
+    def __init__(self, label: str, stream: TextIO = sys.stderr, after_s: float = 2.0,
+                 enabled: bool = True) -> None:
+        self.label = label
+        self.stream = stream
+        self.after_s = after_s
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.shown = False
+        self.finished = False
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or self.finished:
+            return
+        now = time.perf_counter() - self.t0
+        # A terminal gets a live bar; a log file a line every 10 s, and only on long runs.
+        start, every = (self.after_s, 0.5) if self.tty else (3 * self.after_s, 10.0)
+        if now < start or (now - self.last < every and done < total):
+            return
+        self.last = now
+        self.finished = done >= total
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        line = f"  {self.label:<22} [{bar:<30}] {100 * frac:5.1f}%  {now:6.1f} s"
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self.shown = True
+
+
+# --- parser ---------------------------------------------------------------------------
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, metavar="FILE",
+                   help="request trace (Mooncake JSONL, canonical, Azure CSV)")
+    p.add_argument("--trace-format", default="auto", choices=TRACE_FORMATS, help="trace format (default: auto)")
+    p.add_argument("--fleet", metavar="FILE", help="fleet file (default: deploy/sim/fleet32.yaml)")
+    p.add_argument("--policy", metavar="P1,P2,...", help="routing policies to compare (default: all registered)")
+    p.add_argument("--rate-scale", type=float, default=1.0, metavar="X", help="multiply the arrival rate by X")
+    p.add_argument("--max-requests", type=int, default=None, metavar="N", help="only the first N requests")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed for randomised policies (default 0)")
+    p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="draw TTFT CDFs per policy (needs matplotlib)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="client timeout: a request not finished S seconds after arrival is cancelled")
+    p.add_argument("--describe-capacity", action="store_true",
+                   help="print the fleet's estimated capacity for this workload and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `simulate` on a `tokenfleet` subparsers object; it dispatches to `run_simulate`."""
+    p = subparsers.add_parser(
+        "simulate", help="replay a trace through routing policies on a simulated fleet",
+        description="Replay a request trace through each routing policy on a simulated fleet "
+                    "(discrete-event, virtual time) and compare TTFT, TPOT, goodput and SLO attainment.")
+    _add_arguments(p)
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+# --- the command ----------------------------------------------------------------------
+
+
+def _err(msg: str) -> int:
+    print(f"tokenfleet simulate: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def fleet_summary(fleet: FleetConfig, path: Path) -> dict[str, Any]:
+    """The report's "fleet" block; builds one engine per shape, so a model that does not
+    fit its GPUs fails here (ValueError) before any trace is read."""
+    from engine_adapters.sim.engine import SimEngine
+
+    specs = fleet_instances(fleet)
+    shapes: dict[tuple, dict[str, Any]] = {}
+    for s in specs:
+        key = (s.site, s.model, s.gpu, s.tp)
+        if key not in shapes:
+            e = SimEngine(s.engine)  # cheap: the KV block table only
+            shapes[key] = {"site": s.site, "model": s.model, "spec": s.engine.model.name, "gpu": s.gpu,
+                           "tp": s.tp, "instances": 0, "kv_tokens": e.num_gpu_blocks * e.block_size,
+                           "max_model_len": e.max_model_len}
+        shapes[key]["instances"] += 1
+    deps = list(shapes.values())
+    return {"file": str(path), "sites": [s.name for s in fleet.sites], "instances": len(specs),
+            "gpus": sum(d["instances"] * d["tp"] for d in deps), "deployments": deps}
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from workloads import head, load_trace, scale_rate
+
+    fleet_path = Path(args.fleet) if args.fleet else DEFAULT_SIM_FLEET
+    try:
+        fleet = load_fleet_file(fleet_path)
+    except FleetConfigError as e:
+        return _err(str(e))
+    try:
+        fsum = fleet_summary(fleet, fleet_path)
+    except ValueError as e:  # unknown GPU/model spec, model does not fit
+        return _err(f"{fleet_path}: {e}")
+    if not fsum["instances"]:
+        return _err(f"{fleet_path}: no simulated instances (static deployments cannot be simulated)")
+    names = [p.strip() for p in args.policy.split(",") if p.strip()] if args.policy else list(ROUTER_NAMES)
+    unknown = [p for p in names if p not in ROUTER_NAMES]
+    if unknown or not names:
+        return _err(f"unknown policy {', '.join(map(repr, unknown)) or '(none given)'}; "
+                    f"known: {', '.join(ROUTER_NAMES)}")
+    if not args.rate_scale > 0:
+        return _err("--rate-scale must be positive")
+    if args.max_requests is not None and args.max_requests < 1:
+        return _err("--max-requests must be at least 1")
+    if args.timeout is not None and not args.timeout > 0:
+        return _err("--timeout must be positive")
+    if not Path(args.trace).is_file():
+        return _err(f"trace file not found: {args.trace}")
+    try:
+        wl = load_trace(args.trace, args.trace_format)
+    except (ValueError, OSError) as e:
+        return _err(str(e))
+    if args.max_requests is not None:
+        wl = head(wl, args.max_requests)
+    if not len(wl):
+        return _err(f"{args.trace}: no requests")
+    cap = estimate_capacity(fleet, wl.requests)  # of the trace at its own rate
+    if args.rate_scale != 1.0:
+        wl = scale_rate(wl, args.rate_scale)
+
+    desc = wl.describe()
+    desc.update({"trace": str(args.trace), "rate_scale": args.rate_scale, "max_requests": args.max_requests,
+                 "seed": args.seed, "timeout_s": args.timeout})
+    fsum["capacity"] = cap
+    deps = ", ".join(f"{d['instances']} x {d['model']} on {d['tp']}x{d['gpu']} @ {d['site']}"
+                     for d in fsum["deployments"])
+    _say(f"workload  {desc['name']}: {desc['requests']} requests over {desc['duration_s']:.0f} s "
+         f"({desc['mean_rate_rps']:.2f} req/s, rate-scale {args.rate_scale:g}), "
+         f"input mean {desc['input_mean']:.0f}, output mean {desc['output_mean']:.0f} tokens")
+    _say(f"fleet     {fleet_path.name}: {fsum['instances']} instances ({deps})")
+    if cap:
+        x = args.rate_scale
+        nc, ic = cap["no_cache"], cap["ideal_cache"]
+        _say(f"capacity  ~{nc['capacity_rps']:.1f} req/s without prefix reuse, ~{ic['capacity_rps']:.1f} with an ideal "
+             f"cache (engine physics); offered load {100 * nc['load_at_rate_scale_1'] * x:.0f}% / "
+             f"{100 * ic['load_at_rate_scale_1'] * x:.0f}% of it")
+        def levels(c: dict[str, Any]) -> str:
+            return "/".join(f"{c['rate_scale_for'][k]:.2f}" for k in ("60%", "80%", "95%"))
+        _say(f"          --rate-scale for 60/80/95% of capacity: {levels(nc)} (no reuse), "
+             f"{levels(ic)} (ideal cache)")
+    if args.describe_capacity:
+        import json
+        brief = {k: desc[k] for k in ("name", "requests", "duration_s", "mean_rate_rps")}
+        print(json.dumps({"fleet": fsum, "workload": brief}, indent=2))
+        return 0
+
+    t0 = time.perf_counter()
+    cache = HashCache()
+    inputs = prepare(wl.requests, fleet, timeout_s=args.timeout, hash_cache=cache)
+    _say(f"prepared  {len(inputs)} requests (block hashes) in {time.perf_counter() - t0:.1f} s")
+
+    rows: list[dict[str, Any]] = []
+    curves = []
+    for name in names:
+        random.seed(args.seed)  # for any policy that draws from the module RNG
+        try:
+            router = make_policy(name, args.seed, fleet)
+        except Exception as e:  # a policy that cannot be built must not sink the others
+            return _err(f"policy {name!r} could not be built: {e}")
+        prog = Progress(name, enabled=not args.no_progress)
+        sim = FleetSimulator(fleet, router, progress=prog)
+        res = sim.run(inputs)
+        for w in res.warnings[:5]:
+            print(f"tokenfleet simulate: warning: {name}: {w}", file=sys.stderr)
+        summary = summarize_all(res.records)
+        rows.append(result_row(name, summary, res.wall_s, {
+            "steps": res.steps, "preemptions": res.preemptions, "span_s": round(summary["span_s"], 3)}))
+        curves.append((name, ttft_values_ms(res.records)))
+        r = rows[-1]
+        slo = r["slo_attainment"]
+        _say(f"ran       {name:<22} wall {res.wall_s:6.1f} s  ({res.steps} engine steps, "
+             f"{summary['span_s']:.0f} s simulated)  goodput {r['goodput_tok_s']:.0f} tok/s  "
+             f"SLO {100 * slo if slo is not None else 0:.1f}%")
+
+    report = build_report(desc, fsum, rows)
+    print()
+    print(format_table(rows))
+    if args.json:
+        try:
+            write_json(report, args.json)
+        except OSError as e:
+            return _err(f"cannot write {args.json}: {e.strerror}")
+        _say(f"\nwrote {args.json}")
+    if args.plot:
+        try:
+            plot_ttft_cdf(curves, args.plot, title=f"{desc['name']} x{args.rate_scale:g} on {fleet_path.name}")
+        except PlotUnavailable as e:
+            return _err(str(e))
+        except OSError as e:
+            return _err(f"cannot write {args.plot}: {e.strerror}")
+        _say(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "simulate":
+        argv = argv[1:]
+    p = argparse.ArgumentParser(prog="tokenfleet simulate", description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    return run_simulate(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

@@ -1,0 +1,161 @@
+"""The benchmark report: the `--json` document, the stdout table, the TTFT CDF plot.
+
+JSON shape (a contract `simulate` and `bench live` share)::
+
+    {"workload": {...Workload.describe(), "rate_scale", ...},
+     "fleet": {"file", "sites", "instances", "deployments": [...], "capacity": {...}},
+     "results": [{"policy", "requests", "completed", "rejected", "cancelled",
+                  "ttft_ms": {"p50","p90","p95","p99","mean"}, "tpot_ms": {"p50","p95"},
+                  "e2e_ms": {...}, "queue_ms": {...}, "throughput_tok_s", "goodput_tok_s",
+                  "slo_attainment", "cache_hit_rate", "wall_s",
+                  "by_class": {CLASS: {same fields}}, "by_tenant": {TENANT: {same fields}},
+                  "sim": {"steps", "preemptions", "span_s"}}]}
+
+Times in ms, rates in tokens/s, fractions in [0, 1]; a statistic of an empty set is null.
+Metric definitions: `fleetsim.metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleetcore.slo import DEFAULT_SLOS
+
+RESULT_KEYS = ("policy", "requests", "completed", "rejected", "cancelled", "ttft_ms", "tpot_ms", "e2e_ms",
+               "queue_ms", "throughput_tok_s", "goodput_tok_s", "slo_attainment", "cache_hit_rate", "wall_s",
+               "by_class", "by_tenant")
+GROUP_KEYS = ("requests", "completed", "rejected", "cancelled", "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms",
+              "throughput_tok_s", "goodput_tok_s", "slo_attainment", "cache_hit_rate")
+
+
+def result_row(policy: str, summary: Mapping[str, Any], wall_s: float,
+               sim: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One entry of `results` from `metrics.summarize_all` output, in the documented key order."""
+    row: dict[str, Any] = {"policy": policy}
+    for k in GROUP_KEYS:
+        row[k] = summary[k]
+    row["wall_s"] = round(wall_s, 3)
+    row["by_class"] = {c: {k: v[k] for k in GROUP_KEYS} for c, v in summary["by_class"].items()}
+    row["by_tenant"] = {t: {k: v[k] for k in GROUP_KEYS} for t, v in summary["by_tenant"].items()}
+    if sim:
+        row["sim"] = dict(sim)
+    return row
+
+
+def build_report(workload: Mapping[str, Any], fleet: Mapping[str, Any],
+                 results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {"workload": dict(workload), "fleet": dict(fleet), "results": [dict(r) for r in results]}
+
+
+def write_json(report: Mapping[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, default=_jsonable) + "\n", encoding="utf-8")
+
+
+def _jsonable(o: object) -> object:
+    if isinstance(o, np.generic):
+        return o.item()
+    return str(o)
+
+
+# --- table ------------------------------------------------------------------------
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _ratio(v: float | None, base: float | None) -> str:
+    if v is None or base is None or base == 0:
+        return "-"
+    return f"{v / base:.2f}x"
+
+
+def format_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """Fixed-width table, one row per policy, ratios against the first policy.
+
+    `good/1st` is goodput over the first policy's; `p95/1st` is TTFT p95 over the
+    first policy's (lower is better). Followed by SLO attainment and goodput per class.
+    """
+    if not results:
+        return "(no results)"
+    cols = [("policy", 22, "<"), ("done", 6, ">"), ("rej", 5, ">"), ("canc", 5, ">"),
+            ("ttft50", 8, ">"), ("ttft95", 8, ">"), ("ttft99", 8, ">"), ("tpot50", 7, ">"), ("tpot95", 7, ">"),
+            ("tok/s", 8, ">"), ("good/s", 8, ">"), ("SLO%", 6, ">"), ("hit%", 6, ">"), ("wall", 6, ">"),
+            ("good/1st", 8, ">"), ("p95/1st", 8, ">")]
+    base = results[0]
+    lines = ["  ".join(f"{name:{al}{w}}" for name, w, al in cols),
+             "  ".join("-" * w for _, w, _ in cols)]
+    for r in results:
+        t, p = r["ttft_ms"], r["tpot_ms"]
+        cells = [r["policy"][:22], str(r["completed"]), str(r["rejected"]), str(r.get("cancelled", 0)),
+                 _num(t["p50"], ".0f"), _num(t["p95"], ".0f"), _num(t["p99"], ".0f"),
+                 _num(p["p50"], ".1f"), _num(p["p95"], ".1f"),
+                 _num(r["throughput_tok_s"], ".0f"), _num(r["goodput_tok_s"], ".0f"),
+                 _num(None if r["slo_attainment"] is None else 100 * r["slo_attainment"], ".1f"),
+                 _num(None if r["cache_hit_rate"] is None else 100 * r["cache_hit_rate"], ".1f"),
+                 _num(r.get("wall_s"), ".1f"),
+                 _ratio(r["goodput_tok_s"], base["goodput_tok_s"]),
+                 _ratio(t["p95"], base["ttft_ms"]["p95"])]
+        lines.append("  ".join(f"{c:{al}{w}}" for c, (_, w, al) in zip(cells, cols)))
+    classes = sorted({c for r in results for c in r.get("by_class", {})})
+    if classes:
+        lines.append("")
+        head = f"{'per class':<22}" + "".join(f"  {c[:12]:>12} SLO%  good/s  ttft95" for c in classes)
+        lines.append(head)
+        for r in results:
+            cells = []
+            for c in classes:
+                g = r.get("by_class", {}).get(c)
+                if g is None:
+                    cells.append(f"  {'':>12} {'-':>4}  {'-':>6}  {'-':>6}")
+                    continue
+                slo = None if g["slo_attainment"] is None else 100 * g["slo_attainment"]
+                cells.append(f"  {g['requests']:>12} {_num(slo, '.1f'):>4}  {_num(g['goodput_tok_s'], '.0f'):>6}"
+                             f"  {_num(g['ttft_ms']['p95'], '.0f'):>6}")
+            lines.append(f"{r['policy'][:22]:<22}" + "".join(cells))
+    return "\n".join(lines)
+
+
+# --- plot -------------------------------------------------------------------------
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed (it is not a dependency of TokenFleet)."""
+
+
+def plot_ttft_cdf(curves: Sequence[tuple[str, np.ndarray]], path: str | Path, title: str = "") -> None:
+    """One TTFT CDF per policy (log x axis), saved as PNG. matplotlib is imported only here."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib, which TokenFleet does not install: "
+                              "pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for name, ttft_ms in curves:
+        if len(ttft_ms) == 0:
+            continue
+        y = np.arange(1, len(ttft_ms) + 1) / len(ttft_ms)
+        ax.step(np.sort(ttft_ms), y, where="post", label=name)
+    # Class TTFT targets as reference lines: where a curve crosses them is that class's attainment bound.
+    for name, slo in DEFAULT_SLOS.items():
+        if slo.ttft_s is not None:
+            ax.axvline(slo.ttft_s * 1e3, color="grey", linestyle="--", linewidth=0.8)
+            ax.text(slo.ttft_s * 1e3, 0.02, f" {name} SLO", rotation=90, fontsize=7, color="grey", va="bottom")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of completed requests")
+    ax.set_ylim(0, 1)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)

@@ -1,0 +1,746 @@
+"""Discrete-event fleet simulator: the production policies over simulated engines, in virtual time.
+
+One run replays a workload through the *same* objects the gateway uses — an
+admission hook, a site chooser (`NearestReadySite` by default) and any
+`InstanceRouter` — in front of one `SimEngine` per instance of the fleet file,
+built from the same hardware/physics tables as the live simulated worker.
+
+What is modelled, and how:
+
+* Arrival at the client entry region, which is where the gateway sits (the
+  client-gateway hop is not modelled). Admission and routing happen at arrival.
+* Network: a request reaches its site rtt/2 after dispatch; every token, and the
+  end of the stream, reaches the gateway/client rtt/2 after the engine step that
+  produced it. RTT is the fleet file's `rtt_ms[client region]` of the site (0 for
+  a site's own region when the file gives none).
+* Engines: each engine steps back to back while it has work (`step(now)` decides
+  the batch and its duration; its events take effect at start + duration) and
+  sleeps when idle; a request reaching an idle engine starts a step at once.
+* Tokens: per request only the first/last token times and the count are kept
+  (not every token), which is what TTFT, mean TPOT and end-to-end need.
+* Cancellation: an optional per-request client timeout. The client gives up at
+  arrival + timeout; the gateway releases it then (in-flight count, `observe`),
+  and the abort reaches the engine rtt/2 later. Events of an aborted request
+  from a step already under way are dropped, as the engine contract asks.
+* Policy inputs: `InstanceSnapshot.inflight` is the gateway's own count (sent and
+  not yet seen finish, including requests still on the wire); `num_running`,
+  `num_waiting` and `kv_usage` are read from the engine at the decision instant.
+  The simulator sees the engines' *true* state (no scrape lag), which favours
+  load-aware policies slightly compared with the live gateway.
+* Feedback: `RequestOutcome`s go to the router, site chooser and admission
+  hook's `observe` when the gateway sees the request end, as in the gateway.
+
+The engine's state advances at `step()` time, so a snapshot taken during a step
+already reflects that step's scheduling (admitted, preempted) — the granularity
+of truth is one engine step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, cast
+
+from engine_adapters.sim import hardware
+from engine_adapters.sim.engine import EngineConfig, SimEngine, SimRequest, StepResult
+from fleetcore.fleet_config import FleetConfig, SiteConfig
+from fleetcore.prefix import synthetic_block_hashes
+from fleetcore.slo import class_by_length
+from fleetcore.types import (
+    FleetView,
+    InstanceSnapshot,
+    RequestOutcome,
+    RequestProfile,
+    SiteDecision,
+    SiteSnapshot,
+)
+from fleetmind.site_choice import UNKNOWN_RTT_MS, NearestReadySite
+from tokenpilot.policy import InstanceRouter
+
+from .metrics import RequestRecord, Status
+
+# --- inputs -------------------------------------------------------------------
+
+
+class TraceLike(Protocol):
+    """The fields of `workloads.TraceRequest` the simulator reads (duck-typed, read-only)."""
+
+    @property
+    def timestamp_ms(self) -> float: ...
+    @property
+    def input_length(self) -> int: ...
+    @property
+    def output_length(self) -> int: ...
+    @property
+    def hash_ids(self) -> Sequence[int]: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def tenant(self) -> str | None: ...
+    @property
+    def request_class(self) -> str | None: ...
+    @property
+    def region(self) -> str | None: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def deadline_s(self) -> float | None: ...
+
+
+class SiteChooser(Protocol):
+    """`fleetmind` site choice, as the gateway calls it."""
+
+    def choose(self, profile: RequestProfile, view: FleetView, now: float,
+               exclude_instances: Collection[str] = ()) -> SiteDecision: ...
+
+
+@dataclass(slots=True)
+class SimInput:
+    """One request ready to simulate: engine block hashes computed, defaults resolved."""
+
+    request_id: str
+    arrival_s: float
+    model: str
+    prompt_tokens: int
+    output_tokens: int  # exactly what the engine will generate
+    block_hashes: tuple[int, ...]
+    block_size: int
+    tenant: str
+    request_class: str
+    region: str
+    deadline_s: float | None = None
+    timeout_s: float | None = None  # client gives up this long after arrival
+
+
+class HashCache:
+    """Memo of trace-block -> engine-block hashes, shared by every run of one workload.
+
+    Chained hashes depend on the whole prefix, so the key is (parent hash, block
+    id). Requests re-sending a prefix (a third of the Mooncake blocks) cost one
+    dict lookup per 512-token block instead of 32 xxhash calls.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[int, int, int], list[int]] = {}
+
+    def hashes(self, block_ids: Sequence[int], sub_blocks: int, limit: int) -> tuple[int, ...]:
+        out: list[int] = []
+        parent = 0
+        memo = self._memo
+        for bid in block_ids:
+            if len(out) >= limit:
+                break
+            key = (parent, bid, sub_blocks)
+            sub = memo.get(key)
+            if sub is None:
+                sub = synthetic_block_hashes([bid], sub_blocks, parent=parent)
+                memo[key] = sub
+            out.extend(sub)
+            parent = sub[-1]
+        return tuple(out[:limit])
+
+
+def prepare(requests: Sequence[TraceLike], fleet: FleetConfig, *, timeout_s: float | None = None,
+            hash_cache: HashCache | None = None) -> list[SimInput]:
+    """Resolve defaults (first model, entry region, class by length) and engine block hashes.
+
+    Hashes: each trace block id expands to block_tokens // engine_block_size engine
+    blocks (`synthetic_block_hashes`), truncated to the prompt's *full* engine blocks.
+    Request ids are `r<index in the given order>`; the result is sorted by arrival
+    (stable), so equal timestamps keep trace order.
+    """
+    cache = hash_cache or HashCache()
+    default_model = fleet.models[0].name
+    block_size = {m.name: m.engine.block_size for m in fleet.models}
+    region = fleet.entry_region
+    out: list[SimInput] = []
+    for i, r in enumerate(requests):
+        model = r.model or default_model
+        bs = block_size.get(model, 16)
+        hashes: tuple[int, ...] = ()
+        if r.hash_ids:
+            bt = getattr(r, "block_tokens", 512) or 512
+            if bt % bs:
+                raise ValueError(f"trace block of {bt} tokens is not a multiple of the engine block size {bs}")
+            hashes = cache.hashes(r.hash_ids, bt // bs, r.input_length // bs)
+        out.append(SimInput(
+            request_id=f"r{i}", arrival_s=r.timestamp_ms / 1000.0, model=model,
+            prompt_tokens=int(r.input_length), output_tokens=max(1, int(r.output_length)),
+            block_hashes=hashes, block_size=bs, tenant=r.tenant or "anonymous",
+            request_class=r.request_class or class_by_length(int(r.input_length)),
+            region=r.region or region, deadline_s=getattr(r, "deadline_s", None), timeout_s=timeout_s))
+    out.sort(key=lambda s: s.arrival_s)
+    return out
+
+
+# --- admission hook -------------------------------------------------------------
+
+AdmissionAction = Literal["admit", "reject", "queue"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    action: AdmissionAction
+    reason: str = ""
+
+
+class Admission(Protocol):
+    """Gateway admission (SLOMax plugs in here).
+
+    `admit` is asked at every arrival. "admit" dispatches at once (the hook owns
+    ordering: it may let a request pass others it queued); "reject" ends the
+    request with the reason; "queue" holds it in one gateway FIFO. Queued requests
+    are offered again, oldest first, whenever a dispatched request ends at the
+    gateway (finished or cancelled), until one is queued again. A client timeout
+    cancels a queued request too; one still queued when the run ends counts as
+    rejected. `observe(outcome)`, if the hook has it, gets every outcome.
+    """
+
+    def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision: ...
+
+
+class AdmitAll:
+    """FCFS, admit everything: the gateway without admission control."""
+
+    name = "admit_all"
+
+    def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision:
+        return AdmissionDecision("admit")
+
+
+# --- fleet ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    instance_id: str
+    site: str
+    model: str
+    version: str
+    gpu: str
+    tp: int
+    engine: EngineConfig
+
+
+def fleet_instances(fleet: FleetConfig) -> list[InstanceSpec]:
+    """One simulated engine per instance of every non-static deployment.
+
+    Ids follow `engine_adapters.registry`: `site/model/N`, `site/model#k/N` for a
+    site's k-th further deployment of a model. vllm/sglang deployments are
+    simulated with their GPU and TP; static ones (bare URLs, hardware unknown)
+    are left out.
+    """
+    seen: dict[tuple[str, str], int] = {}
+    out: list[InstanceSpec] = []
+    for d in fleet.deployments:
+        k = seen.get((d.site, d.model), 0)
+        seen[(d.site, d.model)] = k + 1
+        if d.adapter == "static":
+            continue
+        prefix = f"{d.site}/{d.model}" + (f"#{k}" if k else "")
+        eng = fleet.model(d.model).engine
+        override = d.options.get("num_gpu_blocks_override")
+        cfg = EngineConfig(
+            model=hardware.model(eng.spec), gpu=hardware.gpu(d.gpu), tp=d.tp,
+            block_size=eng.block_size, max_num_batched_tokens=eng.max_num_batched_tokens,
+            max_num_seqs=eng.max_num_seqs, gpu_memory_utilization=eng.gpu_memory_utilization,
+            max_model_len=eng.max_model_len,
+            num_gpu_blocks_override=int(override) if override is not None else None,
+            enable_kv_events=False)  # nobody drains them here; saves time and memory
+        version = fleet.deployment_version(d)
+        for n in range(d.instance_count):
+            out.append(InstanceSpec(f"{prefix}/{n}", d.site, d.model, version, d.gpu, d.tp, cfg))
+    return out
+
+
+def site_rtt_s(site: SiteConfig, region: str) -> float:
+    """Round trip between a client entry region and a site, seconds."""
+    rtt = site.rtt_ms.get(region)
+    if rtt is None:
+        rtt = 0.0 if region == site.region else UNKNOWN_RTT_MS
+    return rtt / 1000.0
+
+
+# --- simulator ------------------------------------------------------------------
+
+
+class _Inst:
+    __slots__ = ("iid", "site", "model", "version", "url", "engine", "stepping", "pending",
+                 "inflight", "max_model_len", "block_size")
+
+    def __init__(self, spec: InstanceSpec) -> None:
+        self.iid = spec.instance_id
+        self.site = spec.site
+        self.model = spec.model
+        self.version = spec.version
+        self.url = f"sim://{spec.instance_id}"
+        self.engine = SimEngine(spec.engine)
+        self.stepping = False  # a step is under way (its STEP_END is on the heap)
+        self.pending: StepResult | None = None  # that step's result
+        self.inflight = 0  # gateway's count: dispatched, not yet seen end
+        self.max_model_len = self.engine.max_model_len
+        self.block_size = spec.engine.block_size
+
+
+class _Req:
+    __slots__ = ("inp", "profile", "status", "inst", "site", "half_rtt", "dispatch_s", "reach_s",
+                 "first", "last", "ntok", "cached", "engine_wait", "end", "reason")
+
+    def __init__(self, inp: SimInput, profile: RequestProfile) -> None:
+        self.inp = inp
+        self.profile = profile
+        self.status = "new"  # new | queued | running | completed | rejected | cancelled
+        self.inst: _Inst | None = None
+        self.site: str | None = None
+        self.half_rtt = 0.0
+        self.dispatch_s = 0.0
+        self.reach_s = 0.0
+        self.first: float | None = None  # engine time of the step that made the first token
+        self.last: float | None = None
+        self.ntok = 0
+        self.cached = 0
+        self.engine_wait: float | None = None
+        self.end: float | None = None
+        self.reason: str | None = None
+
+
+# Heap event kinds; ties at one instant run in push order (the sequence number).
+_REACH, _STEP_END, _DONE, _CANCEL, _ABORT = range(5)
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    wall_s: float
+    steps: int = 0
+    preemptions: int = 0
+    sim_end_s: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+class FleetSimulator:
+    """One run: a fresh fleet of engines, the given policy objects, one workload.
+
+    Policies keep learned state, so give every run fresh policy objects when
+    comparing them.
+    """
+
+    def __init__(self, fleet: FleetConfig, router: InstanceRouter, *, site_chooser: SiteChooser | None = None,
+                 admission: Admission | None = None, progress: ProgressFn | None = None) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.site_chooser: SiteChooser = site_chooser or NearestReadySite()
+        self.admission = admission or AdmitAll()
+        self.progress = progress
+        self._insts = [_Inst(s) for s in fleet_instances(fleet)]
+        self._by_id = {i.iid: i for i in self._insts}
+        self._sites = list(fleet.sites)
+        self._site_cfg = {s.name: s for s in fleet.sites}
+        self._site_insts = [(s, [i for i in self._insts if i.site == s.name]) for s in self._sites]
+        self._max_len: dict[str, int] = {}
+        for i in self._insts:
+            self._max_len[i.model] = max(self._max_len.get(i.model, 0), i.max_model_len)
+        self._rtt_memo: dict[tuple[str, str], float] = {}
+        self._observers = [getattr(p, "observe", None) for p in (self.router, self.site_chooser, self.admission)]
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._seq = 0
+        self._queue: deque[_Req] = deque()
+        self._active: dict[str, _Req] = {}  # request id -> request an engine is serving
+        self.steps = 0
+        self.preemptions = 0
+
+    # -- views -------------------------------------------------------------------
+
+    def view(self) -> FleetView:
+        """The FleetView the policies see now (the engines' true state)."""
+        sites = []
+        for s, insts in self._site_insts:
+            snaps = []
+            for i in insts:
+                e = i.engine
+                snaps.append(InstanceSnapshot(
+                    instance_id=i.iid, site=i.site, model=i.model, version=i.version, url=i.url,
+                    inflight=i.inflight, num_running=e.num_running, num_waiting=e.num_waiting,
+                    kv_usage=e.kv.usage(), block_size=i.block_size, max_model_len=i.max_model_len))
+            sites.append(SiteSnapshot(name=s.name, region=s.region, jurisdiction=s.jurisdiction,
+                                      rtt_ms=s.rtt_ms, instances=tuple(snaps)))
+        return FleetView(tuple(sites))
+
+    def _rtt(self, site: str, region: str) -> float:
+        key = (site, region)
+        v = self._rtt_memo.get(key)
+        if v is None:
+            v = self._rtt_memo[key] = site_rtt_s(self._site_cfg[site], region)
+        return v
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, a: object, b: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+
+    def _step(self, inst: _Inst, now: float) -> None:
+        res = inst.engine.step(now)
+        if res.duration <= 0.0:
+            # Nothing schedulable (cannot happen with a sane KV size); wait for the next arrival.
+            inst.stepping = False
+            return
+        self.steps += 1
+        inst.pending = res
+        inst.stepping = True
+        self._seq += 1
+        heapq.heappush(self._heap, (now + res.duration, self._seq, _STEP_END, inst, None))
+
+    def _reject(self, r: _Req, now: float, reason: str) -> None:
+        r.status = "rejected"
+        r.reason = reason
+        r.end = now
+
+    def _observe(self, outcome: RequestOutcome) -> None:
+        for fn in self._observers:
+            if fn is not None:
+                fn(outcome)
+
+    def _outcome(self, r: _Req, now: float, *, cancelled: bool) -> RequestOutcome:
+        arrival = r.inp.arrival_s
+        ttft = tpot = None
+        if r.first is not None and r.last is not None:
+            ttft = r.first + r.half_rtt - arrival
+            if r.ntok > 1:
+                tpot = (r.last - r.first) / (r.ntok - 1)
+        return RequestOutcome(
+            request_id=r.inp.request_id, instance_id=r.inst.iid if r.inst else "", site=r.site or "",
+            ok=not cancelled, prompt_tokens=r.inp.prompt_tokens, cached_tokens=r.cached,
+            output_tokens=r.ntok, ttft_s=ttft, mean_tpot_s=tpot,
+            e2e_s=now - arrival, error="cancelled" if cancelled else None, cancelled=cancelled)
+
+    def _offer(self, r: _Req, now: float, view: FleetView | None = None) -> bool:
+        """Ask admission, then dispatch or reject; False when it queues (stays queued)."""
+        view = view or self.view()
+        d = self.admission.admit(r.profile, view, now)
+        if d.action == "queue":
+            return False
+        if d.action == "reject":
+            self._reject(r, now, d.reason or "rejected by admission")
+            return True
+        self._dispatch(r, now, view)
+        return True
+
+    def _dispatch(self, r: _Req, now: float, view: FleetView) -> None:
+        inp, profile = r.inp, r.profile
+        if inp.model not in self._max_len:
+            self._reject(r, now, f"model {inp.model!r} is not served by this fleet")
+            return
+        need = inp.prompt_tokens + inp.output_tokens
+        if need > self._max_len[inp.model]:
+            self._reject(r, now, f"context_length_exceeded: {need} tokens > {self._max_len[inp.model]}")
+            return
+        site = self.site_chooser.choose(profile, view, now, exclude_instances=())
+        if site.site is None:
+            self._reject(r, now, site.reason)
+            return
+        pool = view.site(site.site).pool(profile.model, profile.model_version)
+        route = self.router.route(profile, pool, now)
+        inst = self._by_id.get(route.instance_id) if route.instance_id else None
+        if inst is None or inst.site != site.site:
+            self._reject(r, now, route.reason or "router chose no instance")
+            return
+        if need > inst.max_model_len:
+            self._reject(r, now, f"context_length_exceeded on {inst.iid}")
+            return
+        r.status = "running"
+        r.inst = inst
+        r.site = site.site
+        r.dispatch_s = now
+        r.half_rtt = self._rtt(site.site, inp.region) / 2.0
+        inst.inflight += 1
+        self._push(now + r.half_rtt, _REACH, r)
+
+    def _drain_queue(self, now: float) -> None:
+        q = self._queue
+        while q:
+            r = q[0]
+            if r.status != "queued":  # cancelled while queued
+                q.popleft()
+                continue
+            if not self._offer(r, now):
+                return
+            q.popleft()
+
+    # -- the run -----------------------------------------------------------------
+
+    def run(self, inputs: Sequence[SimInput]) -> SimResult:
+        wall0 = time.perf_counter()
+        heap = self._heap
+        pop = heapq.heappop
+        push = heapq.heappush
+        active = self._active
+        reqs: list[_Req] = []
+        n = len(inputs)
+        i = 0
+        next_arrival = inputs[0].arrival_s if n else float("inf")
+        now = 0.0
+        ticks = 0
+        progress = self.progress
+        while True:
+            if heap and heap[0][0] <= next_arrival:
+                now, _, kind, a, b = pop(heap)
+                if kind == _STEP_END:
+                    # Hot path: apply the finished step, start the next one.
+                    inst = a
+                    res = inst.pending
+                    for ev in res.events:
+                        r = active.get(ev.request_id)
+                        if r is None:
+                            continue  # aborted while the step ran
+                        if ev.new_tokens:
+                            r.ntok += 1
+                            if ev.first_token:
+                                r.first = now
+                                r.cached = ev.cached_tokens
+                                r.engine_wait = res.start - r.reach_s
+                            r.last = now
+                            if ev.finished:
+                                del active[ev.request_id]
+                                self._seq += 1
+                                push(heap, (now + r.half_rtt, self._seq, _DONE, r, None))
+                        elif ev.preempted:
+                            self.preemptions += 1
+                    e = inst.engine
+                    if e.has_work():
+                        res = e.step(now)  # inlined _step: this is the hot loop
+                        if res.duration > 0.0:
+                            self.steps += 1
+                            inst.pending = res
+                            self._seq += 1
+                            push(heap, (now + res.duration, self._seq, _STEP_END, inst, None))
+                        else:
+                            inst.stepping = False
+                            inst.pending = None
+                    else:
+                        inst.stepping = False
+                        inst.pending = None
+                elif kind == _REACH:
+                    r = a
+                    if r.status == "running":  # not cancelled on the way
+                        inst = r.inst
+                        r.reach_s = now
+                        inp = r.inp
+                        inst.engine.add_request(SimRequest(inp.request_id, inp.prompt_tokens, inp.block_hashes,
+                                                           inp.output_tokens, now))
+                        active[inp.request_id] = r
+                        if not inst.stepping:
+                            self._step(inst, now)
+                elif kind == _DONE:
+                    r = a
+                    if r.status == "running":
+                        r.status = "completed"
+                        r.end = now
+                        r.inst.inflight -= 1
+                        self._observe(self._outcome(r, now, cancelled=False))
+                        if self._queue:
+                            self._drain_queue(now)
+                elif kind == _CANCEL:
+                    self._cancel(a, now)
+                else:  # _ABORT
+                    a.engine.abort(b)
+            elif i < n:
+                inp = inputs[i]
+                i += 1
+                now = inp.arrival_s
+                next_arrival = inputs[i].arrival_s if i < n else float("inf")
+                r = self._arrive(inp, now)
+                reqs.append(r)
+            else:
+                break
+            ticks += 1
+            if progress is not None and not ticks & 0x3FFF:
+                progress(min(i, n - 1), n)  # 100% only once the run has drained
+
+        warnings = []
+        for r in reqs:
+            if r.status == "queued":
+                self._reject(r, now, "still queued at the end of the run")
+            elif r.status == "running":  # an engine that never finished it: a bug, do not hide it
+                r.status = "cancelled"
+                r.reason = "unfinished at the end of the run"
+                r.end = now
+                warnings.append(f"request {r.inp.request_id} never finished")
+        if progress is not None:
+            progress(n, n)
+        records = [self._record(r) for r in reqs]
+        return SimResult(records, time.perf_counter() - wall0, self.steps, self.preemptions, now, warnings)
+
+    def _arrive(self, inp: SimInput, now: float) -> _Req:
+        profile = RequestProfile(
+            request_id=inp.request_id, model=inp.model, prompt_tokens=inp.prompt_tokens,
+            block_hashes=inp.block_hashes, block_size=inp.block_size, max_tokens=inp.output_tokens,
+            tenant=inp.tenant, request_class=inp.request_class, stream=True, client_region=inp.region,
+            arrival=now, deadline=(now + inp.deadline_s) if inp.deadline_s is not None else None)
+        r = _Req(inp, profile)
+        if inp.timeout_s is not None:
+            self._push(now + inp.timeout_s, _CANCEL, r)
+        if not self._offer(r, now):
+            r.status = "queued"
+            self._queue.append(r)
+        return r
+
+    def _cancel(self, r: _Req, now: float) -> None:
+        if r.status == "queued":
+            r.status = "cancelled"
+            r.reason = "client timeout while queued"
+            r.end = now
+            return
+        if r.status != "running":
+            return
+        r.status = "cancelled"
+        r.reason = "client timeout"
+        r.end = now
+        inst = r.inst
+        assert inst is not None  # running implies dispatched
+        inst.inflight -= 1
+        self._active.pop(r.inp.request_id, None)
+        self._push(now + r.half_rtt, _ABORT, inst, r.inp.request_id)
+        self._observe(self._outcome(r, now, cancelled=True))
+        if self._queue:
+            self._drain_queue(now)
+
+    def _record(self, r: _Req) -> RequestRecord:
+        inp = r.inp
+        h = r.half_rtt
+        ttft = tpot = e2e = queue = None
+        end = r.end if r.end is not None else float("inf")
+        if r.first is not None and r.last is not None and (r.status != "cancelled" or r.first + h <= end):
+            ttft = r.first + h - inp.arrival_s
+            queue = (r.dispatch_s - inp.arrival_s) + (r.engine_wait or 0.0)
+            if r.status == "completed":
+                e2e = r.last + h - inp.arrival_s
+                if r.ntok > 1:
+                    tpot = (r.last - r.first) / (r.ntok - 1)
+        return RequestRecord(
+            request_id=inp.request_id, arrival_s=inp.arrival_s, prompt_tokens=inp.prompt_tokens,
+            status=cast(Status, r.status), tenant=inp.tenant, request_class=inp.request_class, output_tokens=r.ntok,
+            cached_tokens=r.cached, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e, queue_s=queue, end_s=r.end,
+            deadline_s=inp.deadline_s, site=r.site, instance=r.inst.iid if r.inst else None, reason=r.reason)
+
+
+# --- capacity -------------------------------------------------------------------
+
+
+def estimate_capacity(fleet: FleetConfig, requests: Sequence[TraceLike]) -> dict[str, Any]:
+    """Saturation throughput of the fleet for this workload's mix, from the engine physics.
+
+    Per request, the work on an instance is its prefill of the *uncached* prompt in
+    `max_num_batched_tokens` chunks (step times from the engine's physics, attention
+    over the cached context included) plus each output token's cost in a full
+    decode batch: its linear layers at the prefill rate, reading its own KV, and
+    its share of the step's weight read, the batch being as large as the KV cache
+    holds at the mean context (capped by max_num_seqs). Two cache cases bracket
+    the routing policy's effect: `ideal_cache` (infinite and shared: leading trace
+    blocks seen before are free) and `no_cache`. Scheduling and preemption are
+    ignored, so these are estimates, not bounds; `deploy/sim/*.yaml` records the
+    measured knee next to them.
+
+    Returns, per cache case, the offered load at the workload's own rate, the
+    rate-scale that would saturate the fleet, and the rate-scales for 60/80/95%.
+    """
+    from engine_adapters.sim.physics import StepTimer
+
+    reqs = list(requests)
+    if not reqs:
+        return {}
+    specs = fleet_instances(fleet)
+    default_model = fleet.models[0].name
+    seen: set[int] = set()
+    hits: list[int] = []
+    for r in reqs:
+        k = 0
+        ids = r.hash_ids or ()
+        for h in ids:
+            if h not in seen:
+                break
+            k += 1
+        seen.update(ids)
+        bt = getattr(r, "block_tokens", 512) or 512
+        hits.append(min(k * bt, max(0, r.input_length - 1)))
+    span = (max(r.timestamp_ms for r in reqs) - min(r.timestamp_ms for r in reqs)) / 1000.0
+    offered = len(reqs) / span if span > 0 else float("inf")
+    # One timer per distinct (model, engine) shape; instances of a shape share the work figure.
+    by_shape: dict[tuple, list[InstanceSpec]] = {}
+    for s in specs:
+        by_shape.setdefault((s.model, s.gpu.lower(), s.tp, s.engine.max_num_batched_tokens), []).append(s)
+    # Per model: requests/s its instances complete at full tilt, (ideal cache, no cache).
+    pool_rate: dict[str, list[float]] = {}
+    shapes_out = []
+    for (model, _gpu, tp, chunk), insts in by_shape.items():
+        cfg = insts[0].engine
+        t = StepTimer(cfg.model, cfg.gpu, cfg.tp)
+        per_tok = 1.0 / t.prefill_throughput_tokens_per_s()
+        floor = t.step_time([], [0])
+        mine = [(r, h) for r, h in zip(reqs, hits) if (r.model or default_model) == model]
+        if not mine:
+            continue
+        # Decode batch at saturation: as many sequences as the KV cache holds at the mean context.
+        kv_tokens = (cfg.num_gpu_blocks_override * cfg.block_size if cfg.num_gpu_blocks_override
+                     else t.kv_capacity_tokens(cfg.gpu_memory_utilization))
+        mean_ctx = sum(r.input_length + max(1, r.output_length) / 2 for r, _ in mine) / len(mine)
+        batch = max(1.0, min(float(cfg.max_num_seqs), kv_tokens / mean_ctx))
+        share_of_floor = floor / batch
+        work = [0.0, 0.0]
+        for r, hit in mine:
+            for v, start in enumerate((hit, 0)):
+                p, left = start, max(1, r.input_length - start)
+                while left > 0:
+                    n = min(chunk, left)
+                    work[v] += t.step_time([(n, p)], [])
+                    p += n
+                    left -= n
+            n_out = max(1, r.output_length)
+            dec = n_out * (per_tok + share_of_floor + t.step_time([], [r.input_length + n_out // 2]) - floor)
+            work[0] += dec
+            work[1] += dec
+        rates = pool_rate.setdefault(model, [0.0, 0.0])
+        for v in (0, 1):
+            rates[v] += len(insts) * len(mine) / work[v]
+        shapes_out.append({"model": model, "gpu": insts[0].gpu, "tp": tp, "instances": len(insts),
+                           "mean_work_s_ideal_cache": round(work[0] / len(mine), 4),
+                           "mean_work_s_no_cache": round(work[1] / len(mine), 4),
+                           "decode_batch": round(batch, 1)})
+    if not pool_rate:
+        return {}
+    count = {m: sum(1 for r in reqs if (r.model or default_model) == m) for m in pool_rate}
+    out: dict[str, Any] = {
+        "method": "engine physics: chunked prefill of uncached tokens + decode in KV-limited full batches",
+        "offered_rps": round(offered, 4),
+    }
+    for v, label in enumerate(("ideal_cache", "no_cache")):
+        # The mix saturates when its busiest model pool does.
+        cap = min(pool_rate[m][v] * len(reqs) / count[m] for m in pool_rate)
+        full = cap / offered if offered != float("inf") else 0.0
+        out[label] = {
+            "capacity_rps": round(cap, 4),
+            "load_at_rate_scale_1": round(offered / cap, 4),
+            "saturating_rate_scale": round(full, 3),
+            "rate_scale_for": {"60%": round(0.6 * full, 3), "80%": round(0.8 * full, 3),
+                               "95%": round(0.95 * full, 3)},
+        }
+    out["shapes"] = shapes_out
+    return out
+
+
+def simulate(fleet: FleetConfig, router: InstanceRouter, inputs: Sequence[SimInput], **kw) -> SimResult:
+    """Convenience: one fresh simulator, one run."""
+    return FleetSimulator(fleet, router, **kw).run(inputs)
+
+
+__all__ = [
+    "Admission", "AdmissionDecision", "AdmitAll", "FleetSimulator", "HashCache", "InstanceSpec", "SiteChooser",
+    "SimInput", "SimResult", "TraceLike", "estimate_capacity", "fleet_instances", "prepare", "simulate",
+    "site_rtt_s",
+]
