@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
