@@ -72,10 +72,14 @@ def test_kv_pressure_and_interference_are_priced() -> None:
     by = {c.name: c.detail for c in d.candidates}
     assert by["a"]["kv_pressure_s"] > 0 and by["b"]["kv_pressure_s"] == 0
     assert d.instance_id == "b"
-    tp = pilot("a", "b")
-    d = tp.route(req("r", list(range(100, 108))), [inst("a", num_running=200), inst("b")], 0.0)
+    # a's 300 streams are already at their TPOT budget: a 20k-token prefill there costs them;
+    # 20 streams have slack to absorb it.
+    tp = pilot("a", "b", "c")
+    d = tp.route(req("r", list(range(100, 140))),
+                 [inst("a", num_running=300), inst("b", num_running=20), inst("c")], 0.0)
     by = {c.name: c.detail for c in d.candidates}
-    assert by["a"]["interference_s"] > by["b"]["interference_s"] == 0
+    assert by["a"]["interference_s"] > 0
+    assert by["b"]["interference_s"] == by["c"]["interference_s"] == 0
 
 
 def test_affinity_gives_way_as_backlog_grows() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class EnginePrior:
     prefill_token_s: float = 1 / 20_000  # compute time per prefill token in a full batch
+    attn_s_per_token_ctx: float = 1e-9  # attention: extra time per prefill token per context token
     kv_read_s_per_token: float = 4e-8  # time to read one context token's KV in a decode step
     step_overhead_s: float = 0.008  # weights read + fixed cost: a decode-only step's floor
     capacity_blocks: int = 1 << 15
@@ -35,8 +36,11 @@ def prior_from_physics(spec: str, gpu: str, tp: int = 1, block_size: int = 16,
     one = timer.step_time([], [1])
     ctx = 8192
     kv = (timer.step_time([], [1 + ctx]) - one) / ctx
+    far = 65536
+    attn = (timer.step_time([(max_batched_tokens, far)], []) - full) / (max_batched_tokens * far)
     return EnginePrior(
         prefill_token_s=max(full - one, 1e-9) / max_batched_tokens,
+        attn_s_per_token_ctx=max(attn, 0.0),
         kv_read_s_per_token=max(kv, 0.0),
         step_overhead_s=one,
         capacity_blocks=max(1, timer.kv_capacity_tokens(gpu_memory_utilization) // block_size),

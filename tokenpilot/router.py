@@ -6,8 +6,9 @@ seconds of what sending the request there costs:
 
     cost = queue wait                 backlog of prefill work ahead of it / effective rate
          + prefill of uncached tokens (prompt - longest cached prefix there) / effective rate
-         + decode interference        extra delay this prefill puts on the streams decoding
-                                      there, weighted by how close they are to their TPOT SLO
+         + decode interference        the part of this prefill's compute that pushes the streams
+                                      decoding there past their TPOT budget over their
+                                      remaining output (streams with slack absorb it for free)
          + KV pressure                risk of evicting hot prefixes or preempting when the
                                       instance's KV cache is nearly full
 
@@ -42,8 +43,10 @@ class TokenPilotConfig:
     kv_high_water: float = 0.97  # instances above this KV usage are filtered out
     kv_soft_mark: float = 0.85  # KV pressure cost starts here
     kv_pressure_weight: float = 1.0  # x prefill time at a completely full cache
-    interference_weight: float = 0.02  # seconds of our TTFT worth one second of delay to one stream
+    kv_overflow_weight: float = 10.0  # x prefill time per unit of predicted overflow (preemption)
+    interference_weight: float = 1.0  # seconds of our TTFT worth one second of SLO overrun of one stream
     tpot_slo_s: float = 0.05
+    locality_weight: float = 0.0  # x the prefill time a cache hit saves, credited on top of TTFT
     explore: float = 0.01
     explore_slack: float = 1.25
     max_decisions_kept: int = 256
@@ -93,7 +96,7 @@ class _Explained(Sequence[Candidate]):
 class _Slots:
     """Per-instance state as numpy columns, so one decision scores every candidate at once."""
 
-    FIELDS = ("token_s", "kv_s", "overhead_s", "capacity_blocks", "budget", "prefill_factor",
+    FIELDS = ("token_s", "attn_s", "kv_s", "overhead_s", "capacity_blocks", "budget", "prefill_factor",
               "decode_factor", "backlog", "backlog_at", "context", "streams")
 
     def __init__(self) -> None:
@@ -137,6 +140,7 @@ class TokenPilot:
         self._learned: list[_Learned] = []
         self._inflight: dict[str, _Inflight] = {}
         self._rng = random.Random(seed)
+        self._mean_output = 256.0  # learned from outcomes (EWMA)
         self.decisions: list[tuple[str, RouteDecision]] = []
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
@@ -149,6 +153,7 @@ class TokenPilot:
             self._learned.append(_Learned(SpeedFactor(), SpeedFactor()))
         s = self._s
         s.token_s[k] = prior.prefill_token_s
+        s.attn_s[k] = prior.attn_s_per_token_ctx
         s.kv_s[k] = prior.kv_read_s_per_token
         s.overhead_s[k] = prior.step_overhead_s
         s.capacity_blocks[k] = prior.capacity_blocks
@@ -183,7 +188,8 @@ class TokenPilot:
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
-        self._commit(profile, self._s.index[ids[chosen]], ids[chosen], cached, ttft, now)
+        self._commit(profile, self._s.index[ids[chosen]], ids[chosen], cached, ttft,
+                     float(terms[3][chosen]), now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))
@@ -203,7 +209,8 @@ class TokenPilot:
         prompt = profile.prompt_tokens
         cached = np.minimum(np.asarray(matched_blocks, dtype=float) * profile.block_size, max(prompt - 1, 0))
         uncached = prompt - cached
-        token_s = s.token_s[k] * s.prefill_factor[k]
+        speed = s.prefill_factor[k]
+        token_s = s.token_s[k] * speed
         kv_s = s.kv_s[k] * s.decode_factor[k]
         overhead = s.overhead_s[k]
         # Context decoding alongside the prefill: what we routed there, or what the engine
@@ -212,31 +219,48 @@ class TokenPilot:
         streams = np.maximum(ours, running)
         mean_ctx = np.where(ours > 0, s.context[k] / np.maximum(ours, 1), prompt)
         context = streams * mean_ctx
-        # Seconds per prefill token when each full step also reads every stream's KV.
-        eff_token_s = token_s + (context * kv_s + overhead) / s.budget[k]
-        # Prefill tokens still ahead, drained at the effective rate since the last look.
-        backlog = np.maximum(0.0, s.backlog[k] - np.maximum(0.0, now - s.backlog_at[k]) / eff_token_s)
+        # Prefill = linear layers per token + attention over the context so far (quadratic in
+        # long prompts) + every step's decode KV reads and fixed cost while it runs.
+        compute = uncached * token_s + s.attn_s[k] * speed * uncached * (cached + uncached / 2)
+        steps = uncached / s.budget[k]
+        prefill = compute + steps * (context * kv_s + overhead) + overhead
+        # Prefill work routed here and not yet done (seconds), drained by the clock.
+        backlog = np.maximum(0.0, s.backlog[k] - np.maximum(0.0, now - s.backlog_at[k]))
         s.backlog[k] = backlog
         s.backlog_at[k] = np.maximum(s.backlog_at[k], now)
-        waiting_hint = waiting * mean_ctx * 0.5  # engine queue we did not route ourselves
-        queue = np.maximum(backlog, waiting_hint) * eff_token_s
-        prefill = uncached * eff_token_s + overhead
+        per_token = compute / np.maximum(uncached, 1) + (context * kv_s + overhead) / s.budget[k]
+        waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
+        queue = np.maximum(backlog, waiting_hint)
         ttft = queue + prefill
+        # Each running stream absorbs this prefill's compute as gaps between its tokens over
+        # its remaining output; only what pushes it past its TPOT budget costs goodput.
         decode_step = overhead * s.decode_factor[k] + context * kv_s
-        pressure = np.minimum(2.0, decode_step / cfg.tpot_slo_s)
-        interference = cfg.interference_weight * streams * uncached * token_s * pressure
-        new_usage = kv_usage + uncached / (profile.block_size * s.capacity_blocks[k])
-        kv_cost = cfg.kv_pressure_weight * prefill * np.maximum(0.0, new_usage - cfg.kv_soft_mark) \
-            / (1 - cfg.kv_soft_mark)
-        return ttft + interference + kv_cost, ttft, queue, prefill, interference, kv_cost, cached
+        remaining = self._remaining_tokens()
+        slack = (cfg.tpot_slo_s - decode_step) * remaining
+        interference = cfg.interference_weight * streams * np.maximum(0.0, compute - slack)
+        # The whole request holds KV once running (cached blocks become referenced too), and
+        # streams grow as they decode; past the soft mark it risks evicting hot prefixes,
+        # past full it will be preempted and recomputed (its TTFT doubles).
+        need = (prompt + self._mean_output) / (profile.block_size * s.capacity_blocks[k])
+        new_usage = kv_usage + need
+        kv_cost = prefill * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
+                             / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
+        # Locality: reusing a prefix where it already lives also spares the fleet a second copy
+        # of it, which keeps every instance's cache holding more distinct prefixes.
+        locality = cfg.locality_weight * cached * token_s
+        return ttft + interference + kv_cost - locality, ttft, queue, prefill, interference, kv_cost, cached
+
+    def _remaining_tokens(self) -> float:
+        """Tokens a running stream still has to produce, on average (half a mean answer)."""
+        return max(16.0, self._mean_output / 2)
 
     def _explain(self, ids: Sequence[str], terms: tuple[np.ndarray, ...]) -> _Explained:
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, cached: int, ttft: float,
-                now: float) -> None:
+                prefill_s: float, now: float) -> None:
         s = self._s
-        s.backlog[k] += profile.prompt_tokens - cached
+        s.backlog[k] += prefill_s
         s.context[k] += profile.prompt_tokens
         s.streams[k] += 1
         self.index.record_route(instance_id, profile.block_hashes, now)
@@ -252,6 +276,8 @@ class TokenPilot:
         s.context[k] = max(0.0, s.context[k] - rec.prompt_tokens)
         if not outcome.ok or outcome.cancelled:
             return
+        if outcome.output_tokens > 0:
+            self._mean_output += 0.02 * (outcome.output_tokens - self._mean_output)
         learned = self._learned[k]
         if outcome.ttft_s is not None:
             learned.prefill.update(outcome.ttft_s, rec.predicted_ttft_s)
@@ -271,5 +297,5 @@ class TokenPilot:
         s, k = self._s, self._slot(instance_id)
         return {"prefill_speed_factor": float(s.prefill_factor[k]),
                 "decode_speed_factor": float(s.decode_factor[k]),
-                "backlog_tokens": float(s.backlog[k]), "streams": float(s.streams[k]),
+                "backlog_s": float(s.backlog[k]), "streams": float(s.streams[k]),
                 "index_entries": float(self.index.entries(instance_id))}
