@@ -46,7 +46,7 @@ class TokenPilotConfig:
     kv_overflow_weight: float = 10.0  # x prefill time per unit of predicted overflow (preemption)
     interference_weight: float = 1.0  # seconds of our TTFT worth one second of SLO overrun of one stream
     tpot_slo_s: float = 0.05
-    locality_weight: float = 0.0  # x the prefill time a cache hit saves, credited on top of TTFT
+    locality_weight: float = 1.0  # x the prefill time a cache hit saves, credited on top of TTFT
     explore: float = 0.01
     explore_slack: float = 1.25
     max_decisions_kept: int = 256
