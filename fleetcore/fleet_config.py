@@ -26,6 +26,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fleetcore.admission_config import AdmissionConfig, BudgetConfig, ClassSLOConfig, check_tenant_classes
+from fleetcore.region_policy import RegionPolicy, check_policy
+
 
 class FleetConfigError(ValueError):
     """A fleet file that cannot be used; the message names the file and the field."""
@@ -104,6 +107,11 @@ class TenantConfig(_Strict):
     api_key_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of keys")
     default_class: str = "interactive"
     region: str | None = None
+    # Admission (SLOMax); see fleetcore.admission_config.
+    priority: int = Field(default=0, description="higher is served first inside a class queue")
+    budgets: BudgetConfig | None = None
+    slos: dict[str, ClassSLOConfig] = Field(default_factory=dict, description="per-class SLO overrides")
+    class_shares: dict[str, float] = Field(default_factory=dict, description="weight among tenants in a class")
 
     def key_hashes(self) -> list[str]:
         return [hash_api_key(k) for k in self.api_keys] + [h.lower() for h in self.api_key_sha256]
@@ -116,6 +124,35 @@ class FleetConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     deployments: list[DeploymentConfig] = Field(default_factory=list)
     tenants: list[TenantConfig] = Field(default_factory=list)
+    region_policies: list[RegionPolicy] = Field(default_factory=list)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    admin_api_keys: list[str] = Field(default_factory=list, description="plain admin keys (dev only)")
+    admin_api_key_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of admin keys")
+
+    @model_validator(mode="after")
+    def _check_admission(self) -> FleetConfig:
+        errors = check_tenant_classes(self.admission, self.tenants)
+        if errors:
+            raise ValueError("; ".join(errors))
+        tenant_keys = {h for t in self.tenants for h in t.key_hashes()}
+        if tenant_keys & set(self.admin_key_hashes()):
+            raise ValueError("admin_api_keys: an admin key is also a tenant's API key")
+        return self
+
+    def admin_key_hashes(self) -> list[str]:
+        return [hash_api_key(k) for k in self.admin_api_keys] + [h.lower() for h in self.admin_api_key_sha256]
+
+    @model_validator(mode="after")
+    def _check_region_policies(self) -> FleetConfig:
+        models, tenants = {m.name for m in self.models}, {t.name for t in self.tenants}
+        for i, p in enumerate(self.region_policies):
+            errors = check_policy(p, self.sites, models, tenants)
+            if errors:
+                raise ValueError(f"region_policies[{i}]: " + "; ".join(errors))
+        keys = [p.key for p in self.region_policies]
+        if len(keys) != len(set(keys)):
+            raise ValueError("region_policies: more than one policy for the same (tenant, model)")
+        return self
 
     @model_validator(mode="after")
     def _cross_references(self) -> FleetConfig:

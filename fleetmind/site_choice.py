@@ -1,19 +1,46 @@
-"""Per-request site choice, first cut: the nearest site that can serve the request now.
+"""Per-request site choice (FleetMind's short cycle).
 
-The full FleetMind (residency policy, headroom, queueing, cache and transfer cost,
-spill with hysteresis) replaces this behind the same `choose` signature.
+Filter, then score, then decide with hysteresis:
+
+1. Filter: sites the region policy allows for this tenant and model (a hard
+   constraint, never traded against anything), that have ready instances of the
+   requested model and version.
+2. Score each: network RTT from the client's entry region + the TTFT predicted at
+   that site's best instance (queueing and prefill of the part it has not cached;
+   from the instance router's `predict`, so cache state counts) + transfer cost
+   (egress $/GB of the request, weighted into seconds).
+3. Stay home unless home would miss the class's TTFT SLO and another allowed site
+   scores clearly better (`margin`). Spilling is a per (tenant, model, home) mode
+   with hysteresis: it starts when home's predicted TTFT passes `enter_ratio` x SLO
+   and ends only after home has stayed under `exit_ratio` x SLO for `hold_s`, so
+   decisions do not flap at the boundary. While spilling, each request goes to the
+   best-scoring site among home and the allowed spill sites.
+
+`NearestReadySite` is the simple baseline (nearest ready site, no policy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-from fleetcore.types import Candidate, FleetView, RequestProfile, SiteDecision
+from fleetcore.slo import DEFAULT_SLOS, ClassSLO, class_by_length
+from fleetcore.types import Candidate, FleetView, InstanceSnapshot, RequestOutcome, RequestProfile, SiteDecision, SiteSnapshot
+from fleetmind.residency import PolicySet, Residency
 
 UNKNOWN_RTT_MS = 1000.0
 
 
+def rtt_ms(site: SiteSnapshot, client_region: str | None) -> float:
+    if client_region == site.region:
+        return site.rtt_ms.get(site.region, 0.0)
+    return site.rtt_ms.get(client_region or "", UNKNOWN_RTT_MS)
+
+
 class NearestReadySite:
+    """Baseline: the nearest site with a ready instance; no residency policy, no load."""
+
     name = "nearest_ready"
 
     def choose(self, profile: RequestProfile, view: FleetView, now: float,
@@ -31,3 +58,148 @@ class NearestReadySite:
             return SiteDecision(None, f"no site has a ready instance of {profile.model!r}")
         best = min(scored, key=lambda c: (c.score, c.name))
         return SiteDecision(best.name, f"nearest ready site ({best.score:.0f} ms)", scored)
+
+
+class SitePredictor(Protocol):
+    def predict(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                now: float) -> tuple[float, int] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FleetMindConfig:
+    enter_ratio: float = 1.0  # home's predicted TTFT / SLO above which spilling starts
+    exit_ratio: float = 0.7  # ... below which (held for hold_s) it stops
+    hold_s: float = 5.0
+    margin: float = 0.2  # another site must score this fraction better than home
+    never_spill: bool = False  # the "home" placement: residency and readiness only
+    usd_to_s: float = 10.0  # seconds of latency one dollar of egress is worth
+    bytes_per_token: float = 4.0
+    fallback_service_s: float = 0.5  # per queued request, when no predictor is given
+
+
+@dataclass(slots=True)
+class _Mode:
+    spilling: bool = False
+    calm_since: float | None = None
+    since: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    site: SiteSnapshot
+    score: float
+    ttft_s: float
+    rtt_s: float
+    transfer_s: float
+    cached: int
+
+
+class FleetMind:
+    name = "fleetmind"
+
+    def __init__(self, policies: PolicySet | None = None, predictor: SitePredictor | None = None,
+                 slos: Mapping[str, ClassSLO] = DEFAULT_SLOS, config: FleetMindConfig | None = None,
+                 egress_cost_per_gb: Mapping[str, float] | None = None) -> None:
+        self.policies = policies or PolicySet()
+        self.predictor = predictor
+        self.slos = slos
+        self.config = config or FleetMindConfig()
+        self.egress = dict(egress_cost_per_gb or {})
+        self._modes: dict[tuple[str, str, str], _Mode] = {}
+
+    def set_policies(self, policies: PolicySet) -> None:
+        """Swap the whole policy set (admin API); takes effect on the next request."""
+        self.policies = policies
+
+    def residency(self, profile: RequestProfile, view: FleetView) -> Residency:
+        return self.policies.resolve(profile.tenant, profile.model, view.sites)
+
+    def choose(self, profile: RequestProfile, view: FleetView, now: float,
+               exclude_instances: Collection[str] = ()) -> SiteDecision:
+        res = self.residency(profile, view)
+        if not res.allowed:
+            return SiteDecision(None, f"region policy allows no site for tenant {profile.tenant!r} "
+                                      f"and model {profile.model!r}")
+        rows = self._score_sites(profile, view, res, now, exclude_instances)
+        if not rows:
+            return SiteDecision(None, f"no allowed site has a ready instance of {profile.model!r}"
+                                + (f" version {profile.model_version!r}" if profile.model_version else ""))
+        by_name = {r.site.name: r for r in rows}
+        home_name = res.home or self._nearest_allowed(view, res, profile.client_region)
+        home = by_name.get(home_name) if home_name else None
+        cands = [Candidate(r.site.name, r.score, {"predicted_ttft_s": r.ttft_s, "rtt_s": r.rtt_s,
+                                                  "transfer_s": r.transfer_s, "cached_tokens": float(r.cached)})
+                 for r in rows]
+        spill_rows = [r for r in rows if r.site.name in res.spill_sites and r is not home]
+        may_spill = res.spill and not self.config.never_spill and bool(spill_rows)
+        if home is None:
+            if not may_spill:
+                return SiteDecision(None, f"home site {home_name!r} has no ready instance and spill "
+                                          "is not allowed", cands)
+            best = min(spill_rows, key=lambda r: (r.score, r.site.name))
+            return SiteDecision(best.site.name, f"home {home_name!r} not ready: spill", cands)
+        if not may_spill:
+            return SiteDecision(home.site.name, "home site", cands)
+        mode = self._mode(profile, home.site.name, home, spill_rows, now)
+        if not mode.spilling:
+            return SiteDecision(home.site.name, "home site (within SLO)", cands)
+        best = min([home, *spill_rows], key=lambda r: (r.score, r.site.name))
+        reason = "spill: home would miss its TTFT SLO" if best is not home else "spilling, home is best now"
+        return SiteDecision(best.site.name, reason, cands)
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        pass
+
+    # -- internals ------------------------------------------------------------------
+    def _score_sites(self, profile: RequestProfile, view: FleetView, res: Residency, now: float,
+                     exclude: Collection[str]) -> list[_Row]:
+        rows = []
+        gb = (profile.prompt_tokens + (profile.max_tokens or 0)) * self.config.bytes_per_token / 1e9
+        for site in view.sites:
+            if site.name not in res.allowed:
+                continue
+            pool = [i for i in site.pool(profile.model, profile.model_version) if i.instance_id not in exclude]
+            if not pool:
+                continue
+            ttft, cached = self._predict(profile, pool, now)
+            rtt = rtt_ms(site, profile.client_region) / 1000
+            transfer = self.egress.get(site.name, 0.0) * gb * self.config.usd_to_s
+            rows.append(_Row(site, rtt + ttft + transfer, ttft, rtt, transfer, cached))
+        return rows
+
+    def _predict(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], now: float) -> tuple[float, int]:
+        if self.predictor is not None:
+            p = self.predictor.predict(profile, pool, now)
+            if p is not None:
+                return p
+        # Without a cost model: queue depth of the least loaded instance times a typical service time.
+        depth = min(max(i.inflight - i.num_running, 0) + i.num_waiting for i in pool)
+        return depth * self.config.fallback_service_s, 0
+
+    @staticmethod
+    def _nearest_allowed(view: FleetView, res: Residency, region: str | None) -> str | None:
+        sites = [s for s in view.sites if s.name in res.allowed]
+        return min(sites, key=lambda s: (rtt_ms(s, region), s.name)).name if sites else None
+
+    def _slo_ttft(self, profile: RequestProfile) -> float:
+        slo = self.slos.get(profile.request_class or class_by_length(profile.prompt_tokens))
+        return slo.ttft_s if slo is not None and slo.ttft_s is not None else 60.0
+
+    def _mode(self, profile: RequestProfile, home_name: str, home: _Row, others: Sequence[_Row],
+              now: float) -> _Mode:
+        key = (profile.tenant, profile.model, home_name)
+        mode = self._modes.setdefault(key, _Mode())
+        ratio = home.ttft_s / self._slo_ttft(profile)
+        cfg = self.config
+        if not mode.spilling:
+            best_other = min(r.score for r in others)
+            if ratio > cfg.enter_ratio and best_other < home.score * (1 - cfg.margin):
+                mode.spilling, mode.calm_since, mode.since = True, None, now
+        elif ratio < cfg.exit_ratio:
+            if mode.calm_since is None:
+                mode.calm_since = now
+            elif now - mode.calm_since >= cfg.hold_s:
+                mode.spilling, mode.calm_since, mode.since = False, None, now
+        else:
+            mode.calm_since = None
+        return mode

@@ -168,18 +168,36 @@ class TokenPilot:
         return k
 
     # -- the decision --------------------------------------------------------
+    def _eligible(self, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+        hw = self.config.kv_high_water
+        return [c for c in candidates if c.ready and not c.draining and c.role != "decode" and c.kv_usage < hw]
+
+    def _terms(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
+               now: float) -> tuple[list[str], tuple[np.ndarray, ...]]:
+        ids = [c.instance_id for c in pool]
+        matched = self.index.match(profile.block_hashes, ids)
+        return ids, self._score(profile, pool, ids, [matched[i] for i in ids], now)
+
+    def predict(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                now: float) -> tuple[float, int] | None:
+        """(predicted TTFT s, cached tokens) of the best instance among `candidates`, without
+        routing there: how the site chooser compares whole sites. None if none is eligible."""
+        pool = self._eligible(candidates)
+        if not pool:
+            return None
+        _, terms = self._terms(profile, pool, now)
+        best = int(np.argmin(terms[0]))
+        return float(terms[1][best]), int(terms[6][best])
+
     def route(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
               now: float) -> RouteDecision:
         cfg = self.config
-        pool = [c for c in candidates if c.ready and not c.draining and c.role != "decode"
-                and c.kv_usage < cfg.kv_high_water]
+        pool = self._eligible(candidates)
         if not pool:
             why = "no candidate instance" if not candidates else \
                 f"all {len(candidates)} candidate(s) unready, draining or above KV high-water {cfg.kv_high_water:.0%}"
             return RouteDecision(None, why)
-        ids = [c.instance_id for c in pool]
-        matched = self.index.match(profile.block_hashes, ids)
-        terms = self._score(profile, pool, ids, [matched[i] for i in ids], now)
+        ids, terms = self._terms(profile, pool, now)
         cost = terms[0]
         best = int(np.argmin(cost))  # pool order is instance-id order: ties go to the smallest id
         chosen, reason = best, "lowest predicted cost"

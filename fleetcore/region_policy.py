@@ -1,0 +1,92 @@
+"""Region policy: where a tenant's requests for a model may run (data residency is a hard
+constraint), which site is home, and whether and where demand may spill.
+
+A policy names a tenant and a model, or `*` for any. Every policy that matches a
+request applies and their allowed sets are *intersected* — a tenant-wide residency
+rule cannot be widened by a model-wide one. Home and spill settings come from the
+most specific matching policy (tenant+model, then tenant, then model, then `*`).
+This module holds the schema and its checks against a fleet; FleetMind
+(`fleetmind.residency`) resolves and enforces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+WILDCARD = "*"
+
+
+class SiteLike(Protocol):
+    name: str
+    region: str
+    jurisdiction: str
+
+
+class RegionPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: str = Field(default=WILDCARD, min_length=1)
+    model: str = Field(default=WILDCARD, min_length=1)
+    allowed_jurisdictions: list[str] | None = None
+    allowed_regions: list[str] | None = None
+    allowed_sites: list[str] | None = None
+    home_site: str | None = None
+    spill: bool = True
+    spill_sites: list[str] | None = Field(default=None, description="where spill may go (default: any allowed)")
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _non_empty_lists(self) -> RegionPolicy:
+        for name in ("allowed_jurisdictions", "allowed_regions", "allowed_sites", "spill_sites"):
+            value = getattr(self, name)
+            if value is not None and not value:
+                raise ValueError(f"{name} is empty: nothing would be allowed (omit it to allow any)")
+        return self
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.model)
+
+    @property
+    def specificity(self) -> int:
+        return (2 if self.tenant != WILDCARD else 0) + (1 if self.model != WILDCARD else 0)
+
+    def matches(self, tenant: str, model: str) -> bool:
+        return self.tenant in (WILDCARD, tenant) and self.model in (WILDCARD, model)
+
+    def allows(self, site: SiteLike) -> bool:
+        return ((self.allowed_jurisdictions is None or site.jurisdiction in self.allowed_jurisdictions)
+                and (self.allowed_regions is None or site.region in self.allowed_regions)
+                and (self.allowed_sites is None or site.name in self.allowed_sites))
+
+
+def check_policy(p: RegionPolicy, sites: Sequence[SiteLike], models: Collection[str],
+                 tenants: Collection[str]) -> list[str]:
+    """What is wrong with `p` in this fleet, as messages naming the field (empty: fine)."""
+    errors: list[str] = []
+    names = {s.name for s in sites}
+    if p.tenant != WILDCARD and p.tenant not in tenants:
+        errors.append(f"tenant: unknown tenant {p.tenant!r} (known: {sorted(tenants)})")
+    if p.model != WILDCARD and p.model not in models:
+        errors.append(f"model: unknown model {p.model!r} (known: {sorted(models)})")
+    for field, known in (("allowed_sites", names), ("spill_sites", names),
+                         ("allowed_regions", {s.region for s in sites}),
+                         ("allowed_jurisdictions", {s.jurisdiction for s in sites})):
+        unknown = sorted(set(getattr(p, field) or ()) - known)
+        if unknown:
+            errors.append(f"{field}: unknown {unknown} (known: {sorted(known)})")
+    allowed = {s.name for s in sites if p.allows(s)}
+    if not allowed and not errors:
+        errors.append("no site satisfies allowed_jurisdictions / allowed_regions / allowed_sites together")
+    if p.home_site is not None:
+        if p.home_site not in names:
+            errors.append(f"home_site: unknown site {p.home_site!r}")
+        elif p.home_site not in allowed:
+            errors.append(f"home_site: {p.home_site!r} is outside what the policy allows")
+    outside = sorted(set(p.spill_sites or ()) & names - allowed)
+    if outside:
+        errors.append(f"spill_sites: {outside} are outside what the policy allows")
+    return errors
