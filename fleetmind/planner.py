@@ -1,0 +1,199 @@
+"""FleetMind's long cycle: place model replicas where demand is, and undo moves that hurt.
+
+Pure: the composition root feeds it demand and goodput observations and applies the
+plans it returns through the engine adapters (the simulator through its engines).
+
+Demand is measured as engine work: seconds of instance time per second that requests
+whose *home* is a site need (spilled requests count for their home, which is where
+capacity was missing). Each cycle:
+
+1. Per (site, model): replicas wanted = ceil(demand rate / target utilisation), where
+   the demand rate is an EWMA over `window_s` extrapolated `lead_s` ahead along its
+   trend (pre-warming: a replica takes `startup_s` to come up, so it is asked for
+   before the peak, not at it).
+2. Moves pair the largest deficit with the largest surplus of the same model
+   (a replica leaves a site that does not need it and starts where demand is),
+   within each site's GPU budget and per-site minimums; one move per cycle and a
+   `cooldown_s` between changes, so each change can be judged on its own.
+3. After applying a move, goodput is watched for `watch_s`; if it falls more than
+   `rollback_drop` below its level before the move, the move is rolled back.
+
+Every plan, apply and rollback is logged (`log`), for the admin API.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Key = tuple[str, str]  # (site, model)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    model: str
+    from_site: str | None  # None: add a replica without removing one
+    to_site: str | None  # None: remove only
+
+    def inverse(self) -> Move:
+        return Move(self.model, self.to_site, self.from_site)
+
+    def describe(self) -> str:
+        src = self.from_site or "(new)"
+        dst = self.to_site or "(released)"
+        return f"{self.model}: {src} -> {dst}"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    window_s: float = 60.0
+    lead_s: float = 60.0  # how far ahead demand is extrapolated (>= replica start-up time)
+    target_utilisation: float = 0.7
+    cooldown_s: float = 120.0
+    watch_s: float = 60.0
+    rollback_drop: float = 0.15  # roll back when goodput falls this fraction below its baseline
+    min_replicas: int = 0  # per (site, model) that already has one
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    at: float
+    kind: Literal["plan", "apply", "rollback", "keep"]
+    move: Move | None
+    reason: str
+
+
+@dataclass(slots=True)
+class _Rate:
+    """EWMA of a rate with a trend, over irregular observations."""
+
+    value: float = 0.0
+    slope: float = 0.0
+    last: float | None = None
+    pending: float = 0.0
+
+    def add(self, amount: float) -> None:
+        self.pending += amount
+
+    def roll(self, now: float, window_s: float) -> None:
+        if self.last is None:
+            self.last = now
+            return
+        dt = now - self.last
+        if dt <= 0:
+            return
+        alpha = 1 - math.exp(-dt / window_s)
+        new = self.value + alpha * (self.pending / dt - self.value)
+        self.slope += alpha * ((new - self.value) / dt - self.slope)
+        self.value, self.pending, self.last = new, 0.0, now
+
+    def ahead(self, lead_s: float) -> float:
+        return max(0.0, self.value + self.slope * lead_s)
+
+
+@dataclass(slots=True)
+class _Watch:
+    move: Move
+    started: float
+    baseline: float
+    samples: list[float] = field(default_factory=list)
+
+
+class Planner:
+    def __init__(self, replica_capacity: Mapping[str, float] | None = None,
+                 gpu_budget: Mapping[str, int] | None = None, gpus_per_replica: Mapping[str, int] | None = None,
+                 config: PlannerConfig | None = None) -> None:
+        # work-seconds per second one replica of a model supplies (1.0 = fully busy)
+        self.replica_capacity = dict(replica_capacity or {})
+        self.gpu_budget = dict(gpu_budget or {})  # site -> GPUs available for replicas
+        self.gpus_per_replica = dict(gpus_per_replica or {})  # model -> GPUs (TP)
+        self.config = config or PlannerConfig()
+        self._demand: dict[Key, _Rate] = {}
+        self._goodput: list[tuple[float, float]] = []
+        self._last_change = -math.inf
+        self._watch: _Watch | None = None
+        self.log: list[LogEntry] = []
+
+    # -- observations ---------------------------------------------------------------
+    def record_demand(self, site: str, model: str, work_s: float) -> None:
+        self._demand.setdefault((site, model), _Rate()).add(work_s)
+
+    def record_goodput(self, goodput_tok_s: float, now: float) -> None:
+        self._goodput.append((now, goodput_tok_s))
+        horizon = now - 4 * max(self.config.window_s, self.config.watch_s)
+        while self._goodput and self._goodput[0][0] < horizon:
+            self._goodput.pop(0)
+        if self._watch is not None and now >= self._watch.started:
+            self._watch.samples.append(goodput_tok_s)
+
+    # -- the cycle ------------------------------------------------------------------
+    def wanted(self, now: float) -> dict[Key, int]:
+        cfg = self.config
+        out = {}
+        for key, rate in self._demand.items():
+            rate.roll(now, cfg.window_s)
+            cap = self.replica_capacity.get(key[1], 1.0) * cfg.target_utilisation
+            out[key] = math.ceil(rate.ahead(cfg.lead_s) / cap - 1e-9) if cap > 0 else 0
+        return out
+
+    def plan(self, placement: Mapping[Key, int], now: float) -> Move | None:
+        """At most one move, or None. `placement` = replicas per (site, model) now."""
+        if self._watch is not None or now - self._last_change < self.config.cooldown_s:
+            return None
+        wanted = self.wanted(now)
+        models = {m for _, m in placement} | {m for _, m in wanted}
+        best: tuple[int, Move, str] | None = None
+        for model in sorted(models):
+            keys = sorted({k for k in placement if k[1] == model} | {k for k in wanted if k[1] == model})
+            gap = {k: wanted.get(k, 0) - placement.get(k, 0) for k in keys}
+            short = max(keys, key=lambda k: (gap[k], k), default=None)
+            if short is None or gap[short] <= 0:
+                continue
+            spare = [k for k in keys if gap[k] < 0 and placement.get(k, 0) > self.config.min_replicas]
+            if spare:
+                src = min(spare, key=lambda k: (gap[k], k))
+                move = Move(model, src[0], short[0])
+                reason = (f"{short[0]} needs {wanted.get(short, 0)} replica(s) of {model}, has "
+                          f"{placement.get(short, 0)}; {src[0]} has {placement.get(src, 0)}, needs {wanted.get(src, 0)}")
+            elif self._free_gpus(short[0], placement) >= self.gpus_per_replica.get(model, 1):
+                move = Move(model, None, short[0])
+                reason = f"{short[0]} needs {wanted.get(short, 0)} replica(s) of {model}; GPUs are free there"
+            else:
+                continue
+            if best is None or gap[short] > best[0]:
+                best = (gap[short], move, reason)
+        if best is None:
+            return None
+        self.log.append(LogEntry(now, "plan", best[1], best[2]))
+        return best[1]
+
+    def applied(self, move: Move, now: float) -> None:
+        """The move was carried out: start watching goodput against the level before it."""
+        before = [g for t, g in self._goodput if t >= now - self.config.window_s]
+        baseline = sum(before) / len(before) if before else 0.0
+        self._watch = _Watch(move, now, baseline)
+        self._last_change = now
+        self.log.append(LogEntry(now, "apply", move, f"goodput before: {baseline:.0f} tok/s"))
+
+    def check(self, now: float) -> Move | None:
+        """After a watch period: the inverse move if goodput dropped past the threshold."""
+        w = self._watch
+        if w is None or now - w.started < self.config.watch_s:
+            return None
+        self._watch = None
+        after = sum(w.samples) / len(w.samples) if w.samples else 0.0
+        if w.baseline > 0 and after < w.baseline * (1 - self.config.rollback_drop):
+            undo = w.move.inverse()
+            self._last_change = now
+            self.log.append(LogEntry(now, "rollback", undo,
+                                     f"goodput fell {1 - after / w.baseline:.0%} after {w.move.describe()} "
+                                     f"({w.baseline:.0f} -> {after:.0f} tok/s)"))
+            return undo
+        self.log.append(LogEntry(now, "keep", w.move, f"goodput {w.baseline:.0f} -> {after:.0f} tok/s"))
+        return None
+
+    def _free_gpus(self, site: str, placement: Mapping[Key, int]) -> int:
+        used = sum(n * self.gpus_per_replica.get(m, 1) for (s, m), n in placement.items() if s == site)
+        return self.gpu_budget.get(site, 0) - used

@@ -1,0 +1,84 @@
+"""The placement planner: follows demand with pre-warming, one move at a time, and rolls back a move that hurts."""
+
+from __future__ import annotations
+
+from fleetmind.planner import Move, Planner, PlannerConfig
+
+CFG = PlannerConfig(window_s=10, lead_s=10, target_utilisation=0.5, cooldown_s=30, watch_s=20,
+                    rollback_drop=0.15)
+
+
+def feed(p: Planner, t0: float, t1: float, demand: dict[str, float], goodput: float = 100.0) -> None:
+    t = t0
+    while t < t1:
+        for site, work in demand.items():
+            p.record_demand(site, "m", work)
+        p.record_goodput(goodput, t)
+        t += 1.0
+        p.wanted(t)
+
+
+def test_moves_a_replica_toward_demand() -> None:
+    p = Planner({"m": 1.0}, config=CFG)
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    feed(p, 0, 60, {"a": 3.9, "b": 0.2})  # a needs ~8 replicas at 50% target, b ~1
+    move = p.plan(placement, 60)
+    assert move == Move("m", "b", "a")
+    assert p.log[-1].kind == "plan" and "a needs" in p.log[-1].reason
+
+
+def test_one_move_then_cooldown_and_watch() -> None:
+    p = Planner({"m": 1.0}, config=CFG)
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    feed(p, 0, 60, {"a": 3.9, "b": 0.2})
+    move = p.plan(placement, 60)
+    assert move is not None
+    p.applied(move, 60)
+    assert p.plan(placement, 61) is None  # watching
+
+
+def test_rolls_back_a_move_that_hurts_goodput() -> None:
+    p = Planner({"m": 1.0}, config=CFG)
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    feed(p, 0, 60, {"a": 3.9, "b": 0.2}, goodput=100)
+    move = p.plan(placement, 60)
+    assert move is not None
+    p.applied(move, 60)
+    feed(p, 60, 85, {"a": 3.9, "b": 0.2}, goodput=60)  # 40% worse
+    undo = p.check(85)
+    assert undo == move.inverse()
+    assert [e.kind for e in p.log] == ["plan", "apply", "rollback"]
+    assert "fell 40%" in p.log[-1].reason
+
+
+def test_keeps_a_move_that_helps() -> None:
+    p = Planner({"m": 1.0}, config=CFG)
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    feed(p, 0, 60, {"a": 3.9, "b": 0.2}, goodput=100)
+    move = p.plan(placement, 60)
+    assert move is not None
+    p.applied(move, 60)
+    feed(p, 60, 85, {"a": 3.9, "b": 0.2}, goodput=130)
+    assert p.check(85) is None and p.log[-1].kind == "keep"
+
+
+def test_prewarms_on_a_rising_trend() -> None:
+    """Demand still fits today's replicas but is climbing: ask for one before the peak."""
+    p = Planner({"m": 1.0}, config=PlannerConfig(window_s=10, lead_s=40, target_utilisation=0.5, cooldown_s=0),
+                gpu_budget={"a": 16}, gpus_per_replica={"m": 2})
+    placement = {("a", "m"): 2}
+    t = 0.0
+    while t < 40:
+        p.record_demand("a", "m", 0.02 * t)  # grows by 0.02 work-s/s every second
+        t += 1
+        p.wanted(t)
+    rate = p._demand[("a", "m")]
+    assert rate.value / 0.5 <= 2  # today's demand fits the two replicas...
+    assert p.wanted(40)[("a", "m")] > 2  # ...the demand 40 s ahead does not
+    assert p.plan(placement, 40) == Move("m", None, "a")  # free GPUs: add, nothing to take from
+
+
+def test_respects_gpu_budget() -> None:
+    p = Planner({"m": 1.0}, gpu_budget={"a": 4}, gpus_per_replica={"m": 2}, config=CFG)
+    feed(p, 0, 60, {"a": 3.9})
+    assert p.plan({("a", "m"): 2}, 60) is None  # wants more, but the site's 4 GPUs are in use
