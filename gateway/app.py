@@ -22,14 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig
-from fleetmind.site_choice import NearestReadySite
 from gateway.auth import Authenticator, Caller
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_state import FleetState
 from gateway.kv_feed import KVEventFeed
 from gateway.metrics import GatewayMetrics
 from gateway.relay import DecisionLog, Relay, SiteChooser
-from gateway.routing import DEFAULT_ROUTER, build_router
+from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from tokenpilot.policy import InstanceRouter
 
@@ -133,7 +132,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     if router is None:
         router = build_router(DEFAULT_ROUTER, [i for a in adapters for i in a.instances])
     relay = Relay(config, state, router,
-                  site_chooser if site_chooser is not None else NearestReadySite(),
+                  site_chooser if site_chooser is not None else build_site_chooser(config, router),
                   metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)))
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config))
 

@@ -11,6 +11,9 @@ import logging
 from collections.abc import Iterable
 
 from engine_adapters.base import Instance
+from fleetcore.fleet_config import FleetConfig
+from fleetmind.residency import PolicySet
+from fleetmind.site_choice import FleetMind
 from tokenpilot.policy import InstanceRouter
 from tokenpilot.priors import EnginePrior, prior_from_physics
 from tokenpilot.registry import make_router
@@ -42,3 +45,11 @@ def build_router(name: str, instances: Iterable[Instance], seed: int = 0) -> Ins
     router = make_router(name, seed=seed)
     register_instances(router, instances)
     return router
+
+
+def build_site_chooser(config: FleetConfig, router: InstanceRouter) -> FleetMind:
+    """FleetMind over the fleet file's region policies, comparing sites with the router's own
+    TTFT predictions when it makes them (TokenPilot does)."""
+    predictor = router if hasattr(router, "predict") else None
+    return FleetMind(PolicySet(config.region_policies, version=1), predictor,  # type: ignore[arg-type]
+                     egress_cost_per_gb={s.name: s.egress_cost_per_gb for s in config.sites})
