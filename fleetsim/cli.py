@@ -26,10 +26,12 @@ from typing import Any, TextIO
 
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
 
+from fleetmind.residency import PolicySet
+from fleetmind.site_choice import FleetMind, FleetMindConfig
 from tokenpilot.priors import prior_from_physics
 from tokenpilot.registry import ROUTER_NAMES, make_router
 
-from .metrics import summarize_all, ttft_values_ms
+from .metrics import RequestRecord, summarize, summarize_all, ttft_values_ms
 from .report import PlotUnavailable, build_report, format_table, plot_ttft_cdf, result_row, write_json
 from .simulator import FleetSimulator, HashCache, estimate_capacity, fleet_instances, prepare
 
@@ -52,6 +54,37 @@ def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
                 max_batched_tokens=eng.max_num_batched_tokens,
                 gpu_memory_utilization=eng.gpu_memory_utilization))
     return router
+
+
+# --- placement ----------------------------------------------------------------------
+
+PLACEMENTS = ("fleetmind", "home")
+
+
+def make_placement(name: str, fleet: FleetConfig, router: Any) -> FleetMind:
+    """The site chooser for a `--placement`: `fleetmind` spills when home would miss its SLO;
+    `home` never leaves the home site (same residency and readiness filters)."""
+    predictor = router if hasattr(router, "predict") else None
+    return FleetMind(PolicySet(fleet.region_policies), predictor,
+                     config=FleetMindConfig(never_spill=name == "home"),
+                     egress_cost_per_gb={s.name: s.egress_cost_per_gb for s in fleet.sites})
+
+
+def residency_violations(records: Sequence[RequestRecord], policies: PolicySet, fleet: FleetConfig) -> int:
+    """Requests served in a site their region policy does not allow, checked independently of
+    the site chooser that placed them."""
+    default_model = fleet.models[0].name
+    return sum(1 for r in records
+               if r.site and r.site not in policies.resolve(r.tenant, r.model or default_model, fleet.sites).allowed)
+
+
+def by_site(records: Sequence[RequestRecord], span_s: float) -> dict[str, dict[str, Any]]:
+    out = {}
+    for site in sorted({r.site for r in records if r.site}):
+        part = summarize([r for r in records if r.site == site], span_s)
+        out[site] = {k: part[k] for k in ("requests", "completed", "ttft_ms", "throughput_tok_s",
+                                          "goodput_tok_s", "slo_attainment", "cache_hit_rate")}
+    return out
 
 
 # --- progress -------------------------------------------------------------------------
@@ -102,6 +135,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-format", default="auto", choices=TRACE_FORMATS, help="trace format (default: auto)")
     p.add_argument("--fleet", metavar="FILE", help="fleet file (default: deploy/sim/fleet32.yaml)")
     p.add_argument("--policy", metavar="P1,P2,...", help="routing policies to compare (default: all registered)")
+    p.add_argument("--placement", metavar="P1,P2,...", default="fleetmind",
+                   help="site placement: fleetmind (home first, spill when home would miss its SLO) and/or "
+                        "home (never leave the home site); each is run with every policy (default: fleetmind)")
     p.add_argument("--rate-scale", type=float, default=1.0, metavar="X", help="multiply the arrival rate by X")
     p.add_argument("--max-requests", type=int, default=None, metavar="N", help="only the first N requests")
     p.add_argument("--seed", type=int, default=0, metavar="S",
@@ -177,6 +213,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     if unknown or not names:
         return _err(f"unknown policy {', '.join(map(repr, unknown)) or '(none given)'}; "
                     f"known: {', '.join(ROUTER_NAMES)}")
+    placements = [p.strip() for p in args.placement.split(",") if p.strip()]
+    bad = [p for p in placements if p not in PLACEMENTS]
+    if bad or not placements:
+        return _err(f"unknown placement {', '.join(map(repr, bad)) or '(none given)'}; known: {', '.join(PLACEMENTS)}")
     if not args.rate_scale > 0:
         return _err("--rate-scale must be positive")
     if args.max_requests is not None and args.max_requests < 1:
@@ -230,26 +270,33 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     curves = []
-    for name in names:
-        random.seed(args.seed)  # for any policy that draws from the module RNG
-        try:
-            router = make_policy(name, args.seed, fleet)
-        except Exception as e:  # a policy that cannot be built must not sink the others
-            return _err(f"policy {name!r} could not be built: {e}")
-        prog = Progress(name, enabled=not args.no_progress)
-        sim = FleetSimulator(fleet, router, progress=prog)
-        res = sim.run(inputs)
-        for w in res.warnings[:5]:
-            print(f"tokenfleet simulate: warning: {name}: {w}", file=sys.stderr)
-        summary = summarize_all(res.records)
-        rows.append(result_row(name, summary, res.wall_s, {
-            "steps": res.steps, "preemptions": res.preemptions, "span_s": round(summary["span_s"], 3)}))
-        curves.append((name, ttft_values_ms(res.records)))
-        r = rows[-1]
-        slo = r["slo_attainment"]
-        _say(f"ran       {name:<22} wall {res.wall_s:6.1f} s  ({res.steps} engine steps, "
-             f"{summary['span_s']:.0f} s simulated)  goodput {r['goodput_tok_s']:.0f} tok/s  "
-             f"SLO {100 * slo if slo is not None else 0:.1f}%")
+    policies = PolicySet(fleet.region_policies)
+    for placement in placements:
+        for name in names:
+            random.seed(args.seed)  # for any policy that draws from the module RNG
+            try:
+                router = make_policy(name, args.seed, fleet)
+            except Exception as e:  # a policy that cannot be built must not sink the others
+                return _err(f"policy {name!r} could not be built: {e}")
+            label = name if len(placements) == 1 else f"{name}/{placement}"
+            prog = Progress(label, enabled=not args.no_progress)
+            sim = FleetSimulator(fleet, router, site_chooser=make_placement(placement, fleet, router),
+                                 progress=prog)
+            res = sim.run(inputs)
+            for w in res.warnings[:5]:
+                print(f"tokenfleet simulate: warning: {label}: {w}", file=sys.stderr)
+            summary = summarize_all(res.records)
+            row = result_row(name, summary, res.wall_s, {
+                "steps": res.steps, "preemptions": res.preemptions, "span_s": round(summary["span_s"], 3)})
+            row["placement"] = placement
+            row["residency_violations"] = residency_violations(res.records, policies, fleet)
+            row["by_site"] = by_site(res.records, summary["span_s"])
+            rows.append(row)
+            curves.append((label, ttft_values_ms(res.records)))
+            slo = row["slo_attainment"]
+            _say(f"ran       {label:<22} wall {res.wall_s:6.1f} s  ({res.steps} engine steps, "
+                 f"{summary['span_s']:.0f} s simulated)  goodput {row['goodput_tok_s']:.0f} tok/s  "
+                 f"SLO {100 * slo if slo is not None else 0:.1f}%")
 
     report = build_report(desc, fsum, rows)
     print()

@@ -51,6 +51,7 @@ class RequestRecord:
     prompt_tokens: int
     status: Status
     tenant: str = "anonymous"
+    model: str | None = None
     request_class: str | None = None  # None: classified by prompt length
     output_tokens: int = 0  # tokens the client received
     cached_tokens: int = 0

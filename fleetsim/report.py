@@ -47,6 +47,12 @@ def result_row(policy: str, summary: Mapping[str, Any], wall_s: float,
     return row
 
 
+def row_label(r: Mapping[str, Any]) -> str:
+    """The row's name in tables: the policy, plus the placement when it is not the default."""
+    placement = r.get("placement")
+    return r["policy"] if placement in (None, "fleetmind") else f"{r['policy']}/{placement}"
+
+
 def build_report(workload: Mapping[str, Any], fleet: Mapping[str, Any],
                  results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"workload": dict(workload), "fleet": dict(fleet), "results": [dict(r) for r in results]}
@@ -92,7 +98,7 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
              "  ".join("-" * w for _, w, _ in cols)]
     for r in results:
         t, p = r["ttft_ms"], r["tpot_ms"]
-        cells = [r["policy"][:22], str(r["completed"]), str(r["rejected"]), str(r.get("cancelled", 0)),
+        cells = [row_label(r)[:22], str(r["completed"]), str(r["rejected"]), str(r.get("cancelled", 0)),
                  _num(t["p50"], ".0f"), _num(t["p95"], ".0f"), _num(t["p99"], ".0f"),
                  _num(p["p50"], ".1f"), _num(p["p95"], ".1f"),
                  _num(r["throughput_tok_s"], ".0f"), _num(r["goodput_tok_s"], ".0f"),
@@ -117,7 +123,7 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
                 slo = None if g["slo_attainment"] is None else 100 * g["slo_attainment"]
                 cells.append(f"  {g['requests']:>12} {_num(slo, '.1f'):>4}  {_num(g['goodput_tok_s'], '.0f'):>6}"
                              f"  {_num(g['ttft_ms']['p95'], '.0f'):>6}")
-            lines.append(f"{r['policy'][:22]:<22}" + "".join(cells))
+            lines.append(f"{row_label(r)[:22]:<22}" + "".join(cells))
     return "\n".join(lines)
 
 

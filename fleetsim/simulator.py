@@ -42,7 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Protocol, cast
 
 from engine_adapters.sim import hardware
 from engine_adapters.sim.engine import EngineConfig, SimEngine, SimRequest, StepResult
@@ -50,6 +50,8 @@ from fleetcore.fleet_config import FleetConfig, SiteConfig
 from fleetcore.prefix import synthetic_block_hashes
 from fleetcore.slo import class_by_length
 from fleetcore.types import (
+    AdmissionAction,
+    AdmissionDecision,
     FleetView,
     InstanceSnapshot,
     RequestOutcome,
@@ -113,6 +115,7 @@ class SimInput:
     region: str
     deadline_s: float | None = None
     timeout_s: float | None = None  # client gives up this long after arrival
+    model_version: str | None = None  # None: any ready version
 
 
 class HashCache:
@@ -158,7 +161,8 @@ def prepare(requests: Sequence[TraceLike], fleet: FleetConfig, *, timeout_s: flo
     region = fleet.entry_region
     out: list[SimInput] = []
     for i, r in enumerate(requests):
-        model = r.model or default_model
+        # `model@version` pins a version, as in the gateway's `model` field
+        model, _, version = (r.model or default_model).partition("@")
         bs = block_size.get(model, 16)
         hashes: tuple[int, ...] = ()
         if r.hash_ids:
@@ -171,32 +175,35 @@ def prepare(requests: Sequence[TraceLike], fleet: FleetConfig, *, timeout_s: flo
             prompt_tokens=int(r.input_length), output_tokens=max(1, int(r.output_length)),
             block_hashes=hashes, block_size=bs, tenant=r.tenant or "anonymous",
             request_class=r.request_class or class_by_length(int(r.input_length)),
-            region=r.region or region, deadline_s=getattr(r, "deadline_s", None), timeout_s=timeout_s))
+            region=r.region or region, deadline_s=getattr(r, "deadline_s", None), timeout_s=timeout_s,
+            model_version=version or None))
     out.sort(key=lambda s: s.arrival_s)
     return out
 
 
 # --- admission hook -------------------------------------------------------------
-
-AdmissionAction = Literal["admit", "reject", "queue"]
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionDecision:
-    action: AdmissionAction
-    reason: str = ""
+# AdmissionDecision / AdmissionAction live in fleetcore.types (the gateway acts on them too).
 
 
 class Admission(Protocol):
-    """Gateway admission (SLOMax plugs in here).
+    """Gateway admission (SLOMax plugs in here), in one of two modes.
 
-    `admit` is asked at every arrival. "admit" dispatches at once (the hook owns
-    ordering: it may let a request pass others it queued); "reject" ends the
-    request with the reason; "queue" holds it in one gateway FIFO. Queued requests
-    are offered again, oldest first, whenever a dispatched request ends at the
-    gateway (finished or cancelled), until one is queued again. A client timeout
-    cancels a queued request too; one still queued when the run ends counts as
-    rejected. `observe(outcome)`, if the hook has it, gets every outcome.
+    `admit` is asked at every arrival. "admit" dispatches at once; "reject" ends the
+    request with the reason; "queue" holds it.
+
+    * Hook-owned queues (the hook has `poll`, as SLOMax and slomax.FCFS do): the hook
+      keeps its queued requests and says when each may start. The simulator calls
+      `poll(now, view)` after every arrival it queued and every request end, and at
+      the time `next_wakeup(now)` names (if the hook has it); each returned decision
+      names its `request_id` ("admit" dispatches it, "reject" ends it). A client
+      timeout of a queued request calls `cancel(request_id, now)`.
+    * Simulator FIFO (a hook with only `admit`): queued requests wait in one gateway
+      FIFO and are offered again, oldest first, whenever a dispatched request ends at
+      the gateway (finished or cancelled), until one is queued again.
+
+    Either way a client timeout cancels a queued request too; one still queued when
+    the run ends counts as rejected; `observe(outcome)`, if the hook has it, gets
+    every outcome of a dispatched request.
     """
 
     def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision: ...
@@ -308,7 +315,7 @@ class _Req:
 
 
 # Heap event kinds; ties at one instant run in push order (the sequence number).
-_REACH, _STEP_END, _DONE, _CANCEL, _ABORT = range(5)
+_REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL = range(6)
 
 
 @dataclass(slots=True)
@@ -352,6 +359,11 @@ class FleetSimulator:
         self._seq = 0
         self._queue: deque[_Req] = deque()
         self._active: dict[str, _Req] = {}  # request id -> request an engine is serving
+        # Hook-owned queues (see Admission): requests the hook holds, and its wake-up.
+        self._poll = getattr(self.admission, "poll", None)
+        self._wakeup = getattr(self.admission, "next_wakeup", None)
+        self._held: dict[str, _Req] = {}
+        self._wake_at = float("inf")
         self.steps = 0
         self.preemptions = 0
 
@@ -427,7 +439,7 @@ class FleetSimulator:
         if d.action == "queue":
             return False
         if d.action == "reject":
-            self._reject(r, now, d.reason or "rejected by admission")
+            self._reject(r, now, self._reason(d))
             return True
         self._dispatch(r, now, view)
         return True
@@ -461,6 +473,38 @@ class FleetSimulator:
         r.half_rtt = self._rtt(site.site, inp.region) / 2.0
         inst.inflight += 1
         self._push(now + r.half_rtt, _REACH, r)
+
+    def _poll_admission(self, now: float) -> None:
+        """Act on the hook's decisions for requests it holds, then book its next wake-up."""
+        assert self._poll is not None
+        for d in self._poll(now, self.view()):
+            r = self._held.pop(d.request_id or "", None)
+            if r is None or r.status != "queued":
+                continue
+            if d.action == "admit":
+                self._dispatch(r, now, self.view())  # a fresh view: earlier dispatches count
+            elif d.action == "reject":
+                self._reject(r, now, self._reason(d))
+            else:
+                self._held[r.inp.request_id] = r
+        if self._wakeup is not None:
+            t = self._wakeup(now)
+            if t is not None and t < self._wake_at:
+                self._wake_at = max(t, now)
+                self._push(self._wake_at, _POLL, None)
+
+    @staticmethod
+    def _reason(d: AdmissionDecision) -> str:
+        text = d.reason or "rejected by admission"
+        return f"{d.code}: {text}" if d.code else text
+
+    def _after_release(self, now: float) -> None:
+        """A dispatched request ended at the gateway: queued work may start."""
+        if self._poll is not None:
+            if self._held:
+                self._poll_admission(now)
+        elif self._queue:
+            self._drain_queue(now)
 
     def _drain_queue(self, now: float) -> None:
         q = self._queue
@@ -544,10 +588,13 @@ class FleetSimulator:
                         r.end = now
                         r.inst.inflight -= 1
                         self._observe(self._outcome(r, now, cancelled=False))
-                        if self._queue:
-                            self._drain_queue(now)
+                        self._after_release(now)
                 elif kind == _CANCEL:
                     self._cancel(a, now)
+                elif kind == _POLL:
+                    if now >= self._wake_at:  # else superseded by an earlier wake-up
+                        self._wake_at = float("inf")
+                        self._poll_admission(now)
                 else:  # _ABORT
                     a.engine.abort(b)
             elif i < n:
@@ -579,8 +626,8 @@ class FleetSimulator:
 
     def _arrive(self, inp: SimInput, now: float) -> _Req:
         profile = RequestProfile(
-            request_id=inp.request_id, model=inp.model, prompt_tokens=inp.prompt_tokens,
-            block_hashes=inp.block_hashes, block_size=inp.block_size, max_tokens=inp.output_tokens,
+            request_id=inp.request_id, model=inp.model, model_version=inp.model_version,
+            prompt_tokens=inp.prompt_tokens, block_hashes=inp.block_hashes, block_size=inp.block_size, max_tokens=inp.output_tokens,
             tenant=inp.tenant, request_class=inp.request_class, stream=True, client_region=inp.region,
             arrival=now, deadline=(now + inp.deadline_s) if inp.deadline_s is not None else None)
         r = _Req(inp, profile)
@@ -588,7 +635,11 @@ class FleetSimulator:
             self._push(now + inp.timeout_s, _CANCEL, r)
         if not self._offer(r, now):
             r.status = "queued"
-            self._queue.append(r)
+            if self._poll is not None:
+                self._held[inp.request_id] = r
+                self._poll_admission(now)
+            else:
+                self._queue.append(r)
         return r
 
     def _cancel(self, r: _Req, now: float) -> None:
@@ -596,6 +647,10 @@ class FleetSimulator:
             r.status = "cancelled"
             r.reason = "client timeout while queued"
             r.end = now
+            if self._held.pop(r.inp.request_id, None) is not None:
+                cancel = getattr(self.admission, "cancel", None)
+                if cancel is not None:
+                    cancel(r.inp.request_id, now)
             return
         if r.status != "running":
             return
@@ -608,8 +663,7 @@ class FleetSimulator:
         self._active.pop(r.inp.request_id, None)
         self._push(now + r.half_rtt, _ABORT, inst, r.inp.request_id)
         self._observe(self._outcome(r, now, cancelled=True))
-        if self._queue:
-            self._drain_queue(now)
+        self._after_release(now)
 
     def _record(self, r: _Req) -> RequestRecord:
         inp = r.inp
@@ -625,7 +679,8 @@ class FleetSimulator:
                     tpot = (r.last - r.first) / (r.ntok - 1)
         return RequestRecord(
             request_id=inp.request_id, arrival_s=inp.arrival_s, prompt_tokens=inp.prompt_tokens,
-            status=cast(Status, r.status), tenant=inp.tenant, request_class=inp.request_class, output_tokens=r.ntok,
+            status=cast(Status, r.status), tenant=inp.tenant, model=inp.model, request_class=inp.request_class,
+            output_tokens=r.ntok,
             cached_tokens=r.cached, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e, queue_s=queue, end_s=r.end,
             deadline_s=inp.deadline_s, site=r.site, instance=r.inst.iid if r.inst else None, reason=r.reason)
 
@@ -740,7 +795,7 @@ def simulate(fleet: FleetConfig, router: InstanceRouter, inputs: Sequence[SimInp
 
 
 __all__ = [
-    "Admission", "AdmissionDecision", "AdmitAll", "FleetSimulator", "HashCache", "InstanceSpec", "SiteChooser",
+    "Admission", "AdmissionAction", "AdmissionDecision", "AdmitAll", "FleetSimulator", "HashCache", "InstanceSpec", "SiteChooser",
     "SimInput", "SimResult", "TraceLike", "estimate_capacity", "fleet_instances", "prepare", "simulate",
     "site_rtt_s",
 ]

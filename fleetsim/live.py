@@ -1,0 +1,609 @@
+"""`tokenfleet bench live`: replay a trace against a running OpenAI-compatible endpoint.
+
+    tokenfleet bench live --trace FILE --target URL [--key K] [--model M]
+        [--concurrency N] [--window S] [--rate-scale X] [--json OUT]
+
+The live counterpart of `simulate`: the same workloads, the same metric
+arithmetic (`fleetsim.metrics`) and the same JSON shape (`fleetsim.report`), but
+measured on the client side of a real HTTP endpoint — our gateway, a peer router
+(SGLang, vLLM router), or a bare engine. Runnable on its own:
+`python -m fleetsim.live --trace FILE --target URL ...`.
+
+How a trace row becomes a request:
+
+* Prompt: `workloads.prompt_text(hash_ids, input_length, block_tokens, seed)` —
+  equal leading block ids give byte-identical leading text, so the engines'
+  prefix caches see exactly the reuse the trace describes. `/v1/completions`
+  (the default) sends that text as is, so the engine counts `input_length`
+  prompt tokens under the shared tokenizer; `--endpoint chat` wraps it in one
+  user message (the chat template adds a few tokens).
+* Output: `max_tokens = output_length` with `ignore_eos: true`, so every engine
+  generates exactly the trace's output length (vLLM, SGLang and the simulated
+  worker honour `ignore_eos`). Streaming, with `stream_options.include_usage` so
+  the final usage chunk reports prompt, completion and cached tokens.
+
+Arrivals are open-loop: request i is sent at t0 + timestamp_i (after
+`--rate-scale`), whatever happened to earlier ones, except that at most
+`--concurrency` requests are in flight; past that the dispatcher waits for a
+free slot (and later requests wait behind it, in order). `--window S` keeps the
+requests arriving in the first S seconds *of the replay* (after rate scaling),
+so S bounds the sending phase in wall time.
+
+What is measured, per request, on the client (times from the moment the request
+was written, as vLLM's and SGLang's serving benchmarks do):
+
+* TTFT: until the first streamed chunk that carries output text.
+* TPOT: (last token chunk - first token chunk) / (completion_tokens - 1).
+* end-to-end: until the stream ended ([DONE]).
+* `queue_s` holds the *client-side* wait for a concurrency slot (the endpoint's
+  own queueing is inside TTFT); the `live` block of a result row reports it
+  with the dispatcher's lateness (`send_lag_ms`), which should stay near zero —
+  if not, the load generator itself was the bottleneck.
+* cached tokens: `usage.prompt_tokens_details.cached_tokens`.
+
+Outcomes: HTTP errors before the stream starts count as `rejected` (the reason
+keeps the status and message); a stream that breaks, reports an error event, or
+exceeds `--timeout` counts as `cancelled`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from workloads import Workload, head, load_trace, prompt_text, scale_rate, window
+
+from .metrics import RequestRecord, percentiles, summarize_all
+from .report import build_report, format_table, result_row, write_json
+
+DEFAULT_CONCURRENCY = 256
+DEFAULT_TIMEOUT_S = 300.0
+ENDPOINTS = ("completions", "chat")
+_ERROR_SAMPLES = 5
+
+
+# --- target ---------------------------------------------------------------------------
+
+
+class TargetError(ValueError):
+    """The target URL is unusable (malformed, or not loopback without --allow-remote)."""
+
+
+def base_url(url: str, allow_remote: bool = False) -> str:
+    """`http://host:port[/v1]` → `http://host:port` (the API paths are appended here).
+
+    A load generator pointed at the wrong host is a denial-of-service tool, so
+    anything but a loopback address needs an explicit opt-in.
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise TargetError(f"target must be an http(s) URL, got {url!r}")
+    if not allow_remote and not _is_loopback(parts.hostname):
+        raise TargetError(f"target {parts.hostname!r} is not a loopback address; "
+                          "pass --allow-remote to load a remote endpoint")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where and how to send: base URL (no /v1), bearer key, model name, API flavour."""
+
+    url: str
+    model: str
+    key: str | None = None
+    endpoint: str = "completions"  # or "chat"
+    extra_headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    def headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json", **self.extra_headers}
+        if self.key:
+            h["Authorization"] = f"Bearer {self.key}"
+        return h
+
+
+async def discover_model(session: aiohttp.ClientSession, url: str, key: str | None) -> str:
+    """The first model `GET /v1/models` lists (what a client would pick without being told)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with session.get(f"{url}/v1/models", headers=headers) as resp:
+        if resp.status != 200:
+            raise TargetError(f"GET {url}/v1/models answered {resp.status}: {(await resp.text())[:200]}")
+        data = (await resp.json()).get("data") or []
+    if not data or not isinstance(data[0], dict) or not data[0].get("id"):
+        raise TargetError(f"GET {url}/v1/models lists no model; pass --model")
+    return str(data[0]["id"])
+
+
+# --- request bodies -------------------------------------------------------------------
+
+
+def request_body(row: Any, target: Target, seed: int = 0) -> dict[str, Any]:
+    """The OpenAI body of one trace row: deterministic prompt text, exact output length."""
+    text = prompt_text(row.hash_ids, row.input_length, row.block_tokens, seed)
+    body: dict[str, Any] = {
+        "model": row.model or target.model,
+        "max_tokens": max(1, int(row.output_length)),
+        "ignore_eos": True,  # exact output length on every engine: the trace decides, not the sampler
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if target.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+# --- one request ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _StreamState:
+    """What the client saw of one streamed response."""
+
+    first: float | None = None
+    last: float | None = None
+    chunks: int = 0  # chunks carrying output text
+    done: bool = False
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+
+    def feed(self, line: bytes, now: float) -> None:
+        if not line.startswith(b"data:"):
+            return  # blank separators, comments, `event:` lines
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            self.error = f"unparseable stream chunk {payload[:80]!r}"
+            return
+        if not isinstance(obj, dict):
+            return
+        if obj.get("error"):
+            err = obj["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+            return
+        for choice in obj.get("choices") or ():
+            if _choice_text(choice):
+                if self.first is None:
+                    self.first = now
+                self.last = now
+                self.chunks += 1
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+
+
+def _choice_text(choice: Mapping[str, Any]) -> str:
+    """Output text of a streamed choice (completion `text` or chat `delta.content`)."""
+    if not isinstance(choice, Mapping):
+        return ""
+    text = choice.get("text")
+    if text is None:
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, Mapping) else None
+    return text if isinstance(text, str) else ""
+
+
+def _usage_counts(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int]:
+    """(prompt_tokens, completion_tokens, cached_tokens) of a usage block; None where absent."""
+    if not usage:
+        return None, None, 0
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (prompt if isinstance(prompt, int) else None,
+            completion if isinstance(completion, int) else None,
+            cached if isinstance(cached, int) else 0)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """Dispatcher bookkeeping of one request (seconds from the replay's t0)."""
+
+    index: int
+    row: Any
+    scheduled: float
+    sent: float = 0.0
+    slot_wait: float = 0.0
+
+
+async def _send_one(session: aiohttp.ClientSession, target: Target, s: _Sent, data: bytes, t0: float,
+                    run_id: str, timeout_s: float | None) -> RequestRecord:
+    row = s.row
+    rec = RequestRecord(request_id=f"{run_id}-{s.index}", arrival_s=s.scheduled,
+                        prompt_tokens=int(row.input_length), status="cancelled",
+                        tenant=row.tenant or "anonymous", request_class=row.request_class,
+                        queue_s=s.slot_wait, deadline_s=row.deadline_s)
+    headers = target.headers()
+    headers["X-Request-Id"] = rec.request_id
+    if row.region:
+        headers["x-tokenfleet-region"] = row.region
+    st = _StreamState()
+    clock = time.perf_counter
+    start = clock()
+    s.sent = start - t0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(target.url + target.path, data=data, headers=headers) as resp:
+                rec.site = resp.headers.get("x-tokenfleet-site")
+                rec.instance = resp.headers.get("x-tokenfleet-instance")
+                if resp.status != 200:
+                    rec.status = "rejected"
+                    rec.reason = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    return _ended(rec, clock() - t0)
+                async for line in resp.content:
+                    st.feed(line, clock())
+                    if st.done or st.error:
+                        break
+    except TimeoutError:
+        rec.reason = f"client timeout after {timeout_s:g} s"
+    except (aiohttp.ClientError, ConnectionError) as e:
+        rec.reason = f"{type(e).__name__}: {e}"[:300]
+    end = clock()
+    _fill(rec, st, start, end)
+    return _ended(rec, end - t0)
+
+
+def _fill(rec: RequestRecord, st: _StreamState, start: float, end: float) -> None:
+    """Timings and token counts from the stream; the status is completed only on a clean end."""
+    prompt, completion, cached = _usage_counts(st.usage)
+    if prompt is not None:
+        rec.prompt_tokens = prompt
+    rec.cached_tokens = cached
+    rec.output_tokens = completion if completion is not None else st.chunks
+    if st.first is not None:
+        rec.ttft_s = st.first - start
+    if st.error:
+        rec.reason = f"stream error: {st.error}"
+        return
+    if rec.reason is not None:
+        return
+    if not (st.done or st.finish_reason) or st.first is None:
+        rec.reason = "stream ended without output" if st.first is None else "stream ended early"
+        return
+    rec.status = "completed"
+    rec.e2e_s = end - start
+    if rec.output_tokens > 1 and st.last is not None:
+        rec.tpot_s = (st.last - st.first) / (rec.output_tokens - 1)
+
+
+def _ended(rec: RequestRecord, at: float) -> RequestRecord:
+    rec.end_s = at
+    return rec
+
+
+# --- the replay -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LiveRun:
+    """Records of one replay plus what the load generator knows about itself."""
+
+    records: list[RequestRecord]
+    wall_s: float
+    send_lag_s: list[float]
+    slot_waits: int
+
+    def live_block(self, target: Target) -> dict[str, Any]:
+        """The `live` block of a result row: the target and the client's own health."""
+        errors = [r.reason for r in self.records if r.status != "completed" and r.reason]
+        instances = Counter(r.instance for r in self.records if r.instance)
+        return {
+            "target": target.url, "endpoint": target.path, "model": target.model,
+            "send_lag_ms": percentiles(self.send_lag_s, (50, 99), 1e3),
+            "slot_waits": self.slot_waits,
+            "errors": len(errors), "error_samples": errors[:_ERROR_SAMPLES],
+            "by_instance": dict(sorted(instances.items())),
+        }
+
+
+ProgressFn = Callable[[int, int], None]
+
+# Bodies are encoded this far (replay seconds) ahead of their send time: a burst of
+# same-timestamp rows (Mooncake's arrive in 3-second batches) then goes out back to
+# back instead of waiting on each other's prompt building, and memory stays bounded
+# by one look-ahead's worth of prompts rather than the whole trace.
+_LOOKAHEAD_S = 1.0
+
+
+class _Bodies:
+    """Encoded request bodies, built in trace order up to a look-ahead horizon."""
+
+    def __init__(self, rows: Sequence[Any], scheduled: Sequence[float], target: Target, seed: int) -> None:
+        self.rows, self.scheduled, self.target, self.seed = rows, scheduled, target, seed
+        self.next = 0
+        self.ready: dict[int, bytes] = {}
+
+    def build_until(self, horizon_s: float) -> None:
+        while self.next < len(self.rows) and self.scheduled[self.next] <= horizon_s:
+            self.ready[self.next] = json.dumps(request_body(self.rows[self.next], self.target, self.seed)).encode()
+            self.next += 1
+
+    def take(self, i: int) -> bytes:
+        self.build_until(self.scheduled[i])
+        return self.ready.pop(i)
+
+
+async def replay(workload: Workload, target: Target, *, concurrency: int = DEFAULT_CONCURRENCY,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, seed: int = 0,
+                 session: aiohttp.ClientSession | None = None,
+                 progress: ProgressFn | None = None) -> LiveRun:
+    """Send every request of `workload` at its timestamp (open loop, at most `concurrency`
+    in flight) and wait for all of them; returns one record per request, in trace order."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    own = session is None
+    if session is None:
+        session = new_session(concurrency)
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    sem = asyncio.Semaphore(concurrency)
+    rows = workload.requests
+    total = len(rows)
+    done = 0
+    slot_waits = 0
+    base_ms = rows[0].timestamp_ms if total else 0.0
+    scheduled = [(r.timestamp_ms - base_ms) / 1000.0 for r in rows]
+    bodies = _Bodies(rows, scheduled, target, seed)
+
+    async def one(s: _Sent, data: bytes) -> RequestRecord:
+        nonlocal done
+        try:
+            return await _send_one(session, target, s, data, t0, run_id, timeout_s)
+        finally:
+            sem.release()
+            done += 1
+            if progress is not None:
+                progress(done, total)
+
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    sents: list[_Sent] = []
+    bodies.build_until(_LOOKAHEAD_S)  # before the clock starts: the first burst is ready at t0
+    t0 = time.perf_counter()
+    try:
+        for i, row in enumerate(rows):
+            s = _Sent(i, row, scheduled[i])
+            bodies.build_until(s.scheduled + _LOOKAHEAD_S)
+            delay = t0 + s.scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem.locked():
+                slot_waits += 1
+                waited = time.perf_counter()
+                await sem.acquire()
+                s.slot_wait = time.perf_counter() - waited
+            else:
+                await sem.acquire()
+            sents.append(s)
+            tasks.append(asyncio.create_task(one(s, bodies.take(i))))
+        records = list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()  # only matters when the replay itself was cancelled
+        if own:
+            await session.close()
+    wall = time.perf_counter() - t0
+    lag = [max(0.0, s.sent - s.scheduled - s.slot_wait) for s in sents]
+    return LiveRun(records, wall, lag, slot_waits)
+
+
+def new_session(concurrency: int, fresh_connections: bool = False) -> aiohttp.ClientSession:
+    """A pooled session sized for the replay: one kept-alive connection per in-flight request,
+    or (`fresh_connections`) a new TCP connection per request, as a client without keep-alive."""
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, force_close=fresh_connections)
+    # No total timeout here: `replay` bounds each request with its own.
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+
+
+def live_row(label: str, run: LiveRun, target: Target) -> dict[str, Any]:
+    """One `results` entry in `simulate`'s shape, plus the `live` block."""
+    summary = summarize_all(run.records)
+    row = result_row(label, summary, run.wall_s)
+    row["span_s"] = round(summary["span_s"], 3)
+    row["live"] = run.live_block(target)
+    return row
+
+
+# --- workload -------------------------------------------------------------------------
+
+
+def prepare_workload(trace: str | Path, fmt: str = "auto", *, rate_scale: float = 1.0,
+                     window_s: float | None = None, max_requests: int | None = None) -> Workload:
+    """Load, rate-scale, then keep the first `window_s` seconds (of the scaled replay) and
+    at most `max_requests` requests. Times are rebased so the first request goes at 0."""
+    wl = load_trace(trace, fmt)
+    if not len(wl):
+        return wl
+    first = wl.requests[0].timestamp_ms / 1000.0
+    if rate_scale != 1.0:
+        wl = scale_rate(wl, rate_scale)
+        first /= rate_scale
+    if window_s is not None:
+        wl = window(wl, first, window_s)
+    if max_requests is not None:
+        wl = head(wl, max_requests)
+    return wl
+
+
+# --- command line ---------------------------------------------------------------------
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, metavar="FILE",
+                   help="request trace (Mooncake JSONL, canonical, Azure CSV)")
+    p.add_argument("--trace-format", default="auto",
+                   choices=("auto", "mooncake", "azure", "canonical"), help="trace format (default: auto)")
+    p.add_argument("--target", required=True, metavar="URL",
+                   help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8080/v1")
+    p.add_argument("--key", default=None, metavar="K", help="bearer API key, if the target needs one")
+    p.add_argument("--model", default=None, metavar="M",
+                   help="model name (default: the trace's, else the first of GET /v1/models)")
+    p.add_argument("--endpoint", default="completions", choices=ENDPOINTS,
+                   help="API to call (default: completions, whose prompt is exactly input_length tokens)")
+    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
+                   help=f"most requests in flight (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--window", type=float, default=None, metavar="S",
+                   help="only requests arriving in the first S seconds of the (rate-scaled) replay")
+    p.add_argument("--rate-scale", type=float, default=1.0, metavar="X", help="multiply the arrival rate by X")
+    p.add_argument("--max-requests", type=int, default=None, metavar="N", help="at most the first N requests")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"client gives up on a request after S seconds (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt text seed (default 0)")
+    p.add_argument("--label", default=None, help="name of the result row (default: live@HOST:PORT)")
+    p.add_argument("--json", metavar="OUT.json", help="write the report as JSON (simulate's shape)")
+    p.add_argument("--fresh-connections", action="store_true",
+                   help="open a new connection per request (default: keep-alive, as SDK clients do)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a target that is not a loopback address")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `bench` (with its `live` subcommand) on `tokenfleet`'s subparsers; dispatch with
+    `run_bench(args)`."""
+    bench = subparsers.add_parser("bench", help="benchmark a running endpoint",
+                                  description="Benchmarks against running endpoints.")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    live = sub.add_parser("live", help="replay a trace against an OpenAI-compatible endpoint",
+                          description=__doc__.split("\n\n")[0])
+    _add_arguments(live)
+    bench.set_defaults(func=run_bench)
+    live.set_defaults(func=run_bench)
+    return bench
+
+
+def _err(msg: str) -> int:
+    print(f"tokenfleet bench live: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if args.concurrency < 1:
+        return "--concurrency must be at least 1"
+    if not args.rate_scale > 0:
+        return "--rate-scale must be positive"
+    if args.window is not None and not args.window > 0:
+        return "--window must be positive"
+    if args.max_requests is not None and args.max_requests < 1:
+        return "--max-requests must be at least 1"
+    if not args.timeout > 0:
+        return "--timeout must be positive"
+    if not Path(args.trace).is_file():
+        return f"trace file not found: {args.trace}"
+    return None
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", "live") != "live":
+        return _err(f"unknown bench command {args.bench_command!r}")
+    problem = _check_args(args)
+    if problem:
+        return _err(problem)
+    try:
+        url = base_url(args.target, args.allow_remote)
+        wl = prepare_workload(args.trace, args.trace_format, rate_scale=args.rate_scale,
+                              window_s=args.window, max_requests=args.max_requests)
+    except (TargetError, ValueError, OSError) as e:
+        return _err(str(e))
+    if not len(wl):
+        return _err(f"{args.trace}: no requests in the selected window")
+    try:
+        return asyncio.run(_bench(args, url, wl))
+    except TargetError as e:
+        return _err(str(e))
+    except aiohttp.ClientError as e:
+        return _err(f"cannot reach {url}: {e}")
+
+
+async def _bench(args: argparse.Namespace, url: str, wl: Workload) -> int:
+    from .cli import Progress  # the simulate progress bar; imported late (it pulls in the policies)
+
+    async with new_session(args.concurrency, args.fresh_connections) as session:
+        model = args.model or await discover_model(session, url, args.key)
+        target = Target(url, model, args.key, args.endpoint)
+        desc = wl.describe()
+        desc.update({"trace": str(args.trace), "rate_scale": args.rate_scale, "window_s": args.window,
+                     "max_requests": args.max_requests, "seed": args.seed, "timeout_s": args.timeout,
+                     "concurrency": args.concurrency})
+        print(f"workload  {desc['name']}: {desc['requests']} requests over {desc['duration_s']:.0f} s "
+              f"({desc['mean_rate_rps']:.2f} req/s, rate-scale {args.rate_scale:g}), "
+              f"input mean {desc['input_mean']:.0f}, output mean {desc['output_mean']:.0f} tokens", flush=True)
+        print(f"target    {url}{target.path}  model {model}  concurrency {args.concurrency}", flush=True)
+        label = args.label or f"live@{urlsplit(url).netloc}"
+        run = await replay(wl, target, concurrency=args.concurrency, timeout_s=args.timeout, seed=args.seed,
+                           session=session, progress=Progress(label, enabled=not args.no_progress))
+    row = live_row(label, run, target)
+    _print_run(row)
+    if args.json:
+        report = build_report(desc, {"target": url, "model": model, "endpoint": target.path}, [row])
+        try:
+            write_json(report, args.json)
+        except OSError as e:
+            return _err(f"cannot write {args.json}: {e.strerror}")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _print_run(row: Mapping[str, Any]) -> None:
+    live = row["live"]
+    lag = live["send_lag_ms"]
+    print(f"ran       {row['policy']}: wall {row['wall_s']:.1f} s, {row['completed']}/{row['requests']} completed, "
+          f"send lag p50 {_ms(lag['p50'])} / p99 {_ms(lag['p99'])} ms, {live['slot_waits']} concurrency waits")
+    for reason in live["error_samples"]:
+        print(f"          error: {reason}")
+    print()
+    print(format_table([row]))
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "live"]:
+        argv = argv[2:]
+    elif argv[:1] == ["live"]:
+        argv = argv[1:]
+    p = argparse.ArgumentParser(prog="tokenfleet bench live", description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    args = p.parse_args(argv)
+    args.bench_command = "live"
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
