@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 WILDCARD = "*"
 
@@ -38,13 +38,12 @@ class RegionPolicy(BaseModel):
     spill_sites: list[str] | None = Field(default=None, description="where spill may go (default: any allowed)")
     description: str = ""
 
-    @model_validator(mode="after")
-    def _non_empty_lists(self) -> RegionPolicy:
-        for name in ("allowed_jurisdictions", "allowed_regions", "allowed_sites", "spill_sites"):
-            value = getattr(self, name)
-            if value is not None and not value:
-                raise ValueError(f"{name} is empty: nothing would be allowed (omit it to allow any)")
-        return self
+    @field_validator("allowed_jurisdictions", "allowed_regions", "allowed_sites", "spill_sites")
+    @classmethod
+    def _non_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("is empty: nothing would be allowed (omit it to allow any)")
+        return value
 
     @property
     def key(self) -> tuple[str, str]:

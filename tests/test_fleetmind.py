@@ -109,7 +109,7 @@ def test_policy_validation_messages() -> None:
     for policy, msg in [
         ({"tenant": "nobody"}, "unknown tenant 'nobody'"),
         ({"allowed_jurisdictions": ["eu"]}, "allowed_jurisdictions: unknown ['eu']"),
-        ({"allowed_sites": []}, "allowed_sites is empty"),
+        ({"allowed_sites": []}, "allowed_sites: is empty"),
         ({"home_site": "zz"}, "home_site: unknown site 'zz'"),
         ({"model": "gpt"}, "unknown model 'gpt'"),
     ]:

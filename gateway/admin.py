@@ -1,0 +1,197 @@
+"""Ops admin API for FleetMind's region policies, behind an admin key.
+
+    GET    /admin/v1/region-policies                      {version, policies}
+    GET    /admin/v1/region-policies/{tenant}/{model}     one policy (`*` for any)
+    PUT    /admin/v1/region-policies/{tenant}/{model}     create or replace (validated)
+    DELETE /admin/v1/region-policies/{tenant}/{model}
+    GET    /admin/v1/audit?limit=N                        who changed what, newest first
+    POST   /admin/v1/dry-run                              where a sample request would go and why
+    GET    /admin/v1/planner                              the placement planner's plans, applies and rollbacks
+
+Writes take `If-Match: <version>` for optimistic concurrency (412 when stale) and take
+effect on the next request, in every gateway replica sharing the store, without a
+restart. A tenant key gets 403, no key 401.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from fleetcore.fleet_config import FleetConfig
+from fleetcore.region_policy import RegionPolicy, check_policy
+from fleetcore.types import RequestProfile
+from fleetmind.residency import PolicySet
+from gateway.auth import bearer_token
+from gateway.errors import GatewayError, bad_request, invalid_api_key
+from gateway.policy_store import AuditEntry, PolicyStore, Snapshot, VersionConflict, now_unix
+
+
+def _forbidden() -> GatewayError:
+    return GatewayError(403, "This endpoint needs an admin key.", type="permission_error", code="forbidden")
+
+
+class AdminAuth:
+    def __init__(self, config: FleetConfig) -> None:
+        self._hashes = set(config.admin_key_hashes())
+        self._tenant_hashes = {h for t in config.tenants for h in t.key_hashes()}
+
+    def require(self, headers: Mapping[str, str]) -> str:
+        """The admin's fingerprint (for the audit log); 401 without a key, 403 for a non-admin key."""
+        key = bearer_token(headers.get("authorization"))
+        if key is None:
+            raise invalid_api_key("Missing API key. Send `Authorization: Bearer <admin key>`.")
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        if digest in self._hashes:
+            return f"admin:{digest[:12]}"
+        if digest in self._tenant_hashes:
+            raise _forbidden()
+        raise invalid_api_key("Incorrect API key provided.")
+
+
+class RegionPolicyAdmin:
+    """Validates and commits policy changes, and pushes each new version to the site chooser."""
+
+    def __init__(self, config: FleetConfig, store: PolicyStore, site_chooser: Any) -> None:
+        self.config = config
+        self.store = store
+        self.chooser = site_chooser
+
+    def apply(self, snap: Snapshot) -> None:
+        set_policies = getattr(self.chooser, "set_policies", None)
+        if set_policies is not None:
+            set_policies(PolicySet(snap.policies, snap.version))
+
+    def validate(self, tenant: str, model: str, body: Any) -> RegionPolicy:
+        if not isinstance(body, dict):
+            raise bad_request("The body must be a JSON object with the policy's fields.")
+        extra = {k for k in ("tenant", "model") if k in body and body[k] != {"tenant": tenant, "model": model}[k]}
+        if extra:
+            raise bad_request(f"{sorted(extra)} in the body disagree with the URL", param=sorted(extra)[0])
+        try:
+            policy = RegionPolicy.model_validate({**body, "tenant": tenant, "model": model})
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"]) or None
+            raise bad_request(f"{loc}: {first['msg'].removeprefix('Value error, ')}", param=loc) from None
+        errors = check_policy(policy, self.config.sites, {m.name for m in self.config.models},
+                              {t.name for t in self.config.tenants})
+        if errors:
+            raise bad_request("; ".join(errors), param=errors[0].split(":")[0])
+        return policy
+
+    async def change(self, actor: str, tenant: str, model: str, new: RegionPolicy | None,
+                     if_match: int | None) -> tuple[int, RegionPolicy | None]:
+        snap = await self.store.load()
+        expected = snap.version if if_match is None else if_match
+        before = next((p for p in snap.policies if p.key == (tenant, model)), None)
+        if new is None and before is None:
+            raise GatewayError(404, f"No region policy for tenant {tenant!r} and model {model!r}.",
+                               code="policy_not_found")
+        policies = [p for p in snap.policies if p.key != (tenant, model)] + ([new] if new else [])
+        action = "delete" if new is None else ("update" if before else "create")
+        entry = AuditEntry(expected + 1, now_unix(), actor, action, tenant, model,
+                           before.model_dump() if before else None, new.model_dump() if new else None)
+        try:
+            version = await self.store.commit(policies, entry, expected)
+        except VersionConflict as e:
+            raise GatewayError(412, f"{e}; re-read and retry.", code="version_conflict") from None
+        self.apply(Snapshot(version, tuple(policies)))
+        return version, before
+
+
+def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyAdmin, relay: Any,
+                         planner_log: Any = None) -> None:
+    auth = AdminAuth(config)
+
+    def if_match(request: Request) -> int | None:
+        raw = request.headers.get("if-match")
+        if raw is None:
+            return None
+        try:
+            return int(raw.strip('"'))
+        except ValueError:
+            raise bad_request("If-Match must be a policy version number.", param="If-Match") from None
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return await request.json()
+        except ValueError:
+            raise bad_request("The body is not valid JSON.") from None
+
+    @app.get("/admin/v1/region-policies")
+    async def list_policies(request: Request) -> JSONResponse:
+        auth.require(request.headers)
+        snap = await admin.store.load()
+        return JSONResponse({"version": snap.version, "policies": [p.model_dump() for p in snap.policies]},
+                            headers={"ETag": str(snap.version)})
+
+    @app.get("/admin/v1/region-policies/{tenant}/{model}")
+    async def get_policy(tenant: str, model: str, request: Request) -> JSONResponse:
+        auth.require(request.headers)
+        snap = await admin.store.load()
+        for p in snap.policies:
+            if p.key == (tenant, model):
+                return JSONResponse({"version": snap.version, "policy": p.model_dump()},
+                                    headers={"ETag": str(snap.version)})
+        raise GatewayError(404, f"No region policy for tenant {tenant!r} and model {model!r}.",
+                           code="policy_not_found")
+
+    @app.put("/admin/v1/region-policies/{tenant}/{model}")
+    async def put_policy(tenant: str, model: str, request: Request) -> JSONResponse:
+        actor = auth.require(request.headers)
+        policy = admin.validate(tenant, model, await body_of(request))
+        version, before = await admin.change(actor, tenant, model, policy, if_match(request))
+        return JSONResponse({"version": version, "policy": policy.model_dump()},
+                            status_code=200 if before else 201, headers={"ETag": str(version)})
+
+    @app.delete("/admin/v1/region-policies/{tenant}/{model}")
+    async def delete_policy(tenant: str, model: str, request: Request) -> JSONResponse:
+        actor = auth.require(request.headers)
+        version, _ = await admin.change(actor, tenant, model, None, if_match(request))
+        return JSONResponse({"version": version, "deleted": {"tenant": tenant, "model": model}},
+                            headers={"ETag": str(version)})
+
+    @app.get("/admin/v1/audit")
+    async def audit(request: Request, limit: int = 100) -> JSONResponse:
+        auth.require(request.headers)
+        entries = await admin.store.audit(max(1, min(limit, 1000)))
+        return JSONResponse({"entries": [asdict(e) for e in entries]})
+
+    @app.post("/admin/v1/dry-run")
+    async def dry_run(request: Request) -> JSONResponse:
+        auth.require(request.headers)
+        body = await body_of(request)
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise bad_request("Give at least {\"model\": ...}; optional tenant, region, prompt_tokens, "
+                              "request_class.", param="model")
+        model, _, version = body["model"].partition("@")
+        profile = RequestProfile(
+            request_id="dry-run", model=model, model_version=version or None,
+            prompt_tokens=int(body.get("prompt_tokens", 1000)), tenant=str(body.get("tenant", "anonymous")),
+            request_class=body.get("request_class"), client_region=body.get("region") or config.entry_region)
+        view = relay.state.view()
+        decision = relay.site_chooser.choose(profile, view, relay.clock())
+        residency = getattr(relay.site_chooser, "residency", None)
+        res = residency(profile, view) if residency else None
+        return JSONResponse({
+            "site": decision.site, "reason": decision.reason,
+            "allowed_sites": sorted(res.allowed) if res else None,
+            "home_site": res.home if res else None, "spill": res.spill if res else None,
+            "policies_applied": list(res.policies) if res else [],
+            "candidates": [{"site": c.name, "score_s": c.score, **dict(c.detail)} for c in decision.candidates],
+        })
+
+    @app.get("/admin/v1/planner")
+    async def planner(request: Request) -> JSONResponse:
+        auth.require(request.headers)
+        entries = planner_log() if planner_log else []
+        return JSONResponse({"entries": [
+            {"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None, "reason": e.reason}
+            for e in entries]})

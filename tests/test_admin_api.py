@@ -1,0 +1,114 @@
+"""FleetMind's ops admin API over a live gateway and three local sites of simulated workers:
+auth, validation, versions and audit, dry-run, and a policy change that reroutes at once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from engine_adapters.registry import build_adapters, launch_all, stop_all
+from fleetcore.fleet_config import load_fleet_file
+from tests.servers import serve_app
+
+FLEET_FILE = Path(__file__).with_name("fleet_3sites.yaml")
+ADMIN = {"Authorization": "Bearer sk-admin"}
+ACME = {"Authorization": "Bearer sk-acme"}
+MODEL = "llama-3.1-8b"
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def gateway() -> AsyncIterator[str]:
+    from gateway.app import create_app
+
+    config = load_fleet_file(FLEET_FILE)
+    adapters = build_adapters(config)
+    await launch_all(adapters)
+    try:
+        async with serve_app(create_app(config, adapters, poll_interval_s=0.2)) as url:
+            yield url
+    finally:
+        await stop_all(adapters)
+
+
+async def served_site(c: httpx.AsyncClient, url: str, key: dict[str, str], region: str | None = None) -> str:
+    headers = dict(key)
+    if region:
+        headers["x-tokenfleet-region"] = region
+    r = await c.post(f"{url}/v1/completions", headers=headers, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    return r.headers["x-tokenfleet-site"]
+
+
+async def test_auth(gateway: str) -> None:
+    async with httpx.AsyncClient() as c:
+        r = await c.get(f"{gateway}/admin/v1/region-policies")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = await c.get(f"{gateway}/admin/v1/region-policies", headers=ACME)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        r = await c.get(f"{gateway}/admin/v1/region-policies", headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        r = await c.get(f"{gateway}/admin/v1/region-policies", headers=ADMIN)
+        assert r.status_code == 200
+        assert r.json()["policies"][0]["tenant"] == "globex"
+
+
+async def test_validation_errors_name_the_field(gateway: str) -> None:
+    async with httpx.AsyncClient() as c:
+        for body, param, msg in [
+            ({"allowed_jurisdictions": ["mars"]}, "allowed_jurisdictions", "unknown ['mars']"),
+            ({"allowed_sites": []}, "allowed_sites", "empty"),
+            ({"home_site": "euw1", "allowed_jurisdictions": ["us"]}, "home_site", "outside"),
+            ({"spill": "sometimes"}, "spill", "boolean"),
+            ({"colour": "red"}, "colour", "Extra inputs"),
+        ]:
+            r = await c.put(f"{gateway}/admin/v1/region-policies/acme/*", headers=ADMIN, json=body)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and msg in err["message"], err
+        r = await c.put(f"{gateway}/admin/v1/region-policies/nobody/*", headers=ADMIN, json={})
+        assert r.status_code == 400 and "unknown tenant" in r.json()["error"]["message"]
+        r = await c.delete(f"{gateway}/admin/v1/region-policies/acme/nomodel", headers=ADMIN)
+        assert r.status_code == 404
+
+
+async def test_policy_change_reroutes_within_a_second_and_is_audited(gateway: str) -> None:
+    async with httpx.AsyncClient(timeout=10) as c:
+        assert await served_site(c, gateway, ACME) == "use1"  # home: nearest to us-east
+        version = (await c.get(f"{gateway}/admin/v1/region-policies", headers=ADMIN)).json()["version"]
+        t0 = time.monotonic()
+        r = await c.put(f"{gateway}/admin/v1/region-policies/acme/*", headers={**ADMIN, "If-Match": str(version)},
+                        json={"allowed_jurisdictions": ["eu"], "description": "moved to the EU"})
+        assert r.status_code == 201, r.text
+        assert r.json()["version"] == version + 1
+        assert await served_site(c, gateway, ACME) == "euw1"
+        assert time.monotonic() - t0 < 1.0
+        # a stale writer is refused
+        r = await c.put(f"{gateway}/admin/v1/region-policies/acme/*", headers={**ADMIN, "If-Match": str(version)},
+                        json={})
+        assert r.status_code == 412
+        dry = (await c.post(f"{gateway}/admin/v1/dry-run", headers=ADMIN,
+                            json={"model": MODEL, "tenant": "acme", "region": "us-east"})).json()
+        assert dry["site"] == "euw1" and dry["allowed_sites"] == ["euw1"]
+        assert dry["policies_applied"] == ["acme/*"] and dry["candidates"][0]["site"] == "euw1"
+        r = await c.delete(f"{gateway}/admin/v1/region-policies/acme/*", headers=ADMIN)
+        assert r.status_code == 200
+        assert await served_site(c, gateway, ACME) == "use1"
+        audit = (await c.get(f"{gateway}/admin/v1/audit", headers=ADMIN)).json()["entries"]
+        assert [(e["action"], e["tenant"]) for e in audit[:2]] == [("delete", "acme"), ("create", "acme")]
+        assert audit[1]["after"]["allowed_jurisdictions"] == ["eu"] and audit[0]["after"] is None
+        assert audit[0]["actor"].startswith("admin:") and "sk-admin" not in str(audit)
+
+
+async def test_residency_holds_under_region_hints(gateway: str) -> None:
+    """globex may only run in the US, even when it enters from the EU."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        for _ in range(5):
+            assert await served_site(c, gateway, {"Authorization": "Bearer sk-globex"}, "eu-west") in {"use1", "usw2"}
+        assert await served_site(c, gateway, ACME, "eu-west") == "euw1"
