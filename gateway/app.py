@@ -22,11 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig
+from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.auth import Authenticator, Caller
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_state import FleetState
 from gateway.kv_feed import KVEventFeed
 from gateway.metrics import GatewayMetrics
+from gateway.policy_store import MemoryPolicyStore, PolicyStore, watch
 from gateway.relay import DecisionLog, Relay, SiteChooser
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
@@ -124,7 +126,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                router: InstanceRouter | None = None, site_chooser: SiteChooser | None = None,
                poll_interval_s: float = 0.5, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                decision_log_size: int = 256,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+               clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them)."""
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
@@ -137,16 +139,20 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config))
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
+    store = policy_store if policy_store is not None else MemoryPolicyStore(config.region_policies)
+    policy_admin = RegionPolicyAdmin(config, store, relay.site_chooser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         relay.session = _client_session()
+        policy_watch = asyncio.create_task(watch(store, policy_admin.apply), name="region-policies")
         try:
             await state.start()
             if kv_feed is not None:
                 await kv_feed.start()
             yield
         finally:
+            policy_watch.cancel()
             if kv_feed is not None:
                 await kv_feed.stop()
             await state.stop()
@@ -160,6 +166,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
+    install_admin_routes(app, config, policy_admin, relay)
     return app
 
 
