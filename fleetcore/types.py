@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Role = Literal["both", "prefill", "decode"]
+AdmissionAction = Literal["admit", "reject", "queue"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,3 +131,21 @@ class RequestOutcome:
     e2e_s: float | None = None
     error: str | None = None
     cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    """What admission says about one request; the gateway and the simulator act on it alike.
+
+    "admit": dispatch now; "queue": the admission policy holds it and releases it later
+    (a decision with `request_id` set, from its `poll`); "reject": end it with `reason`.
+    `code` is machine-readable (e.g. `budget_tokens`, `slo_unattainable`), `retry_after_s`
+    when a retry can be expected to succeed, `request_class` as admission classified it.
+    """
+
+    action: AdmissionAction
+    reason: str = ""
+    request_class: str | None = None
+    code: str | None = None
+    retry_after_s: float | None = None
+    request_id: str | None = None
