@@ -12,11 +12,15 @@ capacity was missing). Each cycle:
    trend (pre-warming: a replica takes `startup_s` to come up, so it is asked for
    before the peak, not at it).
 2. Moves pair the largest deficit with the largest surplus of the same model
-   (a replica leaves a site that does not need it and starts where demand is),
-   within each site's GPU budget and per-site minimums; one move per cycle and a
-   `cooldown_s` between changes, so each change can be judged on its own.
+   (replicas leave a site that does not need them and start where demand is),
+   within each site's GPU budget and per-site minimums; at most one move (of up to
+   `max_batch` replicas) per cycle and a `cooldown_s` between changes, so each change
+   can be judged on its own.
 3. After applying a move, goodput is watched for `watch_s`; if it falls more than
-   `rollback_drop` below its level before the move, the move is rolled back.
+   `rollback_drop` below its level before the move, the move is rolled back, and the
+   same move is not proposed again for `block_s`. Callers should feed goodput
+   normalised by demand (good tokens / output tokens of the requests that ended), so
+   that demand swinging on its own is not mistaken for the move's effect.
 
 Every plan, apply and rollback is logged (`log`), for the admin API.
 """
@@ -34,16 +38,17 @@ Key = tuple[str, str]  # (site, model)
 @dataclass(frozen=True, slots=True)
 class Move:
     model: str
-    from_site: str | None  # None: add a replica without removing one
+    from_site: str | None  # None: add replicas without removing any
     to_site: str | None  # None: remove only
+    count: int = 1
 
     def inverse(self) -> Move:
-        return Move(self.model, self.to_site, self.from_site)
+        return Move(self.model, self.to_site, self.from_site, self.count)
 
     def describe(self) -> str:
         src = self.from_site or "(new)"
         dst = self.to_site or "(released)"
-        return f"{self.model}: {src} -> {dst}"
+        return f"{self.model}: {src} -> {dst}" + (f" x{self.count}" if self.count > 1 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,10 @@ class PlannerConfig:
     cooldown_s: float = 120.0
     watch_s: float = 60.0
     rollback_drop: float = 0.15  # roll back when goodput falls this fraction below its baseline
-    min_replicas: int = 0  # per (site, model) that already has one
+    block_s: float = 600.0  # a rolled-back move is not proposed again for this long
+    min_replicas: int = 1  # a site keeps at least this many replicas of a model it serves
+    max_batch: int = 4  # replicas one move may carry
+    demand_tolerance: float = 0.25  # demand moving more than this during a watch: inconclusive
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +106,7 @@ class _Watch:
     move: Move
     started: float
     baseline: float
+    demand: dict[str, float]  # demand rate of the move's model per site when it was applied
     samples: list[float] = field(default_factory=list)
 
 
@@ -114,6 +123,7 @@ class Planner:
         self._goodput: list[tuple[float, float]] = []
         self._last_change = -math.inf
         self._watch: _Watch | None = None
+        self._blocked: dict[Move, float] = {}  # rolled-back move -> until when
         self.log: list[LogEntry] = []
 
     # -- observations ---------------------------------------------------------------
@@ -154,11 +164,18 @@ class Planner:
             spare = [k for k in keys if gap[k] < 0 and placement.get(k, 0) > self.config.min_replicas]
             if spare:
                 src = min(spare, key=lambda k: (gap[k], k))
-                move = Move(model, src[0], short[0])
+                n = min(gap[short], -gap[src], placement.get(src, 0) - self.config.min_replicas,
+                        self.config.max_batch)
+                move = Move(model, src[0], short[0], max(1, n))
+                if any(m.from_site == move.from_site and m.to_site == move.to_site and m.model == model
+                       and until > now for m, until in self._blocked.items()):
+                    continue
                 reason = (f"{short[0]} needs {wanted.get(short, 0)} replica(s) of {model}, has "
                           f"{placement.get(short, 0)}; {src[0]} has {placement.get(src, 0)}, needs {wanted.get(src, 0)}")
-            elif self._free_gpus(short[0], placement) >= self.gpus_per_replica.get(model, 1):
-                move = Move(model, None, short[0])
+            elif self._free_gpus(short[0], placement) >= self.gpus_per_replica.get(model, 1) \
+                    and self._blocked.get(Move(model, None, short[0]), -math.inf) <= now:
+                fits = self._free_gpus(short[0], placement) // self.gpus_per_replica.get(model, 1)
+                move = Move(model, None, short[0], max(1, min(gap[short], fits, self.config.max_batch)))
                 reason = f"{short[0]} needs {wanted.get(short, 0)} replica(s) of {model}; GPUs are free there"
             else:
                 continue
@@ -173,9 +190,9 @@ class Planner:
         """The move was carried out: start watching goodput against the level before it."""
         before = [g for t, g in self._goodput if t >= now - self.config.window_s]
         baseline = sum(before) / len(before) if before else 0.0
-        self._watch = _Watch(move, now, baseline)
+        self._watch = _Watch(move, now, baseline, self._model_demand(move.model))
         self._last_change = now
-        self.log.append(LogEntry(now, "apply", move, f"goodput before: {baseline:.0f} tok/s"))
+        self.log.append(LogEntry(now, "apply", move, f"goodput before: {baseline:.2f}"))
 
     def check(self, now: float) -> Move | None:
         """After a watch period: the inverse move if goodput dropped past the threshold."""
@@ -184,15 +201,30 @@ class Planner:
             return None
         self._watch = None
         after = sum(w.samples) / len(w.samples) if w.samples else 0.0
+        self.wanted(now)  # bring demand rates up to date
+        demand = self._model_demand(w.move.model)
+        before = sum(w.demand.values())
+        moved = sum(abs(demand.get(k, 0.0) - w.demand.get(k, 0.0)) for k in set(demand) | set(w.demand))
+        shift = moved / before if before > 0 else 0.0
+        if shift > self.config.demand_tolerance:
+            # Goodput moved with demand, not (only) with the move: no verdict on the move.
+            self.log.append(LogEntry(now, "keep", w.move, f"inconclusive: demand changed {shift:.0%} "
+                                                          f"(goodput {w.baseline:.2f} -> {after:.2f})"))
+            return None
         if w.baseline > 0 and after < w.baseline * (1 - self.config.rollback_drop):
             undo = w.move.inverse()
             self._last_change = now
+            self._blocked[w.move] = now + self.config.block_s
             self.log.append(LogEntry(now, "rollback", undo,
                                      f"goodput fell {1 - after / w.baseline:.0%} after {w.move.describe()} "
-                                     f"({w.baseline:.0f} -> {after:.0f} tok/s)"))
+                                     f"({w.baseline:.2f} -> {after:.2f})"))
             return undo
-        self.log.append(LogEntry(now, "keep", w.move, f"goodput {w.baseline:.0f} -> {after:.0f} tok/s"))
+        self.log.append(LogEntry(now, "keep", w.move, f"goodput {w.baseline:.2f} -> {after:.2f}"))
         return None
+
+    def _model_demand(self, model: str) -> dict[str, float]:
+        """Demand rate of `model` per site: a shift between sites counts, not only the total."""
+        return {site: r.value for (site, m), r in self._demand.items() if m == model}
 
     def _free_gpus(self, site: str, placement: Mapping[Key, int]) -> int:
         used = sum(n * self.gpus_per_replica.get(m, 1) for (s, m), n in placement.items() if s == site)

@@ -25,15 +25,29 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
-
+from fleetmind.planner import Planner, PlannerConfig
 from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
 from tokenpilot.priors import prior_from_physics
 from tokenpilot.registry import ROUTER_NAMES, make_router
 
 from .metrics import RequestRecord, summarize, summarize_all, ttft_values_ms
-from .report import PlotUnavailable, build_report, format_table, plot_ttft_cdf, result_row, write_json
-from .simulator import FleetSimulator, HashCache, estimate_capacity, fleet_instances, prepare
+from .planning import PlannerLoop
+from .report import (
+    PlotUnavailable,
+    build_report,
+    format_table,
+    plot_ttft_cdf,
+    result_row,
+    write_json,
+)
+from .simulator import (
+    FleetSimulator,
+    HashCache,
+    estimate_capacity,
+    fleet_instances,
+    prepare,
+)
 
 DEFAULT_SIM_FLEET = Path(__file__).resolve().parent.parent / "deploy" / "sim" / "fleet32.yaml"
 TRACE_FORMATS = ("mooncake", "azure", "auto", "canonical")
@@ -58,16 +72,28 @@ def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
 
 # --- placement ----------------------------------------------------------------------
 
-PLACEMENTS = ("fleetmind", "home")
+PLACEMENTS = ("fleetmind", "home", "fleetmind+planner")
 
 
 def make_placement(name: str, fleet: FleetConfig, router: Any) -> FleetMind:
     """The site chooser for a `--placement`: `fleetmind` spills when home would miss its SLO;
-    `home` never leaves the home site (same residency and readiness filters)."""
+    `home` never leaves the home site (same residency and readiness filters);
+    `fleetmind+planner` also moves replicas (`placement_controllers`)."""
     predictor = router if hasattr(router, "predict") else None
     return FleetMind(PolicySet(fleet.region_policies), predictor,
                      config=FleetMindConfig(never_spill=name == "home"),
                      egress_cost_per_gb={s.name: s.egress_cost_per_gb for s in fleet.sites})
+
+
+def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, Any]]:
+    """FleetMind's long cycle for `fleetmind+planner`: the planner every 30 s, replicas taking
+    60 s to start, each move watched for 2 minutes."""
+    if name != "fleetmind+planner":
+        return []
+    loop = PlannerLoop(Planner(config=PlannerConfig(window_s=60, lead_s=60, cooldown_s=60, watch_s=120,
+                                                    rollback_drop=0.3)),
+                       fleet, cycle_s=30.0, startup_s=60.0)
+    return [(loop.cycle_s, loop)]
 
 
 def residency_violations(records: Sequence[RequestRecord], policies: PolicySet, fleet: FleetConfig) -> int:
@@ -280,8 +306,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                 return _err(f"policy {name!r} could not be built: {e}")
             label = name if len(placements) == 1 else f"{name}/{placement}"
             prog = Progress(label, enabled=not args.no_progress)
+            controllers = placement_controllers(placement, fleet)
             sim = FleetSimulator(fleet, router, site_chooser=make_placement(placement, fleet, router),
-                                 progress=prog)
+                                 progress=prog, controllers=controllers)
             res = sim.run(inputs)
             for w in res.warnings[:5]:
                 print(f"tokenfleet simulate: warning: {label}: {w}", file=sys.stderr)
@@ -291,6 +318,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             row["placement"] = placement
             row["residency_violations"] = residency_violations(res.records, policies, fleet)
             row["by_site"] = by_site(res.records, summary["span_s"])
+            if controllers:
+                row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
+                                       "reason": e.reason} for e in controllers[0][1].planner.log]
             rows.append(row)
             curves.append((label, ttft_values_ms(res.records)))
             slo = row["slo_attainment"]

@@ -276,9 +276,12 @@ def site_rtt_s(site: SiteConfig, region: str) -> float:
 
 class _Inst:
     __slots__ = ("iid", "site", "model", "version", "url", "engine", "stepping", "pending",
-                 "inflight", "max_model_len", "block_size")
+                 "inflight", "max_model_len", "block_size", "spec", "ready", "draining")
 
     def __init__(self, spec: InstanceSpec) -> None:
+        self.spec = spec
+        self.ready = True  # a replica added at run time is not ready until it has started
+        self.draining = False  # takes no new requests, finishes what it has
         self.iid = spec.instance_id
         self.site = spec.site
         self.model = spec.model
@@ -315,7 +318,10 @@ class _Req:
 
 
 # Heap event kinds; ties at one instant run in push order (the sequence number).
-_REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL = range(6)
+_REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL, _TICK, _READY = range(8)
+
+# A periodic controller (e.g. FleetMind's placement planner): called as fn(simulator, now).
+Controller = Callable[["FleetSimulator", float], None]
 
 
 @dataclass(slots=True)
@@ -339,7 +345,8 @@ class FleetSimulator:
     """
 
     def __init__(self, fleet: FleetConfig, router: InstanceRouter, *, site_chooser: SiteChooser | None = None,
-                 admission: Admission | None = None, progress: ProgressFn | None = None) -> None:
+                 admission: Admission | None = None, progress: ProgressFn | None = None,
+                 controllers: Sequence[tuple[float, Controller]] = ()) -> None:
         self.fleet = fleet
         self.router = router
         self.site_chooser: SiteChooser = site_chooser or NearestReadySite()
@@ -366,6 +373,9 @@ class FleetSimulator:
         self._wake_at = float("inf")
         self.steps = 0
         self.preemptions = 0
+        self.controllers = list(controllers)
+        self.requests: list[_Req] = []  # every arrival so far, in order (controllers read it)
+        self._added = 0
 
     # -- views -------------------------------------------------------------------
 
@@ -378,7 +388,7 @@ class FleetSimulator:
                 e = i.engine
                 snaps.append(InstanceSnapshot(
                     instance_id=i.iid, site=i.site, model=i.model, version=i.version, url=i.url,
-                    inflight=i.inflight, num_running=e.num_running, num_waiting=e.num_waiting,
+                    ready=i.ready, draining=i.draining, inflight=i.inflight, num_running=e.num_running, num_waiting=e.num_waiting,
                     kv_usage=e.kv.usage(), block_size=i.block_size, max_model_len=i.max_model_len))
             sites.append(SiteSnapshot(name=s.name, region=s.region, jurisdiction=s.jurisdiction,
                                       rtt_ms=s.rtt_ms, instances=tuple(snaps)))
@@ -390,6 +400,52 @@ class FleetSimulator:
         if v is None:
             v = self._rtt_memo[key] = site_rtt_s(self._site_cfg[site], region)
         return v
+
+    # -- a changing fleet (the placement planner's moves) ---------------------------
+
+    def placement(self) -> dict[tuple[str, str], int]:
+        """Replicas per (site, model) that serve or are starting (draining ones excluded)."""
+        out: dict[tuple[str, str], int] = {}
+        for i in self._insts:
+            if not i.draining:
+                out[(i.site, i.model)] = out.get((i.site, i.model), 0) + 1
+        return out
+
+    def add_instance(self, site: str, model: str, now: float, startup_s: float) -> str:
+        """Start a replica of `model` in `site`, on the hardware that site (else the fleet)
+        runs the model on; it takes requests from `now + startup_s`."""
+        same = [i for i in self._insts if i.model == model]
+        if not same:
+            raise ValueError(f"no deployment of {model!r} to copy the hardware of")
+        spec = next((i.spec for i in same if i.site == site), same[0].spec)
+        self._added += 1
+        iid = f"{site}/{model}/+{self._added}"
+        inst = _Inst(InstanceSpec(iid, site, model, spec.version, spec.gpu, spec.tp, spec.engine))
+        inst.ready = False
+        self._insts.append(inst)
+        self._by_id[iid] = inst
+        for s, insts in self._site_insts:
+            if s.name == site:
+                insts.append(inst)
+        register = getattr(self.router, "register_instance", None)
+        if register is not None:
+            from tokenpilot.priors import prior_from_physics
+
+            e = spec.engine
+            register(iid, prior_from_physics(e.model.name, spec.gpu, spec.tp, e.block_size,
+                                             e.max_num_batched_tokens, e.gpu_memory_utilization))
+        self._push(now + startup_s, _READY, inst)
+        return iid
+
+    def drain_instance(self, site: str, model: str) -> str | None:
+        """Stop sending requests to the least busy replica of `model` in `site`; it finishes
+        what it has. Returns its id, or None when the site has none."""
+        cands = [i for i in self._insts if i.site == site and i.model == model and not i.draining]
+        if not cands:
+            return None
+        victim = min(cands, key=lambda i: (i.ready, i.inflight, i.iid))
+        victim.draining = True
+        return victim.iid
 
     # -- helpers -----------------------------------------------------------------
 
@@ -532,6 +588,9 @@ class FleetSimulator:
         now = 0.0
         ticks = 0
         progress = self.progress
+        self.requests = reqs
+        for ctl in self.controllers:
+            self._push((inputs[0].arrival_s if n else 0.0) + ctl[0], _TICK, ctl)
         while True:
             if heap and heap[0][0] <= next_arrival:
                 now, _, kind, a, b = pop(heap)
@@ -595,6 +654,14 @@ class FleetSimulator:
                     if now >= self._wake_at:  # else superseded by an earlier wake-up
                         self._wake_at = float("inf")
                         self._poll_admission(now)
+                elif kind == _TICK:
+                    interval, fn = a
+                    fn(self, now)
+                    if i < n or active:  # keep ticking while there is work to come
+                        self._push(now + interval, _TICK, a)
+                elif kind == _READY:
+                    a.ready = True
+                    self._after_release(now)  # queued work may start on it
                 else:  # _ABORT
                     a.engine.abort(b)
             elif i < n:

@@ -71,3 +71,31 @@ def test_simulate_reports_placement_residency_and_sites(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", "--trace", str(path),
                           "--placement", "moon"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown placement 'moon'" in bad.stderr
+
+
+def test_planner_moves_replicas_toward_a_flash_crowd(tmp_path: Path) -> None:
+    """The long cycle in virtual time: demand appears at west, a replica moves there and
+    starts after its start-up delay; every step is logged."""
+    from fleetsim.cli import placement_controllers
+    from workloads import Workload, head, load_trace
+
+    subprocess.run([sys.executable, str(SCENARIOS / "make_workloads.py"), str(tmp_path), "--requests", "10",
+                    "--traces", str(TRACES)], check=True, capture_output=True)
+    wl = load_trace(tmp_path / "flash-crowd.jsonl")
+    wl = Workload("slice", [r for r in wl.requests if r.timestamp_ms < 900_000], wl.block_tokens)
+    fleet = load_fleet_file(SCENARIOS / "demand-shift.yaml")
+    router = make_policy("tokenpilot", 0, fleet)
+    controllers = placement_controllers("fleetmind+planner", fleet)
+    sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
+                         controllers=controllers)
+    res = sim.run(prepare(head(wl, len(wl)).requests, fleet))
+    log = controllers[0][1].planner.log
+    kinds = [e.kind for e in log]
+    assert "apply" in kinds
+    moved_to_west = [e for e in log if e.kind == "apply" and e.move and e.move.to_site == "west"]
+    assert moved_to_west, [(e.kind, e.reason) for e in log]
+    started = [i for i in sim.view().instances() if i.instance_id.startswith("west/llama-3.1-70b/+")]
+    assert started and all(i.ready for i in started)  # came up after its start-up delay
+    placement = sim.placement()
+    assert placement[("east", "llama-3.1-70b")] >= 1 and placement[("west", "llama-3.1-70b")] >= 1
+    assert all(r.status == "completed" for r in res.records)

@@ -58,12 +58,15 @@ def test_long_queue_beats_a_small_cache_hit() -> None:
     assert by["a"]["cached_tokens"] == 1024 and by["a"]["queue_s"] > 1.0
 
 
-def test_kv_high_water_excludes_and_says_why() -> None:
+def test_kv_high_water_excludes_unless_everyone_is_above_it() -> None:
     tp = pilot("a", "b")
     d = tp.route(req("q", [1]), [inst("a", kv_usage=0.99), inst("b", kv_usage=0.5)], 0.0)
     assert d.instance_id == "b"
-    d = tp.route(req("q2", [1]), [inst("a", kv_usage=0.99)], 0.0)
-    assert d.instance_id is None and "high-water" in d.reason
+    # all above it: the least full takes the request (its engine queues it) rather than a refusal
+    d = tp.route(req("q2", [1]), [inst("a", kv_usage=0.99), inst("b", kv_usage=0.98)], 0.0)
+    assert d.instance_id == "b"
+    d = tp.route(req("q3", [1]), [inst("a", ready=False)], 0.0)
+    assert d.instance_id is None and "unready" in d.reason
 
 
 def test_kv_pressure_and_interference_are_priced() -> None:

@@ -170,7 +170,11 @@ class TokenPilot:
     # -- the decision --------------------------------------------------------
     def _eligible(self, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
         hw = self.config.kv_high_water
-        return [c for c in candidates if c.ready and not c.draining and c.role != "decode" and c.kv_usage < hw]
+        up = [c for c in candidates if c.ready and not c.draining and c.role != "decode"]
+        below = [c for c in up if c.kv_usage < hw]
+        # Every instance above the high-water mark: the engines will queue the request, which
+        # beats refusing it; send it where KV is least full rather than nowhere.
+        return below or ([min(up, key=lambda c: (c.kv_usage, c.instance_id))] if up else [])
 
     def _terms(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
                now: float) -> tuple[list[str], tuple[np.ndarray, ...]]:
@@ -195,7 +199,7 @@ class TokenPilot:
         pool = self._eligible(candidates)
         if not pool:
             why = "no candidate instance" if not candidates else \
-                f"all {len(candidates)} candidate(s) unready, draining or above KV high-water {cfg.kv_high_water:.0%}"
+                f"all {len(candidates)} candidate(s) unready or draining"
             return RouteDecision(None, why)
         ids, terms = self._terms(profile, pool, now)
         cost = terms[0]

@@ -1,0 +1,102 @@
+"""Run FleetMind's placement planner inside a simulation (its long cycle, in virtual time).
+
+Every `cycle_s` the loop tells the planner what demand arrived since the last cycle
+(engine work, attributed to each request's *home* site: the nearest site serving its
+model, i.e. where capacity was wanted) and the goodput of the last window, then
+carries out what the planner decides: a move drains one replica at the source
+(it finishes its requests) and starts one at the destination, ready `startup_s`
+later; a rollback does the inverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine_adapters.sim import hardware
+from engine_adapters.sim.physics import StepTimer
+from fleetcore.fleet_config import FleetConfig
+from fleetcore.slo import DEFAULT_SLOS, ClassSLO
+from fleetmind.planner import Move, Planner
+
+from .simulator import FleetSimulator, fleet_instances, site_rtt_s
+
+DECODE_BATCH = 32  # decode work is shared by a batch; this is its typical size here
+
+
+@dataclass
+class PlannerLoop:
+    planner: Planner
+    fleet: FleetConfig
+    cycle_s: float = 30.0
+    startup_s: float = 60.0
+    window_s: float = 60.0
+    slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+    _seen: int = 0
+    _timers: dict[str, StepTimer] = field(default_factory=dict)
+    _home: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def __call__(self, sim: FleetSimulator, now: float) -> None:
+        reqs = sim.requests
+        for r in reqs[self._seen:]:
+            inp = r.inp
+            self.planner.record_demand(self._home_of(inp.region, inp.model), inp.model, self._work_s(inp))
+        self._seen = len(reqs)
+        self.planner.record_goodput(self._good_fraction(sim, now), now)
+        undo = self.planner.check(now)
+        if undo is not None:
+            self._carry_out(sim, undo, now)
+        move = self.planner.plan(sim.placement(), now)
+        if move is not None and self._carry_out(sim, move, now):
+            self.planner.applied(move, now)
+
+    def _carry_out(self, sim: FleetSimulator, move: Move, now: float) -> bool:
+        done = 0
+        for _ in range(move.count):
+            if move.from_site is not None and sim.drain_instance(move.from_site, move.model) is None:
+                break
+            if move.to_site is not None:
+                sim.add_instance(move.to_site, move.model, now, self.startup_s)
+            done += 1
+        return done > 0
+
+    def _home_of(self, region: str, model: str) -> str:
+        key = (region, model)
+        if key not in self._home:
+            serving = {d.site for d in self.fleet.deployments if d.model == model}
+            sites = [s for s in self.fleet.sites if s.name in serving] or list(self.fleet.sites)
+            self._home[key] = min(sites, key=lambda s: (site_rtt_s(s, region), s.name)).name
+        return self._home[key]
+
+    def _work_s(self, inp: object) -> float:
+        """Instance seconds a request needs: its prefill plus its share of decode steps."""
+        model = inp.model  # type: ignore[attr-defined]
+        t = self._timers.get(model)
+        if t is None:
+            spec = next(s for s in fleet_instances(self.fleet) if s.model == model)
+            t = self._timers[model] = StepTimer(hardware.model(spec.engine.model.name), hardware.gpu(spec.gpu),
+                                                tp=spec.tp)
+        prompt, out = inp.prompt_tokens, inp.output_tokens  # type: ignore[attr-defined]
+        prefill = t.step_time([(prompt, 0)], [])
+        decode = t.step_time([], [prompt] * DECODE_BATCH) / DECODE_BATCH
+        return prefill + out * decode
+
+    def _good_fraction(self, sim: FleetSimulator, now: float) -> float:
+        """Goodput normalised by demand: of the output tokens of requests that ended in the last
+        window, the share from requests that met their SLO (rejections count as misses)."""
+        lo = now - self.window_s
+        good = total = 0
+        for r in reversed(sim.requests):
+            if r.inp.arrival_s < lo - 600:
+                break  # nothing that old can have ended inside the window
+            if r.end is None or r.end < lo:
+                continue
+            total += max(r.ntok, r.inp.output_tokens if r.status == "rejected" else r.ntok)
+            if r.status != "completed" or r.first is None:
+                continue
+            ttft = r.first + r.half_rtt - r.inp.arrival_s
+            tpot = (r.last - r.first) / (r.ntok - 1) if r.ntok > 1 and r.last is not None else None
+            slo = self.slos.get(r.inp.request_class)
+            if slo is None or slo.met(ttft, tpot, r.end - r.inp.arrival_s):
+                good += r.ntok
+        return good / total if total else 1.0
