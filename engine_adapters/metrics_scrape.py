@@ -1,7 +1,9 @@
 """Read an engine's Prometheus text into a LoadSnapshot.
 
 vLLM and the bundled simulated worker share metric names (`vllm:*`); SGLang's
-(`sglang:*`) map onto the same fields. One parser for all adapters.
+(`sglang:*`) map onto the same fields: its prompt and cached token counters are
+the same token-level prefix-cache counters as vLLM's queries and hits. One parser
+for all adapters.
 """
 
 from __future__ import annotations
@@ -17,18 +19,24 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "num_running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
     "num_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
     "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
-    "prefix_cache_queries": ("vllm:prefix_cache_queries_total",),
-    "prefix_cache_hits": ("vllm:prefix_cache_hits_total",),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "sglang:prompt_tokens_total"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "sglang:cached_tokens_total"),
 }
+# Fractions are not additive: an engine reporting per rank (vLLM data parallel, SGLang
+# DP attention) is as full as its fullest rank.
+_MAX_FIELDS = frozenset({"kv_usage"})
 
 
 def parse_metrics(text: str) -> LoadSnapshot:
-    """Sum each metric over its label sets (one engine may report per model or per rank)."""
+    """Sum each metric over its label sets (one engine may report per model or per rank);
+    usage fractions take the maximum."""
     sums: dict[str, float] = defaultdict(float)
+    maxes: dict[str, float] = {}
     block_size: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             sums[sample.name] += sample.value
+            maxes[sample.name] = max(maxes.get(sample.name, sample.value), sample.value)
             if sample.name == "vllm:cache_config_info" and "block_size" in sample.labels:
                 try:
                     block_size = int(sample.labels["block_size"])
@@ -38,7 +46,7 @@ def parse_metrics(text: str) -> LoadSnapshot:
     for field, names in _FIELDS.items():
         for name in names:
             if name in sums:
-                values[field] = sums[name]
+                values[field] = maxes[name] if field in _MAX_FIELDS else sums[name]
                 break
     return LoadSnapshot(
         ready=True,

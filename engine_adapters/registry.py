@@ -28,7 +28,27 @@ def build_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str) -> E
                           max_num_batched_tokens=eng.max_num_batched_tokens,
                           max_num_seqs=eng.max_num_seqs,
                           gpu_memory_utilization=eng.gpu_memory_utilization, options=d.options)
+    if d.adapter in ("vllm", "sglang"):
+        return _build_engine_adapter(config, d, id_prefix, version)
     raise FleetConfigError(f"deployment {id_prefix}: adapter {d.adapter!r} is not available yet")
+
+
+def _build_engine_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str,
+                          version: str) -> EngineAdapter:
+    """vLLM / SGLang: launch (options.model) or attach (options.urls); see engine_adapters.managed."""
+    from fleetcore.model_tokenizer import load_tokenizer, tokenizer_source
+    if d.adapter == "vllm":
+        from engine_adapters.vllm import VLLMAdapter as cls
+    else:
+        from engine_adapters.sglang import SGLangAdapter as cls
+    options = cls.options_class.parse(d.options, id_prefix)
+    # Exact cache keys need the model's tokenizer in the gateway; without it the engines'
+    # KV events are not subscribed to and the index stays approximate.
+    src = tokenizer_source(config, d.model)
+    exact = src is not None and load_tokenizer(src) is not None
+    return cls(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
+               instances=d.instances, engine=config.model(d.model).engine, gpu=d.gpu, tp=d.tp,
+               options=options, exact_kv=exact)
 
 
 def _check_sim_hardware(spec: str, gpu: str, tp: int, where: str) -> None:

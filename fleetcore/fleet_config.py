@@ -66,6 +66,10 @@ class ModelConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:/-]+$")
     versions: list[str] = Field(default_factory=lambda: ["v1"], min_length=1)
     engine: EngineConfigSpec
+    # A Hugging Face model directory whose tokenizer the gateway uses for exact prompt
+    # token ids and KV-event cache keys (see fleetcore.model_tokenizer); default: the
+    # local `options.model` of the model's vllm/sglang deployment, if any.
+    tokenizer: str | None = None
 
     @property
     def default_version(self) -> str:

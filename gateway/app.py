@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.auth import Authenticator, Caller
 from gateway.errors import GatewayError, body_too_large, install_handlers
@@ -50,6 +51,8 @@ class GatewayContext:
     metrics: GatewayMetrics
     decisions: DecisionLog
     auth: Authenticator
+    # model name -> its real tokenizer (exact token ids and cache keys); others estimate
+    tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
 
 
 class BodySizeLimit:
@@ -126,8 +129,13 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                router: InstanceRouter | None = None, site_chooser: SiteChooser | None = None,
                poll_interval_s: float = 0.5, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                decision_log_size: int = 256,
-               clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None) -> FastAPI:
-    """The gateway app over adapters that are already launched (the caller stops them)."""
+               clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
+               tokenizers: Mapping[str, PromptTokenizer] | None = None) -> FastAPI:
+    """The gateway app over adapters that are already launched (the caller stops them).
+
+    `tokenizers` defaults to the models' own tokenizers found via the fleet file
+    (`fleetcore.model_tokenizer.model_tokenizers`).
+    """
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
     decisions = DecisionLog(decision_log_size)
@@ -136,7 +144,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     relay = Relay(config, state, router,
                   site_chooser if site_chooser is not None else build_site_chooser(config, router),
                   metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)))
-    ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config))
+    ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
+                         model_tokenizers(config) if tokenizers is None else tokenizers)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
     store = policy_store if policy_store is not None else MemoryPolicyStore(config.region_policies)
@@ -227,7 +236,7 @@ async def _parse(ctx: GatewayContext, request: Request, kind: Kind, caller: Call
                  rid: str) -> ParsedRequest:
     raw = await request.body()
     args: dict[str, Any] = dict(config=ctx.config, caller=caller, headers=request.headers,
-                                request_id=rid, now=ctx.relay.clock())
+                                request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers)
     if len(raw) > _THREAD_PARSE_BYTES:
         return await asyncio.to_thread(parse_request, kind, raw, **args)
     return parse_request(kind, raw, **args)

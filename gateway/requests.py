@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fleetcore.fleet_config import FleetConfig, ModelConfig
+from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.prefix import block_hashes
 from fleetcore.tokens import encode, render_chat
 from fleetcore.types import RequestProfile
@@ -61,14 +62,21 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller,
-                  headers: Mapping[str, str], request_id: str, now: float) -> ParsedRequest:
-    """Validate `raw` and build its profile; raises a 4xx GatewayError on bad input."""
+                  headers: Mapping[str, str], request_id: str, now: float,
+                  tokenizers: Mapping[str, PromptTokenizer] | None = None) -> ParsedRequest:
+    """Validate `raw` and build its profile; raises a 4xx GatewayError on bad input.
+
+    `tokenizers` (model name -> the model's own tokenizer) makes prompt token counts and
+    block hashes exact for real engines (KV-event cache keys match); models without one
+    use the built-in estimate (`fleetcore.tokens`).
+    """
     body = parse_json_object(raw)
     model_cfg, version = resolve_model(body.get("model"), config)
     stream, include_usage = _stream_flags(body)
     _check_sampling(body)
     max_tokens = _output_budget(body, kind)
-    ids, param = (_chat_prompt_ids(body) if kind == "chat" else _completion_prompt_ids(body))
+    tok = tokenizers.get(model_cfg.name) if tokenizers else None
+    ids, param = (_chat_prompt_ids(body, tok) if kind == "chat" else _completion_prompt_ids(body, tok))
     output = max_tokens if max_tokens is not None else 1  # the engine needs room for >= 1 token
     max_len = model_cfg.engine.max_model_len
     if len(ids) + output > max_len:
@@ -189,7 +197,7 @@ def _output_budget(body: Mapping[str, Any], kind: Kind) -> int | None:
 
 # --- prompts ---
 
-def _chat_prompt_ids(body: Mapping[str, Any]) -> tuple[list[int], str]:
+def _chat_prompt_ids(body: Mapping[str, Any], tok: PromptTokenizer | None = None) -> tuple[list[int], str]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("`messages` is required.", "messages")
@@ -197,6 +205,13 @@ def _chat_prompt_ids(body: Mapping[str, Any]) -> tuple[list[int], str]:
         raise bad_request("`messages` must be a non-empty list of message objects.", "messages")
     for i, m in enumerate(messages):
         _check_message(i, m)
+    if tok is not None:
+        try:
+            return tok.chat_ids(messages), "messages"
+        except Exception:
+            # The engine is the judge of what its template accepts; routing falls back
+            # to the estimate rather than rejecting a request the engine may take.
+            pass
     return encode(render_chat(messages)), "messages"
 
 
@@ -222,13 +237,15 @@ def _check_message(i: int, m: Any) -> None:
                           "with a `type`.", f"{where}.content")
 
 
-def _completion_prompt_ids(body: Mapping[str, Any]) -> tuple[list[int], str]:
+def _completion_prompt_ids(body: Mapping[str, Any],
+                           tok: PromptTokenizer | None = None) -> tuple[list[int], str]:
     """`prompt` as text, token ids, or a batch of either; the profile covers the whole batch."""
+    text_ids = tok.text_ids if tok is not None else encode
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("`prompt` is required.", "prompt")
     if isinstance(prompt, str):
-        return encode(prompt), "prompt"
+        return text_ids(prompt), "prompt"
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("`prompt` must be a string, a list of strings, or a list of token ids.",
                           "prompt")
@@ -236,13 +253,13 @@ def _completion_prompt_ids(body: Mapping[str, Any]) -> tuple[list[int], str]:
         return _checked_ids(prompt), "prompt"
     ids: list[int] = []
     for item in prompt:
-        ids.extend(_one_prompt(item))
+        ids.extend(_one_prompt(item, text_ids))
     return ids, "prompt"
 
 
-def _one_prompt(item: Any) -> list[int]:
+def _one_prompt(item: Any, text_ids: Callable[[str], list[int]] = encode) -> list[int]:
     if isinstance(item, str):
-        return encode(item)
+        return text_ids(item)
     if isinstance(item, list) and item and all(_is_int(t) for t in item):
         return _checked_ids(item)
     raise bad_request("Each element of `prompt` must be a string or a non-empty list of token ids.",

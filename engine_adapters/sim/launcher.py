@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
-import signal
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 from engine_adapters.base import AdapterError, Instance, KVEventBatch
 from engine_adapters.http_engine import HttpEngineAdapter, ndjson_kv_events
+from engine_adapters.process import drain, exit_code_soon, spawn, terminate
 
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: the worker gets SIGTERM if the gateway dies, so no orphans even on SIGKILL."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 class SimAdapter(HttpEngineAdapter):
@@ -78,12 +66,8 @@ class SimAdapter(HttpEngineAdapter):
         return self.instances
 
     async def _launch_one(self, instance_id: str) -> Instance:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine_adapters.sim.worker", *self._args,
-            "--host", self.host, "--port", "0", "--instance-id", instance_id,
-            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
+        proc = await spawn([sys.executable, "-m", "engine_adapters.sim.worker", *self._args,
+                            "--host", self.host, "--port", "0", "--instance-id", instance_id])
         self._procs[instance_id] = proc
         assert proc.stdout is not None
         try:
@@ -94,40 +78,20 @@ class SimAdapter(HttpEngineAdapter):
             ready = json.loads(line)
             url = str(ready["url"])
         except (ValueError, KeyError, TypeError):
-            code = await _exit_code_soon(proc)
+            code = await exit_code_soon(proc)
             raise AdapterError(f"worker {instance_id} failed to start (exit code {code})") from None
         # Keep reading stdout so a chatty worker can never block on a full pipe.
-        asyncio.get_running_loop().create_task(_drain(proc.stdout))
+        asyncio.get_running_loop().create_task(drain(proc.stdout))
         return Instance(instance_id=instance_id, site=self.site, model=self.model, version=self.version,
                         url=url, adapter=self.name, block_size=self.block_size,
                         max_model_len=self.max_model_len, engine_spec=self.spec, gpu=self.gpu,
                         tp=self.tp, max_batched_tokens=self.max_batched_tokens)
 
     async def stop(self) -> None:
-        procs = list(self._procs.values())
-        for p in procs:
-            if p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                await asyncio.wait_for(p.wait(), STOP_GRACE_S)
-            except asyncio.TimeoutError:
-                p.kill()
-                await p.wait()
+        await terminate(self._procs.values(), STOP_GRACE_S)
         self._procs.clear()
         await self.close_http()
 
     def kv_events(self, instance: Instance) -> AsyncIterator[KVEventBatch] | None:
         return ndjson_kv_events(self._http(), instance)
 
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.read(65536):
-        pass
-
-
-async def _exit_code_soon(proc: asyncio.subprocess.Process) -> int | None:
-    try:
-        return await asyncio.wait_for(proc.wait(), 2.0)
-    except asyncio.TimeoutError:
-        return None

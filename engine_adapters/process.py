@@ -1,0 +1,94 @@
+"""Engine processes the gateway starts: spawn tied to the gateway's life, stop gracefully.
+
+Shared by every adapter that launches local processes (sim workers, vLLM, SGLang).
+Two guarantees matter more than anything else here: an engine never outlives the
+gateway (even when the gateway is SIGKILLed), and a stop never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import IO, Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the gateway dies, so no orphans even on SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+async def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                stdout: int | IO[Any] | None = asyncio.subprocess.PIPE,
+                stderr: int | IO[Any] | None = None,
+                own_group: bool = False) -> asyncio.subprocess.Process:
+    """Start `argv` with no stdin, dying with the gateway.
+
+    `own_group` puts the child in a new process group: engines such as vLLM fork
+    helpers (engine core, workers) that a hard kill must reach too (`kill_group`).
+    """
+    linux = sys.platform.startswith("linux")
+    return await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        env=dict(env) if env is not None else None,
+        preexec_fn=die_with_parent if linux else None, start_new_session=own_group)
+
+
+def kill_group(proc: asyncio.subprocess.Process, sig: int = signal.SIGKILL) -> bool:
+    """Signal the process group led by `proc` (see `spawn(own_group=True)`); False if it is empty."""
+    try:
+        os.killpg(proc.pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+async def terminate(procs: Iterable[asyncio.subprocess.Process], grace_s: float,
+                    groups: bool = False) -> None:
+    """SIGTERM every process, wait up to `grace_s` for all of them, SIGKILL the rest.
+
+    With `groups`, whatever is left of each process group after its leader exited
+    (an engine's helper processes) is killed too, so nothing lingers holding memory or ports.
+    """
+    procs = list(procs)
+    for p in procs:
+        if p.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+
+    async def reap(p: asyncio.subprocess.Process) -> None:
+        try:
+            await asyncio.wait_for(p.wait(), grace_s)
+        except asyncio.TimeoutError:
+            if groups:
+                kill_group(p)
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            await p.wait()
+        if groups:
+            kill_group(p)  # stragglers of an exited leader; a no-op when the group is empty
+
+    await asyncio.gather(*(reap(p) for p in procs))
+
+
+async def drain(stream: asyncio.StreamReader) -> None:
+    """Keep reading so a chatty child can never block on a full pipe."""
+    while await stream.read(65536):
+        pass
+
+
+async def exit_code_soon(proc: asyncio.subprocess.Process, timeout_s: float = 2.0) -> int | None:
+    try:
+        return await asyncio.wait_for(proc.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        return None

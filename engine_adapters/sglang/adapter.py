@@ -1,0 +1,59 @@
+"""The SGLang adapter: `python -m sglang.launch_server` per instance, or attach.
+
+Same process handling, readiness, stop and KV events as vLLM (`managed`); SGLang's
+publisher is a port of vLLM's and speaks the same wire format (array-encoded events).
+Metrics come from `--enable-metrics` (`sglang:*`, mapped in `metrics_scrape`);
+`--enable-cache-report` puts cached tokens into `usage.prompt_tokens_details`, which
+the relay reads. The page size is the model's block size so that the KV events'
+pages are the gateway's blocks. SGLang needs a GPU: on machines without one the
+adapter is exercised with recorded metrics and a fake publisher only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import Field
+
+from engine_adapters.managed import EngineOptions, ManagedEngineAdapter
+from fleetcore.model_tokenizer import expand_path
+
+DEFAULT_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+class SGLangOptions(EngineOptions):
+    mem_fraction_static: float | None = Field(default=None, gt=0, le=1)
+
+
+class SGLangAdapter(ManagedEngineAdapter):
+    name = "sglang"
+    options_class = SGLangOptions
+    options: SGLangOptions
+
+    def engine_argv(self, port: int, kv_events_config: dict[str, Any] | None) -> list[str]:
+        o, eng = self.options, self.engine
+        assert o.model is not None
+        model = expand_path(o.model)
+        argv = [
+            "-m", "sglang.launch_server",
+            "--model-path", str(model) if model.exists() else o.model,
+            "--served-model-name", self.model,
+            "--host", o.host, "--port", str(port),
+            "--enable-metrics", "--enable-cache-report",
+            "--page-size", str(eng.block_size),
+            "--context-length", str(eng.max_model_len),
+            "--max-running-requests", str(eng.max_num_seqs),
+            "--chunked-prefill-size", str(eng.max_num_batched_tokens),
+            "--tp-size", str(self.tp),
+        ]
+        if o.tokenizer:
+            argv += ["--tokenizer-path", str(expand_path(o.tokenizer))]
+        if o.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(o.mem_fraction_static)]
+        if kv_events_config is not None:
+            argv += ["--kv-events-config", json.dumps(kv_events_config, separators=(",", ":"))]
+        return argv + list(o.extra_args)
+
+    def engine_env(self) -> dict[str, str]:
+        return {**DEFAULT_ENV, **self.options.env}

@@ -1,0 +1,226 @@
+"""KV events from real engines: wire decoding, engine-hash -> index-key translation, and the
+ZMQ subscriber over real sockets with a publisher that behaves like vLLM's (it connects)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine_adapters.kv_translate import BlockHashTranslator
+from engine_adapters.kv_zmq import KVDecodeError, KVEventSubscriber, decode_batch, decode_message
+from fleetcore.prefix import block_hashes
+from tokenpilot.cache_index import PrefixCacheIndex
+
+BS = 4
+
+
+def stored(hashes, tokens, parent=None, bs=BS, **extra):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": bs, "lora_id": None, "medium": "GPU", **extra}
+
+
+# --- decoding -------------------------------------------------------------------------
+
+def test_decode_vllm_map_events():
+    ev = stored([11, 12], list(range(8)), group_idx=0, kv_cache_spec_kind="full_attention")
+    payload = msgpack.packb([1.5, [ev, {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"},
+                                   {"type": "AllBlocksCleared"}], 0])
+    ts, events = decode_batch(payload)
+    assert ts == 1.5
+    assert [e["type"] for e in events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert events[0]["block_hashes"] == [11, 12] and events[0]["token_ids"] == list(range(8))
+
+
+def test_decode_array_events_of_sglang_and_older_vllm():
+    payload = msgpack.packb([2.0, [["BlockStored", [1, 2], None, list(range(8)), 4, None],
+                                   ["BlockRemoved", [1], "GPU"], ["AllBlocksCleared"],
+                                   ["SomethingNew", 1, 2]]])
+    _, events = decode_batch(payload)
+    assert events[0] == {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                         "token_ids": list(range(8)), "block_size": 4, "lora_id": None}
+    assert events[1] == {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+    assert events[2] == {"type": "AllBlocksCleared"}
+    assert len(events) == 3  # unknown kinds are skipped, not fatal
+
+
+def test_decode_bytes_hashes_and_message_frames():
+    payload = msgpack.packb([0.0, [stored([b"\x01" * 32], list(range(4)))]], use_bin_type=True)
+    topic, seq, events = decode_message([b"kv@a", (7).to_bytes(8, "big"), payload])
+    assert (topic, seq) == ("kv@a", 7)
+    assert events[0]["block_hashes"] == [b"\x01" * 32]
+
+
+@pytest.mark.parametrize("frames", [
+    [b"t", b"\x00" * 8],
+    [b"t", b"\x00" * 4, msgpack.packb([0.0, []])],
+    [b"t", b"\x00" * 8, b"\xc1not msgpack"],
+    [b"t", b"\x00" * 8, msgpack.packb({"nope": 1})],
+    [b"t", b"\x00" * 8, msgpack.packb([0.0, [42]])],
+])
+def test_decode_rejects_malformed(frames):
+    with pytest.raises(KVDecodeError):
+        decode_message(frames)
+
+
+# --- translation ----------------------------------------------------------------------
+
+def test_translation_chains_like_the_gateway():
+    """Keys from events equal what the gateway computes from the prompt's token ids."""
+    prompt = list(range(100, 124))  # 6 blocks of 4
+    tr = BlockHashTranslator(BS)
+    out = tr.translate(0, [stored([1, 2, 3], prompt[:12])])
+    out += tr.translate(1, [stored([4, 5, 6], prompt[12:], parent=3)])  # extends the cached prefix
+    ours = [h for ev in out for h in ev["block_hashes"]]
+    assert ours == block_hashes(prompt, BS)
+    removed = tr.translate(2, [{"type": "BlockRemoved", "block_hashes": [6, 5, 99], "medium": "GPU"}])
+    assert removed == [{"type": "BlockRemoved", "block_hashes": block_hashes(prompt, BS)[5:3:-1]}]
+    assert tr.stats.unknown_removed == 1 and len(tr) == 4
+
+
+def test_translation_orphans_restart_and_foreign_blocks():
+    tr = BlockHashTranslator(BS)
+    assert tr.translate(0, [stored([2], [1, 2, 3, 4], parent=1)]) == []  # parent never seen
+    assert tr.stats.orphan_blocks == 1
+    assert tr.translate(1, [stored([3], [1, 2, 3, 4], medium="CPU")]) == []  # offload tier
+    assert tr.translate(2, [stored([4], [1, 2, 3, 4], group_idx=1)]) == []  # second KV group
+    assert tr.translate(3, [stored([5], [1, 2, 3], bs=3)]) == []  # block size we cannot split
+    assert tr.stats.foreign_blocks == 3
+    tr.translate(4, [stored([6], [1, 2, 3, 4])])
+    assert len(tr) == 1
+    tr.translate(0, [])  # sequence restarted: the engine restarted with an empty cache
+    assert len(tr) == 0 and tr.stats.restarts == 1
+    tr.translate(5, [])
+    assert tr.stats.gaps == 1
+
+
+def test_translation_splits_larger_engine_blocks():
+    """An engine block of 8 stands for two gateway blocks of 4."""
+    tokens = list(range(16))
+    tr = BlockHashTranslator(4)
+    out = tr.translate(0, [stored([1, 2], tokens, bs=8)])
+    assert out[0]["block_hashes"] == block_hashes(tokens, 4)
+    out = tr.translate(1, [{"type": "BlockRemoved", "block_hashes": [2], "medium": None}])
+    assert out[0]["block_hashes"] == block_hashes(tokens, 4)[2:]
+
+
+def test_all_blocks_cleared_empties_the_map():
+    tr = BlockHashTranslator(BS)
+    tr.translate(0, [stored([1], [1, 2, 3, 4])])
+    assert tr.translate(1, [{"type": "AllBlocksCleared"}]) == [{"type": "AllBlocksCleared"}]
+    assert len(tr) == 0
+
+
+# --- the subscriber over real sockets -------------------------------------------------
+
+async def _until(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def _publish(pub: zmq.Socket, topic: str, seq: int, events) -> None:
+    pub.send_multipart([topic.encode(), seq.to_bytes(8, "big"), msgpack.packb([time.time(), events, 0])])
+
+
+async def test_subscriber_binds_and_routes_topics_to_instances():
+    sub = KVEventSubscriber()
+    endpoint = sub.start()
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    sub.register("tokenfleet/a", "site/m/0", BS)
+    sub.register("tokenfleet/b", "site/m/1", BS)
+    ctx = zmq.Context()
+    pubs = []
+    try:
+        for _ in range(2):  # two engines connect to the one bound socket
+            pub = ctx.socket(zmq.PUB)
+            pub.connect(endpoint)
+            pubs.append(pub)
+        await asyncio.sleep(0.2)  # let the connections come up (PUB drops before that)
+        prompt = list(range(40, 52))
+        _publish(pubs[0], "tokenfleet/a", 0, [stored([7, 8, 9], prompt)])
+        _publish(pubs[1], "tokenfleet/b", 0, [stored([7], prompt[:4])])
+        _publish(pubs[1], "tokenfleet/zzz", 0, [stored([7], prompt[:4])])
+        pubs[1].send_multipart([b"tokenfleet/b", b"bad"])
+
+        got: dict[str, list] = {"site/m/0": [], "site/m/1": []}
+
+        async def follow(iid: str) -> None:
+            async for batch in sub.stream(iid):
+                got[iid].append(batch)
+
+        tasks = [asyncio.create_task(follow(i)) for i in got]
+        await _until(lambda: all(got.values()) and sub.stats.unknown_topic == 1 and sub.stats.malformed == 1)
+        a, b = got["site/m/0"][0], got["site/m/1"][0]
+        assert a.instance_id == "site/m/0" and a.seq == 0
+        assert a.events[0]["block_hashes"] == block_hashes(prompt, BS)
+        assert b.events[0]["block_hashes"] == block_hashes(prompt, BS)[:1]
+        # The engine behind b restarts: it connects again and its sequence starts over.
+        pubs[1].close(0)
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(endpoint)
+        pubs[1] = pub
+        await asyncio.sleep(0.2)
+        _publish(pub, "tokenfleet/b", 0, [stored([70], prompt[4:8], parent=7)])  # parent died with the old engine
+        await _until(lambda: len(got["site/m/1"]) == 2)
+        assert sub.translator("site/m/1").stats.restarts == 1
+        assert got["site/m/1"][1].seq == 0 and got["site/m/1"][1].events == []
+        await sub.close()
+        await asyncio.wait_for(asyncio.gather(*tasks), 2)  # streams end when the subscriber closes
+    finally:
+        for p in pubs:
+            p.close(0)
+        ctx.term()
+        await sub.close()
+
+
+async def test_events_reach_the_cache_index_with_gateway_keys():
+    """Fake publisher -> subscriber -> the router's index: a request's hashes match there."""
+    sub = KVEventSubscriber()
+    endpoint = sub.start()
+    sub.register("t", "i0", BS)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(endpoint)
+    index = PrefixCacheIndex(stride=1)
+    try:
+        await asyncio.sleep(0.2)
+        prompt = list(range(500, 532))
+        _publish(pub, "t", 0, [stored(list(range(1, 9)), prompt)])
+        stream = sub.stream("i0")
+        batch = await asyncio.wait_for(stream.__anext__(), 5)
+        index.apply_events(batch.instance_id, batch.seq, batch.events, now=0.0)
+        assert index.match(block_hashes(prompt, BS), ["i0"]) == {"i0": 8}
+        _publish(pub, "t", 1, [{"type": "BlockRemoved", "block_hashes": [5, 6, 7, 8], "medium": "GPU"}])
+        batch = await asyncio.wait_for(stream.__anext__(), 5)
+        index.apply_events(batch.instance_id, batch.seq, batch.events, now=0.0)
+        assert index.match(block_hashes(prompt, BS), ["i0"]) == {"i0": 4}
+    finally:
+        pub.close(0)
+        ctx.term()
+        await sub.close()
+
+
+async def test_subscriber_bind_failure_is_an_oserror():
+    first = KVEventSubscriber()
+    endpoint = first.start()
+    try:
+        with pytest.raises(OSError, match="cannot bind"):
+            KVEventSubscriber(endpoint).start()
+    finally:
+        await first.close()
+
+
+def test_unconsumed_streams_stay_bounded():
+    sub = KVEventSubscriber(buffer_batches=3)
+    sub.register("t", "i", BS)
+    for seq in range(10):
+        sub.deliver("t", seq, [stored([seq + 1], [1, 2, 3, 4])])
+    ch = sub._by_instance["i"]
+    assert len(ch.buffer) == 3 and ch.dropped == 7
+    assert [b.seq for b in ch.buffer] == [7, 8, 9]
