@@ -47,6 +47,14 @@ class TokenPilotConfig:
     interference_weight: float = 1.0  # seconds of our TTFT worth one second of SLO overrun of one stream
     tpot_slo_s: float = 0.05
     locality_weight: float = 1.0  # x the prefill time a cache hit saves, credited on top of TTFT
+    decode_weight: float = 0.1  # seconds of TTFT worth one second of this request's own decoding
+    # Memory of the prefill-duty estimate: a few typical prefills long (short prompts want a
+    # quick estimate, long prefills a long one), within these bounds.
+    duty_span: float = 16.0
+    duty_min_s: float = 2.0
+    duty_max_s: float = 20.0
+    max_duty: float = 0.9
+    decode_slo_weight: float = 1.0  # ... of its decoding beyond the TPOT budget
     explore: float = 0.01
     explore_slack: float = 1.25
     max_decisions_kept: int = 256
@@ -66,7 +74,8 @@ class _Learned:
     decode: SpeedFactor
 
 
-_TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens")
+_TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
+          "decode_s", "prefill_compute_s")
 
 
 class _Explained(Sequence[Candidate]):
@@ -97,7 +106,7 @@ class _Slots:
     """Per-instance state as numpy columns, so one decision scores every candidate at once."""
 
     FIELDS = ("token_s", "attn_s", "kv_s", "overhead_s", "capacity_blocks", "budget", "prefill_factor",
-              "decode_factor", "backlog", "backlog_at", "context", "streams")
+              "decode_factor", "backlog", "backlog_at", "context", "streams", "duty", "duty_at")
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -141,6 +150,7 @@ class TokenPilot:
         self._inflight: dict[str, _Inflight] = {}
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
+        self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
         self.decisions: list[tuple[str, RouteDecision]] = []
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
@@ -211,7 +221,7 @@ class TokenPilot:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
         self._commit(profile, self._s.index[ids[chosen]], ids[chosen], cached, ttft,
-                     float(terms[3][chosen]), now)
+                     float(terms[3][chosen]), float(terms[8][chosen]), now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))
@@ -221,7 +231,7 @@ class TokenPilot:
 
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], ids: Sequence[str],
                matched_blocks: Sequence[int], now: float) -> tuple[np.ndarray, ...]:
-        """(cost, ttft, queue, prefill, interference, kv pressure, cached tokens) per candidate."""
+        """(cost, ttft, queue, prefill, interference, kv pressure, cached tokens, own decode) per candidate."""
         cfg = self.config
         s = self._s
         slot = s.index.get
@@ -254,12 +264,21 @@ class TokenPilot:
         waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
         queue = np.maximum(backlog, waiting_hint)
         ttft = queue + prefill
+        # Prefill duty: the share of the instance's time that prefills routed there have been
+        # taking lately (EWMA). Every prefill step stalls all decoding streams, so a stream's
+        # time per token is its decode step stretched by 1 / (1 - duty).
+        window = self._duty_window()
+        duty = s.duty[k] * np.exp(-np.maximum(0.0, now - s.duty_at[k]) / window)
+        s.duty[k] = duty
+        s.duty_at[k] = np.maximum(s.duty_at[k], now)
+        duty_after = np.minimum(cfg.max_duty, duty + compute / window)
+        decode_step = overhead * s.decode_factor[k] + context * kv_s
+        tpot_now = decode_step / (1 - np.minimum(duty, cfg.max_duty))
         # Each running stream absorbs this prefill's compute as gaps between its tokens over
         # its remaining output; only what pushes it past its TPOT budget costs goodput.
-        decode_step = overhead * s.decode_factor[k] + context * kv_s
         remaining = self._remaining_tokens()
-        slack = (cfg.tpot_slo_s - decode_step) * remaining
-        interference = cfg.interference_weight * streams * np.maximum(0.0, compute - slack)
+        slack = (cfg.tpot_slo_s - tpot_now) * remaining
+        interference = cfg.interference_weight * streams * np.maximum(0.0, compute - np.maximum(slack, 0.0))
         # The whole request holds KV once running (cached blocks become referenced too), and
         # streams grow as they decode; past the soft mark it risks evicting hot prefixes,
         # past full it will be preempted and recomputed (its TTFT doubles).
@@ -270,7 +289,20 @@ class TokenPilot:
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
         locality = cfg.locality_weight * cached * token_s
-        return ttft + interference + kv_cost - locality, ttft, queue, prefill, interference, kv_cost, cached
+        # Its own decode: every step there reads all streams' KV, ours included. A crowded
+        # instance stretches this request's time per token (and past the TPOT budget, costs
+        # its SLO); without this term, requests whose prefill is cheap everywhere would
+        # all tie on TTFT and pile onto one instance.
+        own_step = (decode_step + prompt * kv_s) / (1 - duty_after)
+        out = 2 * remaining
+        decode = out * (cfg.decode_weight * own_step
+                        + cfg.decode_slo_weight * np.maximum(0.0, own_step - cfg.tpot_slo_s))
+        cost = ttft + interference + kv_cost + decode - locality
+        return cost, ttft, queue, prefill, interference, kv_cost, cached, decode, compute
+
+    def _duty_window(self) -> float:
+        cfg = self.config
+        return min(cfg.duty_max_s, max(cfg.duty_min_s, cfg.duty_span * self._mean_compute))
 
     def _remaining_tokens(self) -> float:
         """Tokens a running stream still has to produce, on average (half a mean answer)."""
@@ -280,9 +312,11 @@ class TokenPilot:
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, cached: int, ttft: float,
-                prefill_s: float, now: float) -> None:
+                prefill_s: float, compute_s: float, now: float) -> None:
         s = self._s
         s.backlog[k] += prefill_s
+        s.duty[k] += compute_s / self._duty_window()
+        self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         s.context[k] += profile.prompt_tokens
         s.streams[k] += 1
         self.index.record_route(instance_id, profile.block_hashes, now)
