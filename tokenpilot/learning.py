@@ -22,17 +22,15 @@ class SpeedFactor:
     """Multiplier on a prior's time estimate (2.0 = the instance is twice as slow)."""
 
     value: float = 1.0
-    rate: float = 0.15  # learning rate in log space
-    max_step: float = 0.14  # |log change| per observation (about x1.15)
-    lo: float = 0.1
-    hi: float = 20.0
+    rate: float = 0.03  # learning rate in log space: noise averages out over ~30 samples
+    max_step: float = 0.05  # |log change| per observation (about x1.05)
+    lo: float = 0.25  # a prior more than 4x off is a wrong prior, not something to learn
+    hi: float = 4.0
     samples: int = 0
 
     def update(self, observed_s: float, predicted_s: float) -> None:
         if observed_s <= 0 or predicted_s <= 0 or not math.isfinite(observed_s / predicted_s):
             return
-        # Early samples learn faster so a wrong prior is corrected quickly.
-        rate = max(self.rate, 1.0 / (2 + self.samples))
-        step = max(-self.max_step, min(self.max_step, rate * math.log(observed_s / predicted_s)))
+        step = max(-self.max_step, min(self.max_step, self.rate * math.log(observed_s / predicted_s)))
         self.value = max(self.lo, min(self.hi, self.value * math.exp(step)))
         self.samples += 1

@@ -47,7 +47,7 @@ class TokenPilotConfig:
     interference_weight: float = 1.0  # seconds of our TTFT worth one second of SLO overrun of one stream
     tpot_slo_s: float = 0.05
     locality_weight: float = 1.0  # x the prefill time a cache hit saves, credited on top of TTFT
-    decode_weight: float = 0.1  # seconds of TTFT worth one second of this request's own decoding
+    decode_weight: float = 0.3  # seconds of TTFT worth one second of this request's own decoding
     # Memory of the prefill-duty estimate: a few typical prefills long (short prompts want a
     # quick estimate, long prefills a long one), within these bounds.
     duty_span: float = 16.0
@@ -66,6 +66,7 @@ class _Inflight:
     slot: int
     prompt_tokens: int
     predicted_ttft_s: float
+    predicted_queue_s: float
 
 
 @dataclass(slots=True)
@@ -220,7 +221,7 @@ class TokenPilot:
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
-        self._commit(profile, self._s.index[ids[chosen]], ids[chosen], cached, ttft,
+        self._commit(profile, self._s.index[ids[chosen]], ids[chosen], cached, ttft, float(terms[2][chosen]),
                      float(terms[3][chosen]), float(terms[8][chosen]), now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
@@ -312,7 +313,7 @@ class TokenPilot:
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, cached: int, ttft: float,
-                prefill_s: float, compute_s: float, now: float) -> None:
+                queue_s: float, prefill_s: float, compute_s: float, now: float) -> None:
         s = self._s
         s.backlog[k] += prefill_s
         s.duty[k] += compute_s / self._duty_window()
@@ -320,7 +321,7 @@ class TokenPilot:
         s.context[k] += profile.prompt_tokens
         s.streams[k] += 1
         self.index.record_route(instance_id, profile.block_hashes, now)
-        self._inflight[profile.request_id] = _Inflight(k, profile.prompt_tokens, ttft)
+        self._inflight[profile.request_id] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
 
     # -- feedback --------------------------------------------------------------
     def observe(self, outcome: RequestOutcome) -> None:
@@ -335,7 +336,9 @@ class TokenPilot:
         if outcome.output_tokens > 0:
             self._mean_output += 0.02 * (outcome.output_tokens - self._mean_output)
         learned = self._learned[k]
-        if outcome.ttft_s is not None:
+        # Learn prefill speed only from requests predicted to start at once: otherwise an error
+        # in the queue model would be taken for a slow (or fast) GPU and feed back on itself.
+        if outcome.ttft_s is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
             learned.prefill.update(outcome.ttft_s, rec.predicted_ttft_s)
             s.prefill_factor[k] = learned.prefill.value
         if outcome.mean_tpot_s is not None and outcome.output_tokens > 1:
