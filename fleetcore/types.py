@@ -149,3 +149,6 @@ class AdmissionDecision:
     code: str | None = None
     retry_after_s: float | None = None
     request_id: str | None = None
+    # "admit", but not onto these instances: admission knows their queued prefill would
+    # make this request miss its SLO there. Routing skips them (unless that leaves nothing).
+    avoid_instances: tuple[str, ...] = ()

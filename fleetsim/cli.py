@@ -7,7 +7,8 @@
 This command line is a contract outside checks rely on. Extra options:
 `--timeout S` (client gives up S seconds after arrival), `--describe-capacity`
 (print the fleet's estimated capacity for the workload and exit),
-`--no-progress`.
+`--admission fcfs,slomax` (gateway admission; every combination with `--policy`
+runs, and each result row says its `"admission"`), `--no-progress`.
 
 Each policy runs on a fresh simulator (fresh engines, fresh policy object seeded
 with `--seed`) over the same prepared workload. Runnable without the gateway:
@@ -28,6 +29,8 @@ from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_fil
 from fleetmind.planner import Planner, PlannerConfig
 from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
+from slomax import ADMISSION_NAMES, make_admission
+from slomax import from_fleet as slomax_config
 from tokenpilot.priors import prior_from_physics
 from tokenpilot.registry import ROUTER_NAMES, make_router
 
@@ -161,6 +164,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-format", default="auto", choices=TRACE_FORMATS, help="trace format (default: auto)")
     p.add_argument("--fleet", metavar="FILE", help="fleet file (default: deploy/sim/fleet32.yaml)")
     p.add_argument("--policy", metavar="P1,P2,...", help="routing policies to compare (default: all registered)")
+    p.add_argument("--admission", metavar="A1,A2", default="fcfs",
+                   help="gateway admission: fcfs (admit everything at once) and/or slomax (class queues, "
+                        "budgets, early rejection, goodput feedback; from the fleet file's admission block); "
+                        "each is run with every policy and placement (default: fcfs)")
     p.add_argument("--placement", metavar="P1,P2,...", default="fleetmind",
                    help="site placement: fleetmind (home first, spill when home would miss its SLO) and/or "
                         "home (never leave the home site); each is run with every policy (default: fleetmind)")
@@ -239,6 +246,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     if unknown or not names:
         return _err(f"unknown policy {', '.join(map(repr, unknown)) or '(none given)'}; "
                     f"known: {', '.join(ROUTER_NAMES)}")
+    admissions = [a.strip() for a in args.admission.split(",") if a.strip()]
+    bad_adm = [a for a in admissions if a not in ADMISSION_NAMES]
+    if bad_adm or not admissions:
+        return _err(f"unknown admission {', '.join(map(repr, bad_adm)) or '(none given)'}; "
+                    f"known: {', '.join(ADMISSION_NAMES)}")
     placements = [p.strip() for p in args.placement.split(",") if p.strip()]
     bad = [p for p in placements if p not in PLACEMENTS]
     if bad or not placements:
@@ -298,16 +310,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     curves = []
     policies = PolicySet(fleet.region_policies)
     for placement in placements:
-        for name in names:
+        for name, admission in ((n, a) for n in names for a in admissions):
             random.seed(args.seed)  # for any policy that draws from the module RNG
             try:
                 router = make_policy(name, args.seed, fleet)
             except Exception as e:  # a policy that cannot be built must not sink the others
                 return _err(f"policy {name!r} could not be built: {e}")
             label = name if len(placements) == 1 else f"{name}/{placement}"
+            if len(admissions) > 1 or admission != "fcfs":
+                label += f"+{admission}"
             prog = Progress(label, enabled=not args.no_progress)
             controllers = placement_controllers(placement, fleet)
             sim = FleetSimulator(fleet, router, site_chooser=make_placement(placement, fleet, router),
+                                 admission=make_admission(admission, slomax_config(fleet)),
                                  progress=prog, controllers=controllers)
             res = sim.run(inputs)
             for w in res.warnings[:5]:
@@ -316,6 +331,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             row = result_row(name, summary, res.wall_s, {
                 "steps": res.steps, "preemptions": res.preemptions, "span_s": round(summary["span_s"], 3)})
             row["placement"] = placement
+            row["admission"] = admission
             row["residency_violations"] = residency_violations(res.records, policies, fleet)
             row["by_site"] = by_site(res.records, summary["span_s"])
             if controllers:

@@ -50,7 +50,9 @@ def result_row(policy: str, summary: Mapping[str, Any], wall_s: float,
 def row_label(r: Mapping[str, Any]) -> str:
     """The row's name in tables: the policy, plus the placement when it is not the default."""
     placement = r.get("placement")
-    return r["policy"] if placement in (None, "fleetmind") else f"{r['policy']}/{placement}"
+    label = r["policy"] if placement in (None, "fleetmind") else f"{r['policy']}/{placement}"
+    admission = r.get("admission")
+    return label if admission in (None, "fcfs") else f"{label}+{admission}"
 
 
 def build_report(workload: Mapping[str, Any], fleet: Mapping[str, Any],

@@ -196,7 +196,11 @@ class Admission(Protocol):
       `poll(now, view)` after every arrival it queued and every request end, and at
       the time `next_wakeup(now)` names (if the hook has it); each returned decision
       names its `request_id` ("admit" dispatches it, "reject" ends it). A client
-      timeout of a queued request calls `cancel(request_id, now)`.
+      timeout of a queued request calls `cancel(request_id, now)`; a hook with
+      `on_dispatched(request_id, instance_id, now)` hears where each request was routed,
+      one with `on_first_token(request_id, now)` when its prefill was through (at the
+      engine step that made its first token). An "admit" may name `avoid_instances`:
+      site choice and routing skip them, unless that leaves no instance.
     * Simulator FIFO (a hook with only `admit`): queued requests wait in one gateway
       FIFO and are offered again, oldest first, whenever a dispatched request ends at
       the gateway (finished or cancelled), until one is queued again.
@@ -369,6 +373,8 @@ class FleetSimulator:
         # Hook-owned queues (see Admission): requests the hook holds, and its wake-up.
         self._poll = getattr(self.admission, "poll", None)
         self._wakeup = getattr(self.admission, "next_wakeup", None)
+        self._first_token = getattr(self.admission, "on_first_token", None)
+        self._routed = getattr(self.admission, "on_dispatched", None)
         self._held: dict[str, _Req] = {}
         self._wake_at = float("inf")
         self.steps = 0
@@ -497,30 +503,35 @@ class FleetSimulator:
         if d.action == "reject":
             self._reject(r, now, self._reason(d))
             return True
-        self._dispatch(r, now, view)
+        self._dispatch(r, now, view, d.avoid_instances)
         return True
 
-    def _dispatch(self, r: _Req, now: float, view: FleetView) -> None:
+    def _dispatch(self, r: _Req, now: float, view: FleetView, avoid: Collection[str] = ()) -> None:
         inp, profile = r.inp, r.profile
         if inp.model not in self._max_len:
-            self._reject(r, now, f"model {inp.model!r} is not served by this fleet")
+            self._undispatchable(r, now, f"model {inp.model!r} is not served by this fleet")
             return
         need = inp.prompt_tokens + inp.output_tokens
         if need > self._max_len[inp.model]:
-            self._reject(r, now, f"context_length_exceeded: {need} tokens > {self._max_len[inp.model]}")
+            self._undispatchable(r, now, f"context_length_exceeded: {need} tokens > {self._max_len[inp.model]}")
             return
-        site = self.site_chooser.choose(profile, view, now, exclude_instances=())
+        site = self.site_chooser.choose(profile, view, now, exclude_instances=avoid)
+        if site.site is None and avoid:  # avoiding left nothing: the admission hint gives way
+            avoid = ()
+            site = self.site_chooser.choose(profile, view, now, exclude_instances=())
         if site.site is None:
-            self._reject(r, now, site.reason)
+            self._undispatchable(r, now, site.reason)
             return
         pool = view.site(site.site).pool(profile.model, profile.model_version)
+        if avoid:
+            pool = tuple(i for i in pool if i.instance_id not in avoid) or pool
         route = self.router.route(profile, pool, now)
         inst = self._by_id.get(route.instance_id) if route.instance_id else None
         if inst is None or inst.site != site.site:
-            self._reject(r, now, route.reason or "router chose no instance")
+            self._undispatchable(r, now, route.reason or "router chose no instance")
             return
         if need > inst.max_model_len:
-            self._reject(r, now, f"context_length_exceeded on {inst.iid}")
+            self._undispatchable(r, now, f"context_length_exceeded on {inst.iid}")
             return
         r.status = "running"
         r.inst = inst
@@ -529,6 +540,18 @@ class FleetSimulator:
         r.half_rtt = self._rtt(site.site, inp.region) / 2.0
         inst.inflight += 1
         self._push(now + r.half_rtt, _REACH, r)
+        if self._routed is not None:
+            self._routed(inp.request_id, inst.iid, now)
+
+    def _undispatchable(self, r: _Req, now: float, reason: str) -> None:
+        """Admitted, but nowhere to send it: rejected, and admission hears it failed (it counted
+        the request in flight and must let it go, as the gateway's relay does)."""
+        self._reject(r, now, reason)
+        observe = getattr(self.admission, "observe", None)
+        if observe is not None:
+            observe(RequestOutcome(request_id=r.inp.request_id, instance_id="", site="", ok=False,
+                                   prompt_tokens=r.inp.prompt_tokens, e2e_s=now - r.inp.arrival_s,
+                                   error=reason))
 
     def _poll_admission(self, now: float) -> None:
         """Act on the hook's decisions for requests it holds, then book its next wake-up."""
@@ -538,7 +561,7 @@ class FleetSimulator:
             if r is None or r.status != "queued":
                 continue
             if d.action == "admit":
-                self._dispatch(r, now, self.view())  # a fresh view: earlier dispatches count
+                self._dispatch(r, now, self.view(), d.avoid_instances)  # a fresh view: earlier dispatches count
             elif d.action == "reject":
                 self._reject(r, now, self._reason(d))
             else:
@@ -588,6 +611,7 @@ class FleetSimulator:
         now = 0.0
         ticks = 0
         progress = self.progress
+        first_token = self._first_token
         self.requests = reqs
         for ctl in self.controllers:
             self._push((inputs[0].arrival_s if n else 0.0) + ctl[0], _TICK, ctl)
@@ -608,6 +632,8 @@ class FleetSimulator:
                                 r.first = now
                                 r.cached = ev.cached_tokens
                                 r.engine_wait = res.start - r.reach_s
+                                if first_token is not None:
+                                    first_token(ev.request_id, now)
                             r.last = now
                             if ev.finished:
                                 del active[ev.request_id]

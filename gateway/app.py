@@ -24,15 +24,20 @@ from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import RegionPolicyAdmin, install_admin_routes
+from gateway.admission import AdmissionGate, AdmissionPolicy
+from gateway.admission_metrics import AdmissionCollector
 from gateway.auth import Authenticator, Caller
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_state import FleetState
+from gateway.goodput_report import install_report_routes
 from gateway.kv_feed import KVEventFeed
 from gateway.metrics import GatewayMetrics
 from gateway.policy_store import MemoryPolicyStore, PolicyStore, watch
 from gateway.relay import DecisionLog, Relay, SiteChooser
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
+from slomax import from_fleet as slomax_config
+from slomax import make_admission
 from tokenpilot.policy import InstanceRouter
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -53,6 +58,7 @@ class GatewayContext:
     auth: Authenticator
     # model name -> its real tokenizer (exact token ids and cache keys); others estimate
     tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
+    admission: AdmissionGate | None = None  # SLOMax (or FCFS), its ledger and live state
 
 
 class BodySizeLimit:
@@ -130,22 +136,29 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                poll_interval_s: float = 0.5, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
-               tokenizers: Mapping[str, PromptTokenizer] | None = None) -> FastAPI:
+               tokenizers: Mapping[str, PromptTokenizer] | None = None,
+               admission: AdmissionPolicy | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them).
 
     `tokenizers` defaults to the models' own tokenizers found via the fleet file
-    (`fleetcore.model_tokenizer.model_tokenizers`).
+    (`fleetcore.model_tokenizer.model_tokenizers`). `admission` defaults to the fleet
+    file's `admission.policy` (SLOMax unless it says fcfs) with its classes and tenants.
     """
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
     decisions = DecisionLog(decision_log_size)
     if router is None:
         router = build_router(DEFAULT_ROUTER, [i for a in adapters for i in a.instances])
+    if admission is None:
+        admission = make_admission(config.admission.policy, slomax_config(config))
+    gate = AdmissionGate(admission, state, clock)
+    metrics.registry.register(AdmissionCollector(admission, clock))
     relay = Relay(config, state, router,
                   site_chooser if site_chooser is not None else build_site_chooser(config, router),
-                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)))
+                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)),
+                  admission=gate)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
-                         model_tokenizers(config) if tokenizers is None else tokenizers)
+                         model_tokenizers(config) if tokenizers is None else tokenizers, gate)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
     store = policy_store if policy_store is not None else MemoryPolicyStore(config.region_policies)
@@ -161,6 +174,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                 await kv_feed.start()
             yield
         finally:
+            gate.close()
             policy_watch.cancel()
             if kv_feed is not None:
                 await kv_feed.stop()
@@ -176,6 +190,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay)
+    install_report_routes(app, config, gate, clock)
     return app
 
 

@@ -107,6 +107,9 @@ async def _up(args: argparse.Namespace) -> int:
         _say(f"gateway  http://{shown}:{port}/v1")
         key = _dev_key(config)
         _say(f"api key  {key}" if key else "api key  (none needed: the fleet file has no tenants)")
+        budgets = sum(1 for t in config.tenants if t.budgets is not None)
+        _say(f"admission {config.admission.policy} (classes {', '.join(sorted(config.admission.class_names))}; "
+             f"{budgets} tenant(s) with budgets); goodput report at /v1/reports/goodput")
         _say("stop with Ctrl-C")
         await server.serve(sockets=[sock])
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +91,22 @@ def no_ready_instance(model: str, retry_after_s: int = 1) -> GatewayError:
 def upstream_failed(detail: str) -> GatewayError:
     return GatewayError(502, f"Upstream engine failed: {detail}", type=SERVER_ERROR,
                         code="upstream_error")
+
+
+def rate_limited(message: str, retry_after_s: float, limit_type: str = "requests",
+                 headers: Mapping[str, str] | None = None) -> GatewayError:
+    """A tenant over its budget: 429, OpenAI's `rate_limit_exceeded` (type "tokens" or "requests")."""
+    secs = max(1, math.ceil(retry_after_s))
+    return GatewayError(429, f"{message}. Please try again in {secs}s.", type=limit_type,
+                        code="rate_limit_exceeded", headers={"Retry-After": str(secs), **(headers or {})})
+
+
+def overloaded(message: str, code: str, retry_after_s: float) -> GatewayError:
+    """The fleet cannot serve the request within its class SLO now (admission refused it before
+    any prefill): 503, `code` says why (slo_unattainable, queue_timeout, queue_full)."""
+    secs = max(1, math.ceil(retry_after_s))
+    return GatewayError(503, f"{message}. Please try again in {secs}s.", type=SERVER_ERROR, code=code,
+                        headers={"Retry-After": str(secs)})
 
 
 def body_too_large(limit: int) -> GatewayError:

@@ -1,5 +1,9 @@
-"""A request's way through the gateway after validation: site → instance → upstream → client.
+"""A request's way through the gateway after validation: admission → site → instance → upstream → client.
 
+- Admission (`gateway.admission`, SLOMax by default): may queue or refuse the request
+  before anything is chosen; its hint `avoid_instances` is excluded from the first choice
+  when that leaves a candidate. It hears where the request went, its first token, retries
+  and each attempt's outcome, and gets its capacity back once the response is over.
 - Choice: the site chooser picks a site, the router an instance in that site's pool.
 - Forward: aiohttp to `instance.url + path`, with the model renamed to the served
   name and, for streams, `stream_options.include_usage` forced on (the usage chunk
@@ -34,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from engine_adapters.base import Instance
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.types import Candidate, FleetView, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
+from gateway.admission import AdmissionGate
 from gateway.errors import GatewayError, no_ready_instance, sse_error_event, upstream_failed
 from gateway.fleet_state import FleetState
 from gateway.metrics import GatewayMetrics
@@ -352,6 +357,7 @@ class RelayStream:
 
     def _process(self, events: list[bytes]) -> bytes:
         out: list[bytes] = []
+        first_seen = self.d.stats.first_token_at is not None
         for raw in events:
             if self._saw_done:
                 break
@@ -362,6 +368,8 @@ class RelayStream:
                     and not self.include_usage:
                 continue  # the usage chunk the gateway asked for on its own behalf
             out.append(raw)
+        if not first_seen and self.d.stats.first_token_at is not None:
+            self.d.relay.first_token(self.d.parsed.profile.request_id)
         return b"".join(out)
 
     async def prefetch(self) -> None:
@@ -433,6 +441,7 @@ class RelayStreamingResponse(StreamingResponse):
         super().__init__(stream.iter_bytes(), media_type="text/event-stream",
                          headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
         self._relay_stream = stream
+        self.on_done: Callable[[], None] | None = None  # after the stream is over, whichever way
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sender = asyncio.create_task(self.stream_response(send))
@@ -446,6 +455,8 @@ class RelayStreamingResponse(StreamingResponse):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await t
             await self._relay_stream.close()
+            if self.on_done is not None:
+                self.on_done()
 
 
 def _describe(e: BaseException) -> str:
@@ -458,7 +469,9 @@ def _describe(e: BaseException) -> str:
 class Relay:
     def __init__(self, config: FleetConfig, state: FleetState, router: InstanceRouter,
                  site_chooser: SiteChooser, metrics: GatewayMetrics, decisions: DecisionLog,
-                 clock: Callable[[], float] = time.monotonic, retry_after_s: int = 1) -> None:
+                 clock: Callable[[], float] = time.monotonic, retry_after_s: int = 1,
+                 admission: AdmissionGate | None = None) -> None:
+        self.admission = admission  # SLOMax (or FCFS) before any site or instance is chosen
         self.config = config
         self.state = state
         self.router = router
@@ -471,6 +484,8 @@ class Relay:
 
     def observe(self, outcome: RequestOutcome) -> None:
         """Feed every policy that learns; a policy bug must not fail the request."""
+        if self.admission is not None:
+            self.admission.attempt_ended(outcome)  # the policy hears the final one, at release
         for policy in (self.router, self.site_chooser):
             observe = getattr(policy, "observe", None)
             if observe is None:
@@ -496,27 +511,61 @@ class Relay:
             return None
         return Target(site.site, st.instance, route)
 
+    def first_token(self, request_id: str) -> None:
+        if self.admission is not None:
+            self.admission.first_token(request_id)
+
     async def handle(self, request: Request, parsed: ParsedRequest, path: str) -> Response:
         rid = parsed.profile.request_id
         try:
             async with DisconnectWatch(request.receive) as watch:
-                return await self._attempts(watch, parsed, path)
+                if self.admission is None:
+                    return await self._attempts(watch, parsed, path)
+                return await self._admitted(watch, parsed, path, self.admission)
         except GatewayError as e:
             e.headers.setdefault("x-request-id", rid)
             self.metrics.answered(parsed.profile.model, "", "", str(e.status))
             raise
 
-    async def _attempts(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str) -> Response:
+    async def _admitted(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
+                        gate: AdmissionGate) -> Response:
+        """Admission first (it may queue, or refuse); then the attempts; then give the capacity back
+        exactly once — when the response is built, or for a stream when the stream is over."""
+        rid = parsed.profile.request_id
+        try:
+            parsed, avoid = await gate.enter(parsed, watch.race)
+        except ClientGone:  # left while queued: nobody to answer
+            self.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
+            return Response(status_code=CLIENT_CLOSED)
+        streaming = False
+        try:
+            resp = await self._attempts(watch, parsed, path, avoid)
+            if isinstance(resp, RelayStreamingResponse):
+                resp.on_done = lambda: gate.release(rid)
+                streaming = True
+            return resp
+        finally:
+            if not streaming:
+                gate.release(rid)
+
+    async def _attempts(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
+                        avoid: Collection[str] = ()) -> Response:
         excluded: list[str] = []
         last_error = "no instance answered"
         for attempt in range(MAX_ATTEMPTS):
-            target = self.choose(parsed.profile, excluded, attempt)
+            target = self.choose(parsed.profile, [*excluded, *avoid], attempt) if avoid else None
+            if target is None:  # admission's hint to avoid busy instances gives way when it leaves none
+                target = self.choose(parsed.profile, excluded, attempt)
             if target is None:
                 if attempt == 0:
                     raise no_ready_instance(parsed.profile.model, self.retry_after_s)
                 break  # nowhere else to go: report the failure we had
             if attempt > 0:
                 self.metrics.retries.labels(parsed.profile.model).inc()
+                if self.admission is not None:
+                    self.admission.retried(parsed.profile.request_id)
+            if self.admission is not None:
+                self.admission.routed(parsed.profile.request_id, target.instance.instance_id)
             try:
                 return await self._dispatch(watch, parsed, path, target)
             except RetryableFailure as f:

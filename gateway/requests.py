@@ -28,6 +28,8 @@ Kind = Literal["chat", "completion"]
 
 REGION_HEADER = "x-tokenfleet-region"
 TASK_TYPE_HEADER = "x-tokenfleet-task-type"
+CLASS_HEADER = "x-tokenfleet-class"
+CLASS_METADATA_KEY = "tokenfleet_class"  # in the body's `metadata` object
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -87,8 +89,32 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
         block_hashes=tuple(block_hashes(ids, block_size)), block_size=block_size,
         max_tokens=max_tokens, model_version=version, tenant=caller.tenant,
         task_type=headers.get(TASK_TYPE_HEADER) or None, stream=stream,
-        client_region=resolve_region(headers.get(REGION_HEADER), caller, config), arrival=now)
+        client_region=resolve_region(headers.get(REGION_HEADER), caller, config), arrival=now,
+        request_class=requested_class(headers, body, config))
     return ParsedRequest(kind, body, profile, model_cfg, include_usage)
+
+
+def requested_class(headers: Mapping[str, str], body: Mapping[str, Any], config: FleetConfig) -> str | None:
+    """The class the client asked for: `x-tokenfleet-class`, else `metadata.tokenfleet_class`.
+
+    None leaves it to admission (task type, length, tenant default). A name the fleet does
+    not define is a 400 naming the known ones, not a silent default.
+    """
+    value, param = headers.get(CLASS_HEADER), CLASS_HEADER
+    if not value:
+        meta = body.get("metadata")
+        value = meta.get(CLASS_METADATA_KEY) if isinstance(meta, dict) else None
+        param = f"metadata.{CLASS_METADATA_KEY}"
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"`{param}` must be a string.", param)
+    if not value:
+        return None
+    value = value.strip()
+    known = config.admission.class_names
+    if value not in known:
+        raise bad_request(f"Unknown request class {value!r}; known: {', '.join(sorted(known))}.", param,
+                          code="unknown_class")
+    return value
 
 
 # --- model, region ---

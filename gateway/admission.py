@@ -1,0 +1,188 @@
+"""The gateway side of admission: runs the pure policy (SLOMax or FCFS) on the event loop.
+
+`AdmissionGate.enter` asks the policy about a request before any site or instance is
+chosen. Admitted: it goes on at once. Rejected: an OpenAI error — 429 with Retry-After
+and code `rate_limit_exceeded` when the tenant is over a budget (it is the caller's
+limit; retrying later succeeds), 503 with Retry-After and code `slo_unattainable`,
+`queue_timeout` or `queue_full` when the fleet cannot serve the request within its class
+SLO now (it is the fleet's state, not the caller's fault; 503 is what OpenAI clients
+already retry with back-off for an overloaded service), 400 `unknown_class` for a class
+the fleet does not define. Queued: the request waits on a future, with no thread and no
+polling loop of its own; the policy's `poll` runs whenever an admitted request ends and
+at the time its `next_wakeup` names (`loop.call_later`), and resolves the futures. A
+client that disconnects while waiting leaves the queue at once (`policy.cancel`).
+
+The relay tells the gate where each request was routed, when its first token came, that
+an attempt was retried, and the outcome of every attempt; `release` hands the final one
+to the policy exactly once per admitted request, which frees its capacity and books it
+in the goodput ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, RequestProfile
+from gateway.errors import GatewayError, bad_request, overloaded, rate_limited
+from gateway.fleet_state import FleetState
+from gateway.requests import CLASS_HEADER, ParsedRequest
+
+log = logging.getLogger("tokenfleet.gateway")
+
+
+class AdmissionPolicy(Protocol):
+    """What the gate needs of a policy (slomax.SLOMax, slomax.FCFS)."""
+
+    name: str
+    ledger: Any
+
+    def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision: ...
+    def poll(self, now: float, view: FleetView | None = None) -> list[AdmissionDecision]: ...
+    def observe(self, outcome: RequestOutcome) -> None: ...
+    def cancel(self, request_id: str, now: float) -> bool: ...
+    def next_wakeup(self, now: float) -> float | None: ...
+    def note_retry(self, request_id: str) -> None: ...
+    def snapshot(self, now: float) -> dict[str, Any]: ...
+
+
+def decision_error(d: AdmissionDecision) -> GatewayError:
+    """The client-facing error for a rejection."""
+    retry = d.retry_after_s if d.retry_after_s is not None else 1.0
+    code = d.code or "rejected"
+    if code.startswith("budget_"):
+        return rate_limited(d.reason or "Rate limit reached", retry, "tokens" if code == "budget_tokens" else "requests")
+    if code == "unknown_class":
+        return bad_request(d.reason, CLASS_HEADER, code="unknown_class")
+    cls = f" ({d.request_class})" if d.request_class else ""
+    return overloaded(f"The fleet cannot serve this request within its SLO{cls} right now: {d.reason}", code, retry)
+
+
+class AdmissionGate:
+    def __init__(self, policy: AdmissionPolicy, state: FleetState, clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.state = state
+        self.clock = clock
+        self._waiting: dict[str, asyncio.Future[AdmissionDecision]] = {}
+        self._admitted: dict[str, RequestProfile] = {}  # admitted and not yet released
+        self._last: dict[str, RequestOutcome] = {}  # latest attempt outcome per admitted request
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+
+    # -- entering -------------------------------------------------------------------------
+
+    async def enter(self, parsed: ParsedRequest,
+                    race: Callable[[Any], Any]) -> tuple[ParsedRequest, tuple[str, ...]]:
+        """Admit (returns the request with its class, and instances to avoid), or raise its GatewayError.
+
+        `race(awaitable)` returns the awaitable's result or raises the relay's ClientGone
+        when the client disconnects first (DisconnectWatch.race).
+        """
+        profile = parsed.profile
+        rid = profile.request_id
+        d = self._call("admit", profile, self.state.view(), self.clock()) or AdmissionDecision("admit")
+        if d.action == "queue":
+            fut: asyncio.Future[AdmissionDecision] = asyncio.get_running_loop().create_future()
+            self._waiting[rid] = fut
+            self.pump()  # someone ahead of it may be able to start now
+            try:
+                d = await race(fut)
+            except BaseException:
+                # The client left (or the handler was cancelled): leave the queue at once. Had
+                # the policy just let it go, `pump` already ended it (its future was done).
+                self._waiting.pop(rid, None)
+                self._call("cancel", rid, self.clock())
+                self.pump()
+                raise
+        if d.action == "reject":
+            raise decision_error(d)
+        if d.request_class and d.request_class != profile.request_class:
+            parsed = replace(parsed, profile=replace(profile, request_class=d.request_class))
+        self._admitted[rid] = parsed.profile
+        return parsed, d.avoid_instances
+
+    # -- what the relay reports -----------------------------------------------------------
+
+    def routed(self, request_id: str, instance_id: str) -> None:
+        if request_id in self._admitted:
+            self._call("on_dispatched", request_id, instance_id, self.clock())
+
+    def first_token(self, request_id: str) -> None:
+        if request_id in self._admitted:
+            self._call("on_first_token", request_id, self.clock())
+
+    def retried(self, request_id: str) -> None:
+        if request_id in self._admitted:
+            self._call("note_retry", request_id)
+
+    def attempt_ended(self, outcome: RequestOutcome) -> None:
+        if outcome.request_id in self._admitted:
+            self._last[outcome.request_id] = outcome
+
+    def release(self, request_id: str) -> None:
+        """The request is over for the gateway: its last outcome goes to the policy, once."""
+        profile = self._admitted.pop(request_id, None)
+        if profile is None:
+            return
+        outcome = self._last.pop(request_id, None)
+        if outcome is None:  # never reached an engine (no ready instance, a bug): a failure
+            outcome = RequestOutcome(request_id=request_id, instance_id="", site="", ok=False,
+                                     prompt_tokens=profile.prompt_tokens,
+                                     e2e_s=max(0.0, self.clock() - profile.arrival), error="not dispatched")
+        self._call("observe", outcome)
+        self.pump()
+
+    # -- the queue ------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Let the policy decide about waiting requests, and book its next wake-up."""
+        now = self.clock()
+        for d in self._call("poll", now, self.state.view()) or ():
+            rid = d.request_id or ""
+            fut = self._waiting.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(d)
+            elif d.action == "admit":
+                # Let go after its client left: end it at once so its capacity comes back.
+                self._call("observe", RequestOutcome(request_id=rid, instance_id="", site="", ok=False,
+                                                     cancelled=True, error="client gone before start"))
+        self._schedule(now)
+
+    def _schedule(self, now: float) -> None:
+        at = self._call("next_wakeup", now)
+        if at is None or not self._waiting:
+            return
+        if self._timer is not None and self._timer_at <= at and not self._timer.cancelled():
+            return  # an earlier wake-up is already booked; it will book the next one
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, at - now), self._wake)
+
+    def _wake(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        self.pump()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call the policy; a policy bug must not fail requests (it admits, and is logged)."""
+        fn = getattr(self.policy, method, None)
+        if fn is None:
+            return None
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("admission policy %s.%s failed", type(self.policy).__name__, method)
+            return None
