@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -97,7 +98,12 @@ async def _up(args: argparse.Namespace) -> int:
         except AdapterError as e:
             _say(f"launch failed: {e}")
             return 1
-        app = create_app(config, adapters, router=build_router(args.router, instances))
+        store = None
+        if args.redis_url:
+            # Several gateway replicas serving one fleet share region policies through Redis.
+            from gateway.policy_store import RedisPolicyStore
+            store = RedisPolicyStore(args.redis_url, config.region_policies)
+        app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store)
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                         timeout_graceful_shutdown=5))
         host, port = sock.getsockname()[:2]
@@ -136,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    up.add_argument("--redis-url", default=os.environ.get("TOKENFLEET_REDIS_URL"),
+                    help="share region policies with other gateway replicas through this Redis "
+                         "(default: $TOKENFLEET_REDIS_URL; none: in-process)")
     up.add_argument("--router", default=DEFAULT_ROUTER, choices=ROUTER_NAMES,
                     help="instance routing policy (default: %(default)s)")
     up.add_argument("--log-level", default="warning",
