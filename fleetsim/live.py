@@ -2,6 +2,8 @@
 
     tokenfleet bench live --trace FILE --target URL [--key K] [--model M]
         [--concurrency N] [--window S] [--rate-scale X] [--json OUT]
+        [--endpoint completions|chat] [--start S] [--max-requests N] [--timeout S]
+        [--time-scale S] [--fresh-connections] [--label L] [--allow-remote]
 
 The live counterpart of `simulate`: the same workloads, the same metric
 arithmetic (`fleetsim.metrics`) and the same JSON shape (`fleetsim.report`), but
@@ -26,8 +28,12 @@ Arrivals are open-loop: request i is sent at t0 + timestamp_i (after
 `--rate-scale`), whatever happened to earlier ones, except that at most
 `--concurrency` requests are in flight; past that the dispatcher waits for a
 free slot (and later requests wait behind it, in order). `--window S` keeps the
-requests arriving in the first S seconds *of the replay* (after rate scaling),
-so S bounds the sending phase in wall time.
+requests arriving in the first S seconds (after `--start`) of the rate-scaled
+trace, so S bounds the sending phase. Against simulated engines running at
+`--time-scale s` (wall seconds per physical second), arrivals are sent s times
+further apart and every measured time is divided by s before the metrics, so
+the report is in the engines' physical seconds, comparable with `simulate` and
+the class SLOs; `wall_s` and the `live` block stay in wall time.
 
 What is measured, per request, on the client (times from the moment the request
 was written, as vLLM's and SGLang's serving benchmarks do):
@@ -57,7 +63,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -73,6 +79,7 @@ DEFAULT_CONCURRENCY = 256
 DEFAULT_TIMEOUT_S = 300.0
 ENDPOINTS = ("completions", "chat")
 _ERROR_SAMPLES = 5
+_KEEPALIVE_S = 4.0
 
 
 # --- target ---------------------------------------------------------------------------
@@ -94,9 +101,7 @@ def base_url(url: str, allow_remote: bool = False) -> str:
     if not allow_remote and not _is_loopback(parts.hostname):
         raise TargetError(f"target {parts.hostname!r} is not a loopback address; "
                           "pass --allow-remote to load a remote endpoint")
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[:-3]
+    path = parts.path.rstrip("/").removesuffix("/v1")
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
@@ -318,6 +323,7 @@ class LiveRun:
     wall_s: float
     send_lag_s: list[float]
     slot_waits: int
+    loop_stalls_s: list[float] = field(default_factory=list)
 
     def live_block(self, target: Target) -> dict[str, Any]:
         """The `live` block of a result row: the target and the client's own health."""
@@ -326,6 +332,8 @@ class LiveRun:
         return {
             "target": target.url, "endpoint": target.path, "model": target.model,
             "send_lag_ms": percentiles(self.send_lag_s, (50, 99), 1e3),
+            "loop_stall_ms": {"p99": percentiles(self.loop_stalls_s, (99,), 1e3)["p99"],
+                              "max": max(self.loop_stalls_s) * 1e3 if self.loop_stalls_s else None},
             "slot_waits": self.slot_waits,
             "errors": len(errors), "error_samples": errors[:_ERROR_SAMPLES],
             "by_instance": dict(sorted(instances.items())),
@@ -392,8 +400,10 @@ async def replay(workload: Workload, target: Target, *, concurrency: int = DEFAU
 
     tasks: list[asyncio.Task[RequestRecord]] = []
     sents: list[_Sent] = []
+    stalls: list[float] = []
     bodies.build_until(_LOOKAHEAD_S)  # before the clock starts: the first burst is ready at t0
     t0 = time.perf_counter()
+    monitor = asyncio.create_task(_watch_loop(stalls))
     try:
         for i, row in enumerate(rows):
             s = _Sent(i, row, scheduled[i])
@@ -412,29 +422,63 @@ async def replay(workload: Workload, target: Target, *, concurrency: int = DEFAU
             tasks.append(asyncio.create_task(one(s, bodies.take(i))))
         records = list(await asyncio.gather(*tasks))
     finally:
+        monitor.cancel()
         for t in tasks:
             t.cancel()  # only matters when the replay itself was cancelled
         if own:
             await session.close()
     wall = time.perf_counter() - t0
     lag = [max(0.0, s.sent - s.scheduled - s.slot_wait) for s in sents]
-    return LiveRun(records, wall, lag, slot_waits)
+    return LiveRun(records, wall, lag, slot_waits, stalls)
+
+
+_WATCH_TICK_S = 0.05
+
+
+async def _watch_loop(stalls: list[float]) -> None:
+    """Record how late each 50 ms tick of the event loop wakes up. Large values mean the load
+    generator itself was blocked or starved of CPU (its numbers then include its own delay)."""
+    clock = time.perf_counter
+    while True:
+        before = clock()
+        await asyncio.sleep(_WATCH_TICK_S)
+        stalls.append(max(0.0, clock() - before - _WATCH_TICK_S))
 
 
 def new_session(concurrency: int, fresh_connections: bool = False) -> aiohttp.ClientSession:
     """A pooled session sized for the replay: one kept-alive connection per in-flight request,
     or (`fresh_connections`) a new TCP connection per request, as a client without keep-alive."""
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, force_close=fresh_connections)
+    # Idle connections are dropped after 4 s, before uvicorn's default 5 s keep-alive timeout
+    # closes them server-side: reusing a connection the server is closing at that instant
+    # fails the request ("Server disconnected") — a client/server race, not a routing result.
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, force_close=fresh_connections,
+                                     keepalive_timeout=None if fresh_connections else _KEEPALIVE_S)
     # No total timeout here: `replay` bounds each request with its own.
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
 
 
-def live_row(label: str, run: LiveRun, target: Target) -> dict[str, Any]:
-    """One `results` entry in `simulate`'s shape, plus the `live` block."""
-    summary = summarize_all(run.records)
+def to_physical(records: Sequence[RequestRecord], time_scale: float) -> list[RequestRecord]:
+    """Records with every time divided by `time_scale` (wall seconds per physical second of
+    the target's simulated engines), so latencies meet the class SLOs in the engines' own
+    seconds; identity at 1.0."""
+    if time_scale == 1.0:
+        return list(records)
+
+    def sc(v: float | None) -> float | None:
+        return None if v is None else v / time_scale
+
+    return [replace(r, arrival_s=r.arrival_s / time_scale, ttft_s=sc(r.ttft_s), tpot_s=sc(r.tpot_s),
+                    e2e_s=sc(r.e2e_s), queue_s=sc(r.queue_s), end_s=sc(r.end_s)) for r in records]
+
+
+def live_row(label: str, run: LiveRun, target: Target, time_scale: float = 1.0) -> dict[str, Any]:
+    """One `results` entry in `simulate`'s shape (times in physical seconds when the target's
+    engines run at `time_scale`), plus the `live` block; `wall_s` stays wall-clock."""
+    summary = summarize_all(to_physical(run.records, time_scale))
     row = result_row(label, summary, run.wall_s)
     row["span_s"] = round(summary["span_s"], 3)
     row["live"] = run.live_block(target)
+    row["live"]["time_scale"] = time_scale
     return row
 
 
@@ -442,9 +486,12 @@ def live_row(label: str, run: LiveRun, target: Target) -> dict[str, Any]:
 
 
 def prepare_workload(trace: str | Path, fmt: str = "auto", *, rate_scale: float = 1.0,
-                     window_s: float | None = None, max_requests: int | None = None) -> Workload:
-    """Load, rate-scale, then keep the first `window_s` seconds (of the scaled replay) and
-    at most `max_requests` requests. Times are rebased so the first request goes at 0."""
+                     window_s: float | None = None, max_requests: int | None = None,
+                     start_s: float = 0.0, time_scale: float = 1.0) -> Workload:
+    """Load, rate-scale, keep `window_s` seconds from `start_s` (seconds of the scaled trace,
+    counted from its first request) and at most `max_requests`; times are rebased to start
+    at 0. Last, arrivals are stretched by `time_scale`: engines that play their physics s
+    times slower must get requests s times further apart to see the same load."""
     wl = load_trace(trace, fmt)
     if not len(wl):
         return wl
@@ -452,10 +499,12 @@ def prepare_workload(trace: str | Path, fmt: str = "auto", *, rate_scale: float 
     if rate_scale != 1.0:
         wl = scale_rate(wl, rate_scale)
         first /= rate_scale
-    if window_s is not None:
-        wl = window(wl, first, window_s)
+    if window_s is not None or start_s:
+        wl = window(wl, first + start_s, window_s if window_s is not None else float("inf"))
     if max_requests is not None:
         wl = head(wl, max_requests)
+    if time_scale != 1.0:
+        wl = scale_rate(wl, 1.0 / time_scale)
     return wl
 
 
@@ -479,6 +528,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=float, default=None, metavar="S",
                    help="only requests arriving in the first S seconds of the (rate-scaled) replay")
     p.add_argument("--rate-scale", type=float, default=1.0, metavar="X", help="multiply the arrival rate by X")
+    p.add_argument("--start", type=float, default=0.0, metavar="S",
+                   help="skip the first S seconds of the (rate-scaled) trace")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="S",
+                   help="the target's engines are simulated at S wall seconds per physical second: "
+                        "send S times slower and report times divided by S (default 1: real engines)")
     p.add_argument("--max-requests", type=int, default=None, metavar="N", help="at most the first N requests")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"client gives up on a request after S seconds (default {DEFAULT_TIMEOUT_S:g})")
@@ -521,6 +575,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--max-requests must be at least 1"
     if not args.timeout > 0:
         return "--timeout must be positive"
+    if not args.time_scale > 0 or args.start < 0:
+        return "--time-scale must be positive and --start not negative"
     if not Path(args.trace).is_file():
         return f"trace file not found: {args.trace}"
     return None
@@ -535,7 +591,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         url = base_url(args.target, args.allow_remote)
         wl = prepare_workload(args.trace, args.trace_format, rate_scale=args.rate_scale,
-                              window_s=args.window, max_requests=args.max_requests)
+                              window_s=args.window, max_requests=args.max_requests, start_s=args.start,
+                              time_scale=args.time_scale)
     except (TargetError, ValueError, OSError) as e:
         return _err(str(e))
     if not len(wl):
@@ -556,6 +613,7 @@ async def _bench(args: argparse.Namespace, url: str, wl: Workload) -> int:
         target = Target(url, model, args.key, args.endpoint)
         desc = wl.describe()
         desc.update({"trace": str(args.trace), "rate_scale": args.rate_scale, "window_s": args.window,
+                     "start_s": args.start, "time_scale": args.time_scale,
                      "max_requests": args.max_requests, "seed": args.seed, "timeout_s": args.timeout,
                      "concurrency": args.concurrency})
         print(f"workload  {desc['name']}: {desc['requests']} requests over {desc['duration_s']:.0f} s "
@@ -565,7 +623,7 @@ async def _bench(args: argparse.Namespace, url: str, wl: Workload) -> int:
         label = args.label or f"live@{urlsplit(url).netloc}"
         run = await replay(wl, target, concurrency=args.concurrency, timeout_s=args.timeout, seed=args.seed,
                            session=session, progress=Progress(label, enabled=not args.no_progress))
-    row = live_row(label, run, target)
+    row = live_row(label, run, target, args.time_scale)
     _print_run(row)
     if args.json:
         report = build_report(desc, {"target": url, "model": model, "endpoint": target.path}, [row])
@@ -581,7 +639,8 @@ def _print_run(row: Mapping[str, Any]) -> None:
     live = row["live"]
     lag = live["send_lag_ms"]
     print(f"ran       {row['policy']}: wall {row['wall_s']:.1f} s, {row['completed']}/{row['requests']} completed, "
-          f"send lag p50 {_ms(lag['p50'])} / p99 {_ms(lag['p99'])} ms, {live['slot_waits']} concurrency waits")
+          f"send lag p50 {_ms(lag['p50'])} / p99 {_ms(lag['p99'])} ms, loop stall max "
+          f"{_ms(live['loop_stall_ms']['max'])} ms, {live['slot_waits']} concurrency waits")
     for reason in live["error_samples"]:
         print(f"          error: {reason}")
     print()

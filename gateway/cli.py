@@ -19,6 +19,7 @@ import uvicorn
 from engine_adapters.base import AdapterError, EngineAdapter
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetsim.cli import add_simulate_parser, run_simulate
+from fleetsim.live import add_bench_parser, run_bench
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
 from gateway.routing import DEFAULT_ROUTER, build_router
 from tokenpilot.registry import ROUTER_NAMES
@@ -105,7 +106,11 @@ async def _up(args: argparse.Namespace) -> int:
             store = RedisPolicyStore(args.redis_url, config.region_policies)
         app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store)
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                        timeout_graceful_shutdown=5))
+                                        timeout_graceful_shutdown=5,
+                                        # longer than clients' pools keep idle connections (the
+                                        # OpenAI SDK: 5 s), so a reused connection is never
+                                        # closed under a request in flight
+                                        timeout_keep_alive=75))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         sites = sorted({i.site for i in instances})
@@ -152,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="validate a fleet file")
     chk.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
     add_simulate_parser(sub)
+    add_bench_parser(sub)
     return p
 
 
@@ -163,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_up(args))
         if args.command == "simulate":
             return run_simulate(args)
+        if args.command == "bench":
+            return run_bench(args)
         return _check(args)
     except FleetConfigError as e:
         print(e, file=sys.stderr)

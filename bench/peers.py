@@ -1,0 +1,686 @@
+"""Live benchmark: TokenFleet vs the real SGLang router, on the same simulated workers.
+
+    .venv/bin/python bench/peers.py [--trace FILE] [--window S] [--start S] [--rate-scale X]
+        [--workers N] [--spec M --gpu G --tp T] [--time-scale S]
+        [--ours tokenpilot,round_robin] [--sglang-policy cache_aware] [--admission fcfs|slomax]
+        [--parts routing,overhead,fidelity] [--overhead-rate 200] [--json OUT.json]
+
+Three measurements, each printed as a table:
+
+1. routing — N simulated workers (`python -m engine_adapters.sim.worker`), then in
+   turn our gateway (`tokenfleet up` over a generated `adapter: static` fleet
+   file, one run per `--ours` router) and the SGLang router
+   (`sglang_router.launch_router --policy cache_aware`) in front of the *same*
+   workers. The same trace window is replayed through each with
+   `fleetsim.live.replay` (what `tokenfleet bench live` runs); every worker's
+   prefix cache is flushed between runs (`POST /flush_cache`). One
+   side-by-side table in `simulate`'s format.
+2. overhead — one very fast worker (time_scale 0.001: a step of the model's
+   physics takes microseconds, so the worker's own latency is its HTTP and
+   tokenizer work) reached directly, through our gateway and through the SGLang
+   router, each at a fixed open-loop rate (200 req/s) of small streaming
+   requests (64 prompt tokens, 4 output tokens). Added latency per path is the
+   path's TTFT (and end-to-end) percentile minus the direct path's, median and p99.
+3. fidelity — the same fleet (as `adapter: sim`), the same workload and the same
+   policy through the discrete-event simulator (`fleetsim`), printed next to the
+   live TTFT p50: tokenpilot vs our gateway with tokenpilot, and the simulator's
+   `sglang_cache_aware` model vs the real SGLang router.
+
+Time scale. A worker with `--time-scale s` plays its physics s times slower in
+wall time: an engine step of d physical seconds takes s*d wall seconds, while
+the CPU work around it (HTTP, JSON, tokenizing, routing) takes what it takes.
+`--rate-scale`, `--window` and `--start` describe the *physical* experiment; the
+live replay sends the same arrivals stretched by s (a request at physical time t
+goes out at wall time s*t), and every live time is divided by s before the
+metrics (`fleetsim.live.to_physical`), so live rows, simulated rows and the
+class SLOs are all in physical seconds. The default and the README's tables use
+s = 1, for two reasons: (1) 2 cores keep up — the whole stack (4 workers, the
+router, the load generator) needs ~0.3 cores at the default load, the rest is
+headroom for bursts; (2) the gateway's policies reason in absolute seconds
+(TokenPilot's roofline priors, SLOMax's TTFT predictions against the class
+SLOs), so at s != 1 they face engines s times slower than the fleet file says
+and decide differently from the simulator. s > 1 is for router-only
+experiments on a loaded machine (fixed CPU costs shrink by 1/s).
+Our gateway runs with `admission: {policy: fcfs}` unless `--admission slomax`:
+the SGLang router admits everything, and so does the simulator here.
+
+The SGLang router is a benchmark dependency, never a project one: it is
+installed on first use into its own venv (default ~/.cache/tokenfleet/peers-venv,
+or $TOKENFLEET_PEERS_VENV). Everything listens on 127.0.0.1 only; every process
+started here is stopped by its PID on exit (and gets SIGTERM if this script dies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from fleetcore.fleet_config import FleetConfig, parse_fleet
+from fleetsim.cli import make_policy
+from fleetsim.live import LiveRun, Target, live_row, new_session, prepare_workload, replay
+from fleetsim.metrics import summarize_all
+from fleetsim.report import format_table, write_json
+from fleetsim.simulator import FleetSimulator, prepare
+from workloads import TraceRequest, Workload, scale_rate
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl.gz"
+PEERS_VENV = Path(os.environ.get("TOKENFLEET_PEERS_VENV", Path.home() / ".cache" / "tokenfleet" / "peers-venv"))
+SGLANG_ROUTER_PIN = "sglang-router==0.3.2"  # the version whose launch facts are in shared/notes
+MODEL = "bench-model"
+API_KEY = "sk-bench-local"
+START_TIMEOUT_S = 60.0
+FLUSH_TIMEOUT_S = 60.0
+PY = sys.executable
+
+
+# --- processes ------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if this script dies, even by SIGKILL: no orphans."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def log_tail(self, n: int = 2000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-n:]
+        return ""
+
+
+class Processes:
+    """Children started by this script, stopped by PID (SIGTERM, then SIGKILL) in reverse order."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as out:  # the child keeps its own descriptor
+            popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     cwd=REPO, env={**os.environ, **(env or {})},
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads here
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Proc, grace_s: float = 5.0) -> None:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+            try:
+                proc.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(grace_s)
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def stop_all(self) -> None:
+        for proc in reversed(list(self.procs)):
+            self.stop(proc)
+
+
+async def _wait_for_log(proc: Proc, pattern: str, timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
+    """Poll the child's log for `pattern` (children write to files, never to pipes we must drain)."""
+    rx = re.compile(pattern, re.MULTILINE)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = rx.search(proc.log_tail(1 << 20))
+        if m:
+            return m
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{proc.name} not ready after {timeout_s:g} s:\n{proc.log_tail()}")
+
+
+async def _wait_http(url: str, ok: Any = None, timeout_s: float = START_TIMEOUT_S,
+                     headers: dict[str, str] | None = None) -> None:
+    """Poll GET `url` until it answers 200 (and `ok(json)` holds, when given)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url, headers=headers or {}) as r:
+                    if r.status == 200 and (ok is None or ok(await r.json(content_type=None))):
+                        return
+                    last = f"HTTP {r.status}"
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                last = repr(e)
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s:g} s ({last})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- the pieces -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FleetShape:
+    """What every worker simulates; the same numbers make the gateway's and the simulator's fleet."""
+
+    workers: int = 4
+    spec: str = "llama-3.1-8b"
+    gpu: str = "H100"
+    tp: int = 1
+    time_scale: float = 1.0
+    max_model_len: int = 131072
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    admission: str = "fcfs"  # our gateway's admission policy (the peer router has none)
+
+
+async def start_worker(procs: Processes, shape: FleetShape, i: int) -> Proc:
+    argv = [PY, "-m", "engine_adapters.sim.worker", "--served-model-name", MODEL, "--spec", shape.spec,
+            "--gpu", shape.gpu, "--tp", str(shape.tp), "--time-scale", repr(shape.time_scale),
+            "--max-model-len", str(shape.max_model_len), "--block-size", str(shape.block_size),
+            "--max-num-batched-tokens", str(shape.max_num_batched_tokens), "--port", "0",
+            "--instance-id", f"w{i}"]
+    proc = procs.spawn(f"worker{i}", argv)
+    m = await _wait_for_log(proc, r'^\{"event": "ready".*$')
+    proc.url = json.loads(m.group(0))["url"]
+    return proc
+
+
+def gateway_fleet(shape: FleetShape, urls: Sequence[str], *, simulated: bool = False) -> dict[str, Any]:
+    """The fleet file: `static` over the running workers for the gateway, or the same
+    hardware as `sim` instances for the simulator. One site at RTT 0 (all loopback)."""
+    engine = {"spec": shape.spec, "max_model_len": shape.max_model_len, "block_size": shape.block_size,
+              "max_num_batched_tokens": shape.max_num_batched_tokens}
+    dep: dict[str, Any] = {"site": "bench", "model": MODEL, "gpu": shape.gpu, "tp": shape.tp}
+    if simulated:
+        dep.update(adapter="sim", instances=len(urls))
+    else:
+        dep.update(adapter="static", urls=list(urls))
+    return {"regions": ["local"], "default_region": "local",
+            "sites": [{"name": "bench", "region": "local", "jurisdiction": "local", "rtt_ms": {"local": 0}}],
+            "models": [{"name": MODEL, "versions": ["v1"], "engine": engine}],
+            "deployments": [dep],
+            "tenants": [{"name": "bench", "api_keys": [API_KEY], "region": "local"}],
+            "admission": {"policy": shape.admission}}
+
+
+async def start_gateway(procs: Processes, shape: FleetShape, urls: Sequence[str], router: str,
+                        name: str = "gateway") -> Proc:
+    path = procs.workdir / f"{name}-fleet.yaml"
+    path.write_text(yaml.safe_dump(gateway_fleet(shape, urls), sort_keys=False))
+    proc = procs.spawn(name, [PY, "-m", "gateway.cli", "up", "--fleet", str(path), "--port", "0",
+                              "--router", router])
+    m = await _wait_for_log(proc, r"gateway\s+(http://\S+)")
+    proc.url = m.group(1)
+    await _wait_http(proc.url.removesuffix("/v1") + "/health", lambda j: j.get("ready_instances") == len(urls))
+    return proc
+
+
+def ensure_sglang_router(install: bool) -> Path:
+    """The peers venv's python with sglang-router importable; installs it there on first use."""
+    py = PEERS_VENV / "bin" / "python"
+    probe = [str(py), "-c", "import sglang_router"]
+    if py.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+        return py
+    if not install:
+        raise RuntimeError(f"sglang-router is not installed in {PEERS_VENV} (run without --no-install)")
+    print(f"installing {SGLANG_ROUTER_PIN} into {PEERS_VENV} (a benchmark-only venv)...", flush=True)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", SGLANG_ROUTER_PIN], check=True)
+    return py
+
+
+async def start_sglang(procs: Processes, py: Path, urls: Sequence[str], policy: str,
+                       name: str = "sglang-router") -> Proc:
+    port, prom = free_port(), free_port()  # its own Prometheus port: a clash makes it panic
+    argv = [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(prom), "--log-level", "warn"]
+    proc = procs.spawn(name, argv)
+    proc.url = f"http://127.0.0.1:{port}/v1"
+    # Workers register asynchronously; /v1/models answers once at least one is in.
+    await _wait_http(f"http://127.0.0.1:{port}/v1/models", lambda j: bool(j.get("data")))
+    await asyncio.sleep(1.0)  # let the remaining workers' registration land
+    return proc
+
+
+async def flush_caches(urls: Sequence[str], timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """POST /flush_cache on every worker; engines refuse while requests hold blocks, so retry."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        for url in urls:
+            while True:
+                async with s.post(f"{url}/flush_cache") as r:
+                    if r.status == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url}/flush_cache still refused after {timeout_s:g} s")
+                await asyncio.sleep(0.5)
+
+
+def _cpu_seconds(procs: Sequence[Proc], include_self: bool = True) -> float:
+    """User+system CPU seconds of the given children so far (Linux /proc), plus ours."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [p.popen.pid for p in procs] + ([os.getpid()] if include_self else [])
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _system_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all processes, ours and everyone else's):
+    the benchmark shares 2 cores with whatever else runs, and the tables say how much that was."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in cpu[:8])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+# --- 1. routing -----------------------------------------------------------------------
+
+
+@dataclass
+class RoutingResult:
+    rows: list[dict[str, Any]]
+    runs: dict[str, LiveRun]
+    cpu_frac: dict[str, float]  # CPU seconds per wall second of the whole stack, per run
+
+
+async def _replay_through(label: str, url: str, key: str | None, wl: Workload, concurrency: int,
+                          timeout_s: float, stack: Sequence[Proc], fresh: bool,
+                          time_scale: float) -> tuple[dict[str, Any], LiveRun, float]:
+    target = Target(url.removesuffix("/v1"), MODEL, key)
+    cpu0, busy0 = _cpu_seconds(stack), _system_busy_s()
+    async with new_session(concurrency, fresh) as session:
+        run = await replay(wl, target, concurrency=concurrency, timeout_s=timeout_s, session=session)
+    cpu = (_cpu_seconds(stack) - cpu0) / max(run.wall_s, 1e-9)
+    busy = (_system_busy_s() - busy0) / max(run.wall_s, 1e-9)
+    row = live_row(label, run, target, time_scale)  # times in physical seconds from here on
+    row["live"]["cpu_cores"] = round(cpu, 2)  # this benchmark's stack: workers, router, load generator
+    row["live"]["machine_busy_cores"] = round(busy, 2)  # everything on the machine
+    lag = row["live"]["send_lag_ms"]
+    print(f"ran       {label:<24} wall {run.wall_s:6.1f} s  {row['completed']}/{row['requests']} completed  "
+          f"TTFT p50 {row['ttft_ms']['p50'] or 0:.0f} ms  hit {100 * (row['cache_hit_rate'] or 0):.1f}%  "
+          f"send lag p99 {lag['p99'] or 0:.1f} ms  loop stall max {row['live']['loop_stall_ms']['max'] or 0:.0f} ms  "
+          f"CPU {cpu:.2f} cores (machine {busy:.2f})", flush=True)
+    for reason in row["live"]["error_samples"]:
+        print(f"          error: {reason}")
+    return row, run, cpu
+
+
+async def run_routing(procs: Processes, shape: FleetShape, wl: Workload, ours: Sequence[str],
+                      sglang_policy: str | None, sglang_py: Path | None, concurrency: int,
+                      timeout_s: float, fresh: bool = False) -> RoutingResult:
+    workers = await asyncio.gather(*(start_worker(procs, shape, i) for i in range(shape.workers)))
+    urls = [w.url for w in workers]
+    print(f"workers   {len(urls)} x {shape.spec} on {shape.tp}x{shape.gpu}, time_scale {shape.time_scale:g}: "
+          f"{' '.join(urls)}", flush=True)
+    res = RoutingResult([], {}, {})
+    for router in ours:
+        await flush_caches(urls)
+        gw = await start_gateway(procs, shape, urls, router)
+        label = f"tokenfleet/{router}"
+        row, run, cpu = await _replay_through(label, gw.url, API_KEY, wl, concurrency, timeout_s, [*workers, gw], fresh,
+                                                shape.time_scale)
+        procs.stop(gw)
+        res.rows.append(row)
+        res.runs[label] = run
+        res.cpu_frac[label] = cpu
+    if sglang_policy and sglang_py:
+        await flush_caches(urls)
+        sg = await start_sglang(procs, sglang_py, urls, sglang_policy)
+        label = f"sglang-router/{sglang_policy}"
+        row, run, cpu = await _replay_through(label, sg.url, None, wl, concurrency, timeout_s, [*workers, sg], fresh,
+                                                shape.time_scale)
+        procs.stop(sg)
+        res.rows.append(row)
+        res.runs[label] = run
+        res.cpu_frac[label] = cpu
+    for w in workers:
+        procs.stop(w)
+    return res
+
+
+# --- 2. overhead ----------------------------------------------------------------------
+
+
+def fixed_rate_workload(rate: float, n: int, prompt_tokens: int = 64, output_tokens: int = 4,
+                        block_tokens: int = 16) -> Workload:
+    """`n` small requests `1/rate` apart, each with its own prompt (no shared prefix, so the
+    router's cache bookkeeping cannot make one path cheaper than another)."""
+    blocks = -(-prompt_tokens // block_tokens)
+    reqs = [TraceRequest(1000.0 * i / rate, prompt_tokens, output_tokens,
+                         tuple(range(i * blocks + 1, (i + 1) * blocks + 1)), block_tokens)
+            for i in range(n)]
+    return Workload(f"fixed-{rate:g}rps", reqs, block_tokens, {"rate_rps": rate})
+
+
+def _added(path: dict[str, Any], direct: dict[str, Any], metric: str, q: str) -> float | None:
+    a, b = path[metric][q], direct[metric][q]
+    return None if a is None or b is None else a - b
+
+
+async def wait_quiet(max_busy: float, timeout_s: float, sample_s: float = 1.0) -> float:
+    """Wait (up to `timeout_s`) for a second in which the machine, with our stack idle, is
+    busy below `max_busy` cores; returns the last sample. Latency overhead is a few ms, so a
+    round that starts while someone else saturates the 2 shared cores measures their load,
+    not our gateway."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        b0, t0 = _system_busy_s(), time.monotonic()
+        await asyncio.sleep(sample_s)
+        busy = (_system_busy_s() - b0) / (time.monotonic() - t0)
+        if busy <= max_busy or time.monotonic() >= deadline:
+            return busy
+
+
+@dataclass(frozen=True)
+class _Path:
+    name: str
+    url: str
+    key: str | None
+    proc: Proc  # the process whose CPU the path adds (the worker itself for `direct`)
+
+
+async def run_overhead(procs: Processes, sglang_py: Path | None, sglang_policy: str, rate: float, n: int,
+                       rounds: int, router: str, modes: Sequence[str], max_busy: float = 0.5,
+                       quiet_wait_s: float = 120.0) -> list[dict[str, Any]]:
+    shape = FleetShape(workers=1, time_scale=0.001)
+    worker = await start_worker(procs, shape, 99)
+    gw = await start_gateway(procs, shape, [worker.url], router, name="gateway-overhead")
+    paths = [_Path("direct", worker.url, None, worker), _Path(f"tokenfleet/{router}", gw.url, API_KEY, gw)]
+    sg: Proc | None = None
+    if sglang_py:
+        sg = await start_sglang(procs, sglang_py, [worker.url], sglang_policy, name="sglang-overhead")
+        paths.append(_Path(f"sglang-router/{sglang_policy}", sg.url, None, sg))
+    wl = fixed_rate_workload(rate, n)
+    warm = fixed_rate_workload(rate, max(50, n // 10))
+    tables = []
+    for mode in modes:
+        out: dict[str, list[dict[str, Any]]] = {p.name: [] for p in paths}
+        async with new_session(256, fresh_connections=mode == "fresh") as session:
+            for p in paths:  # warm-up: connections, caches, lazy imports of every path
+                await replay(warm, Target(p.url.removesuffix("/v1"), MODEL, p.key), session=session, timeout_s=30)
+            for r in range(rounds):  # rounds interleave the paths, so drift hits all of them alike
+                for p in paths:
+                    quiet = await wait_quiet(max_busy, quiet_wait_s)
+                    run = await _overhead_run(p, wl, session, mode, r)
+                    run["idle_busy_cores"] = quiet
+                    out[p.name].append(run)
+        tables.append(_overhead_table(out, rate, n, mode))
+    for proc in (sg, gw, worker):
+        if proc is not None:
+            procs.stop(proc)
+    return tables
+
+
+async def _overhead_run(p: _Path, wl: Workload, session: aiohttp.ClientSession, mode: str,
+                        r: int) -> dict[str, Any]:
+    """One fixed-rate run through one path, with the CPU its proxy (or the worker) spent per
+    request — a figure contention cannot distort, unlike the latencies beside it."""
+    target = Target(p.url.removesuffix("/v1"), MODEL, p.key)
+    cpu0, busy0 = _cpu_seconds([p.proc], include_self=False), _system_busy_s()
+    run = await replay(wl, target, session=session, timeout_s=30)
+    cpu, busy = _cpu_seconds([p.proc], include_self=False) - cpu0, _system_busy_s() - busy0
+    s = summarize_all(run.records)
+    s["cpu_ms_per_req"] = 1e3 * cpu / max(1, len(run.records))
+    s["machine_busy_cores"] = busy / max(run.wall_s, 1e-9)
+    print(f"overhead  {mode:<9} round {r + 1} {p.name:<26} {s['completed']}/{s['requests']} ok  "
+          f"TTFT p50 {s['ttft_ms']['p50'] or 0:.2f} p99 {s['ttft_ms']['p99'] or 0:.2f} ms  "
+          f"cpu {s['cpu_ms_per_req']:.2f} ms/req  machine busy {s['machine_busy_cores']:.2f} cores  "
+          f"send lag p99 {run.live_block(target)['send_lag_ms']['p99'] or 0:.2f} ms", flush=True)
+    return s
+
+
+def _overhead_table(out: dict[str, list[dict[str, Any]]], rate: float, n: int, mode: str) -> dict[str, Any]:
+    """Per path: TTFT/e2e percentiles (median over rounds) and added latency vs direct."""
+    import statistics
+
+    def med(runs: list[dict[str, Any]], metric: str, q: str | None = None) -> float | None:
+        vals = [r[metric] if q is None else r[metric][q] for r in runs]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    agg = {name: {m: {q: med(runs, m, q) for q in ("p50", "p99")} for m in ("ttft_ms", "e2e_ms")}
+           | {"completed": sum(r["completed"] for r in runs), "requests": sum(r["requests"] for r in runs),
+              "cpu_ms_per_req": med(runs, "cpu_ms_per_req"), "machine_busy_cores": med(runs, "machine_busy_cores"),
+              "idle_busy_cores": med(runs, "idle_busy_cores")}
+           for name, runs in out.items()}
+    direct = agg["direct"]
+    for a in agg.values():
+        a["added_ms"] = {f"{m.split('_')[0]}_{q}": _added(a, direct, m, q)
+                         for m in ("ttft_ms", "e2e_ms") for q in ("p50", "p99")}
+    return {"rate_rps": rate, "requests_per_round": n, "rounds": len(next(iter(out.values()))),
+            "connections": mode, "paths": agg}
+
+
+def format_overhead(o: dict[str, Any]) -> str:
+    conn = "a new connection per request" if o["connections"] == "fresh" else "keep-alive connections"
+    lines = [(f"gateway overhead at {o['rate_rps']:g} req/s streaming, {conn} ({o['requests_per_round']} "
+              f"requests x {o['rounds']} rounds; 64 prompt + 4 output tokens; medians over rounds)"),
+             (f"{'path':<28} {'ok':>11}  {'TTFT p50':>9} {'TTFT p99':>9}  {'e2e p50':>8} {'e2e p99':>8}  "
+              f"{'added p50':>9} {'added p99':>9}  {'cpu/req':>8} {'busy':>5} {'idle':>5}"),
+             "-" * 126]
+    for name, a in o["paths"].items():
+        add = a["added_ms"]
+        lines.append(f"{name:<28} {a['completed']:>5}/{a['requests']:<5}  {_f(a['ttft_ms']['p50'])} "
+                     f"{_f(a['ttft_ms']['p99'])}  {_f(a['e2e_ms']['p50'], 8)} {_f(a['e2e_ms']['p99'], 8)}  "
+                     f"{_f(add['ttft_p50'])} {_f(add['ttft_p99'])}  {_f(a['cpu_ms_per_req'], 8)} "
+                     f"{_f(a['machine_busy_cores'], 5)} {_f(a['idle_busy_cores'], 5)}")
+    lines.append("(ms; added = the path's TTFT percentile minus the direct path's; cpu/req = CPU ms per request "
+                 "of the router process (of the worker for direct); busy = CPU cores busy machine-wide during "
+                 "the run, idle = the same just before it, with this benchmark idle: other users' load)")
+    return "\n".join(lines)
+
+
+def _f(v: float | None, w: int = 9) -> str:
+    return f"{'-':>{w}}" if v is None else f"{v:>{w}.2f}"
+
+
+# --- 3. fidelity ----------------------------------------------------------------------
+
+
+def simulate_rows(shape: FleetShape, wl: Workload, policies: Sequence[str], seed: int = 0) -> dict[str, dict[str, Any]]:
+    """The same fleet (as sim instances) and the same physical workload through the simulator,
+    one run per policy. Times are physical seconds, as the live rows' are (`live_row` divides
+    the wall-clock measurements by time_scale)."""
+    fleet: FleetConfig = parse_fleet(gateway_fleet(shape, ["x"] * shape.workers, simulated=True), "<bench>")
+    inputs = prepare(wl.requests, fleet)
+    out: dict[str, dict[str, Any]] = {}
+    for name in policies:
+        res = FleetSimulator(fleet, make_policy(name, seed, fleet)).run(inputs)
+        s = summarize_all(res.records)
+        out[name] = {"ttft_ms": s["ttft_ms"], "cache_hit_rate": s["cache_hit_rate"], "completed": s["completed"],
+                     "wall_s": round(res.wall_s, 2)}
+    return out
+
+
+# Live run label -> the simulator policy that models it.
+SIM_POLICY_OF = {"sglang-router/cache_aware": "sglang_cache_aware"}
+
+
+def fidelity_rows(shape: FleetShape, wl: Workload, live_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    pairs = []
+    for row in live_rows:
+        label = row["policy"]
+        policy = label.split("/", 1)[1] if label.startswith("tokenfleet/") else SIM_POLICY_OF.get(label)
+        if policy:
+            pairs.append((row, policy))
+    sims = simulate_rows(shape, wl, sorted({p for _, p in pairs}))
+    out = []
+    for row, policy in pairs:
+        live50, sim50 = row["ttft_ms"]["p50"], sims[policy]["ttft_ms"]["p50"]
+        err = None if not live50 or sim50 is None else (sim50 - live50) / live50
+        out.append({"live": row["policy"], "sim_policy": policy, "live_ttft_p50_ms": live50,
+                    "sim_ttft_p50_ms": sim50, "rel_error": err,
+                    "live_ttft_p95_ms": row["ttft_ms"]["p95"], "sim_ttft_p95_ms": sims[policy]["ttft_ms"]["p95"],
+                    "live_hit": row["cache_hit_rate"], "sim_hit": sims[policy]["cache_hit_rate"],
+                    "sim_wall_s": sims[policy]["wall_s"]})
+    return out
+
+
+def format_fidelity(rows: Sequence[dict[str, Any]], time_scale: float) -> str:
+    lines = [(f"fidelity: live vs simulated (same fleet, workload, policy; physical ms, live wall times / "
+              f"time_scale {time_scale:g})"),
+             (f"{'live run':<28} {'sim policy':<20} {'live p50':>9} {'sim p50':>9} {'error':>7}  "
+              f"{'live p95':>9} {'sim p95':>9}  {'live hit':>8} {'sim hit':>8}"),
+             "-" * 118]
+    for r in rows:
+        err = "-" if r["rel_error"] is None else f"{100 * r['rel_error']:+.1f}%"
+        lines.append(f"{r['live']:<28} {r['sim_policy']:<20} {_f(r['live_ttft_p50_ms'])} {_f(r['sim_ttft_p50_ms'])} "
+                     f"{err:>7}  {_f(r['live_ttft_p95_ms'])} {_f(r['sim_ttft_p95_ms'])}  "
+                     f"{_pct(r['live_hit'])} {_pct(r['sim_hit'])}")
+    lines.append("(TTFT in ms; error = (sim - live) / live; target |error| <= 15% on p50)")
+    return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return f"{'-':>8}" if v is None else f"{100 * v:>7.1f}%"
+
+
+# --- main -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench/peers.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace file (default: Mooncake conversation)")
+    p.add_argument("--window", type=float, default=240.0, metavar="S",
+                   help="replay S seconds of the rate-scaled trace, physical time (default 240)")
+    p.add_argument("--start", type=float, default=0.0, metavar="S", help="window start, seconds (default 0)")
+    p.add_argument("--rate-scale", type=float, default=1.0, metavar="X",
+                   help="arrival rate multiplier, physical (default 1)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--spec", default="llama-3.1-8b")
+    p.add_argument("--gpu", default="H100")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="workers' wall seconds per physical second (default 1; see the docstring)")
+    p.add_argument("--admission", default="fcfs", choices=("fcfs", "slomax"),
+                   help="our gateway's admission (default fcfs: admit all, like the peer router and the "
+                        "simulator's fidelity runs)")
+    p.add_argument("--ours", default="tokenpilot,round_robin",
+                   help="our gateway's routers to run, comma-separated (default tokenpilot,round_robin)")
+    p.add_argument("--sglang-policy", default="cache_aware", help="SGLang router policy ('' to skip the router)")
+    p.add_argument("--parts", default="routing,overhead,fidelity", help="which measurements to run")
+    p.add_argument("--concurrency", type=int, default=512)
+    p.add_argument("--timeout", type=float, default=300.0, help="client timeout per request (s)")
+    p.add_argument("--overhead-rate", type=float, default=200.0)
+    p.add_argument("--overhead-requests", type=int, default=1000)
+    p.add_argument("--overhead-rounds", type=int, default=5)
+    p.add_argument("--overhead-max-busy", type=float, default=0.5,
+                   help="start an overhead round only once the machine is below this many busy cores "
+                        "(waiting up to 120 s): the cores are shared")
+    p.add_argument("--fresh-connections", action="store_true",
+                   help="routing runs open a connection per request (default: keep-alive)")
+    p.add_argument("--overhead-connections", default="keepalive,fresh",
+                   help="client connection modes of the overhead runs (keepalive, fresh)")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install sglang-router into the peers venv")
+    p.add_argument("--json", metavar="OUT.json", help="write every table's data as JSON")
+    return p
+
+
+async def amain(args: argparse.Namespace) -> int:
+    parts = {s.strip() for s in args.parts.split(",") if s.strip()}
+    unknown = parts - {"routing", "overhead", "fidelity"}
+    if unknown:
+        print(f"unknown part(s) {sorted(unknown)}", file=sys.stderr)
+        return 2
+    modes = [m.strip() for m in args.overhead_connections.split(",") if m.strip()]
+    if not set(modes) <= {"keepalive", "fresh"}:
+        print(f"--overhead-connections: expected keepalive and/or fresh, got {args.overhead_connections!r}",
+              file=sys.stderr)
+        return 2
+    shape = FleetShape(workers=args.workers, spec=args.spec, gpu=args.gpu, tp=args.tp, time_scale=args.time_scale,
+                       admission=args.admission)
+    wl = prepare_workload(args.trace, rate_scale=args.rate_scale, window_s=args.window, start_s=args.start)
+    # The live replay gets the same arrivals stretched by time_scale (see the module docstring).
+    wl_live = scale_rate(wl, 1.0 / shape.time_scale) if shape.time_scale != 1.0 else wl
+    d = wl.describe()
+    print(f"machine   {os.cpu_count()} CPU cores; python {sys.version.split()[0]}")
+    print(f"workload  {d['name']} x{args.rate_scale:g}, {args.window:g} s from {args.start:g} s: {d['requests']} "
+          f"requests ({d['mean_rate_rps']:.2f} req/s physical), input mean {d['input_mean']:.0f}, "
+          f"output mean {d['output_mean']:.0f}; wall time x{shape.time_scale:g}", flush=True)
+    busy0, t0 = _system_busy_s(), time.monotonic()
+    await asyncio.sleep(2.0)
+    print(f"machine   busy {(_system_busy_s() - busy0) / (time.monotonic() - t0):.2f} of {os.cpu_count()} cores "
+          f"before starting (other users' work shares these cores)", flush=True)
+    sglang_py = ensure_sglang_router(not args.no_install) if args.sglang_policy else None
+    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}, "workload": d,
+                              "fleet": gateway_fleet(shape, ["(worker)"] * shape.workers)}
+    ours = [r.strip() for r in args.ours.split(",") if r.strip()]
+    with tempfile.TemporaryDirectory(prefix="tokenfleet-peers-") as tmp:
+        procs = Processes(Path(tmp))
+        try:
+            if "routing" in parts or "fidelity" in parts:
+                res = await run_routing(procs, shape, wl_live, ours, args.sglang_policy or None, sglang_py,
+                                        args.concurrency, args.timeout, args.fresh_connections)
+                report["results"] = res.rows
+                print()
+                print(format_table(res.rows))
+                if "fidelity" in parts:
+                    fid = fidelity_rows(shape, wl, res.rows)
+                    report["fidelity"] = fid
+                    print()
+                    print(format_fidelity(fid, shape.time_scale))
+            if "overhead" in parts:
+                router = ours[0] if ours else "tokenpilot"
+                tables = await run_overhead(procs, sglang_py, args.sglang_policy or "cache_aware",
+                                            args.overhead_rate, args.overhead_requests, args.overhead_rounds,
+                                            router, modes, args.overhead_max_busy)
+                report["overhead"] = tables
+                for o in tables:
+                    print()
+                    print(format_overhead(o))
+        finally:
+            procs.stop_all()
+    if args.json:
+        write_json(report, args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return asyncio.run(amain(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
