@@ -86,6 +86,13 @@ def ready_counts(states: Iterable[InstanceState]) -> ReadyCounts:
     return ReadyCounts(ready, total, by_model, by_site)
 
 
+async def _probe(st: InstanceState) -> tuple[bool, LoadSnapshot]:
+    # A coroutine, not a bare gather future, so that cancelling the poll (shutdown, timeout)
+    # also collects the gather's result instead of leaving it "never retrieved".
+    healthy, load = await asyncio.gather(st.adapter.health(st.instance), st.adapter.snapshot(st.instance))
+    return healthy, load
+
+
 # --- the live state ---
 
 class FleetState:
@@ -157,9 +164,7 @@ class FleetState:
             return
         started = self.clock()
         try:
-            healthy, load = await asyncio.wait_for(
-                asyncio.gather(st.adapter.health(st.instance), st.adapter.snapshot(st.instance)),
-                self.call_timeout_s)
+            healthy, load = await asyncio.wait_for(_probe(st), self.call_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken adapter or engine is an unready instance, not a crash
