@@ -49,7 +49,7 @@ from fleetcore.slo import LONG_CONTEXT, ClassSLO
 from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, RequestProfile
 
 from .budgets import BudgetBook, TenantBudget
-from .classify import Classification, UnknownClass, classify
+from .classify import Classification, UnknownClass, classify_profile
 from .config import SLOMaxConfig, from_fleet
 from .controller import Controller, ControllerConfig, Knob, Signals
 from .ledger import GoodputLedger
@@ -152,12 +152,7 @@ class SLOMax:
 
     def classify(self, profile: RequestProfile) -> Classification:
         """Raises UnknownClass when the profile names a class this fleet does not define."""
-        c = self.config
-        return classify(prompt_tokens=profile.prompt_tokens, max_tokens=profile.max_tokens,
-                        explicit=profile.request_class, task_type=profile.task_type,
-                        tenant_default=c.tenant(profile.tenant).default_class, classes=c.classes,
-                        long_context_min_tokens=c.long_context_min_tokens,
-                        long_output_tokens=c.long_output_tokens, task_classes=c.task_classes)
+        return classify_profile(profile, self.config)
 
     @property
     def class_names(self) -> list[str]:

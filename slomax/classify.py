@@ -20,8 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fleetcore.slo import BATCH, INTERACTIVE, LONG_CONTEXT
+from fleetcore.types import RequestProfile
+
+if TYPE_CHECKING:
+    from slomax.config import SLOMaxConfig
 
 # Common task-type names; the fleet file's `admission.task_classes` extends or overrides these.
 BUILTIN_TASK_CLASSES: Mapping[str, str] = {
@@ -64,3 +69,14 @@ def classify(*, prompt_tokens: int, max_tokens: int | None, explicit: str | None
         if long_output_tokens is not None and max_tokens is not None and max_tokens >= long_output_tokens:
             return Classification(LONG_CONTEXT, "output_budget")
     return Classification(default, "tenant_default")
+
+
+def classify_profile(profile: RequestProfile, config: SLOMaxConfig) -> Classification:
+    """`classify` with everything taken from a request profile and the admission config.
+
+    Raises UnknownClass when the profile names a class this fleet does not define."""
+    return classify(prompt_tokens=profile.prompt_tokens, max_tokens=profile.max_tokens,
+                    explicit=profile.request_class, task_type=profile.task_type,
+                    tenant_default=config.tenant(profile.tenant).default_class, classes=config.classes,
+                    long_context_min_tokens=config.long_context_min_tokens,
+                    long_output_tokens=config.long_output_tokens, task_classes=config.task_classes)

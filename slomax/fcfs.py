@@ -11,7 +11,7 @@ from typing import Any
 from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, RequestProfile
 
 from .admission import met_slo
-from .classify import Classification, UnknownClass, classify
+from .classify import Classification, UnknownClass, classify_profile
 from .config import SLOMaxConfig
 from .ledger import GoodputLedger
 
@@ -25,12 +25,7 @@ class FCFS:
         self._reqs: dict[str, tuple[str, str, float, float | None]] = {}  # id -> tenant, class, arrival, deadline
 
     def classify(self, profile: RequestProfile) -> Classification:
-        c = self.config
-        return classify(prompt_tokens=profile.prompt_tokens, max_tokens=profile.max_tokens,
-                        explicit=profile.request_class, task_type=profile.task_type,
-                        tenant_default=c.tenant(profile.tenant).default_class, classes=c.classes,
-                        long_context_min_tokens=c.long_context_min_tokens,
-                        long_output_tokens=c.long_output_tokens, task_classes=c.task_classes)
+        return classify_profile(profile, self.config)
 
     @property
     def class_names(self) -> list[str]:
