@@ -287,9 +287,20 @@ class TestGatewayInFrontOfTwoVLLMEngines:
 
 
     async def test_client_disconnect_aborts_on_the_engine(self, fleet: Fleet):
-        f = fleet
-        max_tokens = 2000  # ~4 s of decoding here; an abort ends it after a fraction
-        body = {"model": "tiny", "prompt": text(7, 20), "max_tokens": max_tokens, "ignore_eos": True,
+        # vLLM's CPU API server on 2 cores sometimes lags its engine by seconds and only notices
+        # the closed connection when it next writes; one late notice is timing, two in a row is
+        # a broken abort path. So: two tries, and the second must abort.
+        generated = []
+        for _ in range(2):
+            generated.append(await self._abandon_one_request(fleet))
+            if generated[-1] < self.MAX_TOKENS / 2:
+                return
+        raise AssertionError(f"{generated} of {self.MAX_TOKENS} tokens generated in two tries: not aborted")
+
+    MAX_TOKENS = 2000  # ~4 s of decoding here; an abort ends it after a fraction
+
+    async def _abandon_one_request(self, f: Fleet) -> float:
+        body = {"model": "tiny", "prompt": text(7, 20), "max_tokens": self.MAX_TOKENS, "ignore_eos": True,
                 "stream": True}
         before = {iid: await engine_metrics(f, iid) for iid in f.instances}
         client = aiohttp.ClientSession()
@@ -312,9 +323,8 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         (iid,) = started
         await asyncio.sleep(1.0)
         later = await engine_metrics(f, iid)
-        generated = later["vllm:generation_tokens_total"] - before[iid]["vllm:generation_tokens_total"]
         assert later["vllm:generation_tokens_total"] == now[iid]["vllm:generation_tokens_total"]
-        assert generated < max_tokens / 2, f"{generated} of {max_tokens} tokens generated: not aborted"
+        return later["vllm:generation_tokens_total"] - before[iid]["vllm:generation_tokens_total"]
 
 
 # --- `tokenfleet up` with a vLLM deployment next to a simulated one ----------------------
