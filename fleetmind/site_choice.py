@@ -32,10 +32,18 @@ from fleetmind.residency import PolicySet, Residency
 UNKNOWN_RTT_MS = 1000.0
 
 
-def rtt_ms(site: SiteSnapshot, client_region: str | None) -> float:
-    if client_region == site.region:
-        return site.rtt_ms.get(site.region, 0.0)
-    return site.rtt_ms.get(client_region or "", UNKNOWN_RTT_MS)
+class _HasRtt(Protocol):
+    region: str
+    rtt_ms: Mapping[str, float]
+
+
+def rtt_ms(site: _HasRtt, client_region: str | None) -> float:
+    """Round trip between a client entry region and a site (fleet-file site or snapshot): the
+    fleet file's figure, else 0 inside the site's own region, else a large unknown."""
+    rtt = site.rtt_ms.get(client_region or "")
+    if rtt is None:
+        return 0.0 if client_region == site.region else UNKNOWN_RTT_MS
+    return rtt
 
 
 class NearestReadySite:
@@ -51,8 +59,7 @@ class NearestReadySite:
                     if i.instance_id not in exclude_instances]
             if not pool:
                 continue
-            rtt = 0.0 if profile.client_region == site.region else \
-                site.rtt_ms.get(profile.client_region or "", UNKNOWN_RTT_MS)
+            rtt = rtt_ms(site, profile.client_region)
             scored.append(Candidate(site.name, rtt, {"rtt_ms": rtt, "ready": float(len(pool))}))
         if not scored:
             return SiteDecision(None, f"no site has a ready instance of {profile.model!r}")

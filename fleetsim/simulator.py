@@ -59,7 +59,7 @@ from fleetcore.types import (
     SiteDecision,
     SiteSnapshot,
 )
-from fleetmind.site_choice import UNKNOWN_RTT_MS, NearestReadySite
+from fleetmind.site_choice import NearestReadySite, rtt_ms
 from tokenpilot.policy import InstanceRouter
 
 from .metrics import RequestRecord, Status
@@ -268,11 +268,8 @@ def fleet_instances(fleet: FleetConfig) -> list[InstanceSpec]:
 
 
 def site_rtt_s(site: SiteConfig, region: str) -> float:
-    """Round trip between a client entry region and a site, seconds."""
-    rtt = site.rtt_ms.get(region)
-    if rtt is None:
-        rtt = 0.0 if region == site.region else UNKNOWN_RTT_MS
-    return rtt / 1000.0
+    """Round trip between a client entry region and a site, seconds (FleetMind's rule)."""
+    return rtt_ms(site, region) / 1000.0
 
 
 # --- simulator ------------------------------------------------------------------
