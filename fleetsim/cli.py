@@ -31,7 +31,6 @@ from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
 from slomax import ADMISSION_NAMES, make_admission
 from slomax import from_fleet as slomax_config
-from tokenpilot.priors import prior_from_physics
 from tokenpilot.registry import ROUTER_NAMES, make_router
 
 from .metrics import RequestRecord, summarize, summarize_all, ttft_values_ms
@@ -50,6 +49,7 @@ from .simulator import (
     estimate_capacity,
     fleet_instances,
     prepare,
+    spec_prior,
 )
 
 DEFAULT_SIM_FLEET = Path(__file__).resolve().parent.parent / "deploy" / "sim" / "fleet32.yaml"
@@ -65,11 +65,7 @@ def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
     router = make_router(name, seed=seed)
     if fleet is not None and hasattr(router, "register_instance"):
         for s in fleet_instances(fleet):
-            eng = fleet.model(s.model).engine
-            router.register_instance(s.instance_id, prior_from_physics(
-                eng.spec, s.gpu, s.tp, block_size=eng.block_size,
-                max_batched_tokens=eng.max_num_batched_tokens,
-                gpu_memory_utilization=eng.gpu_memory_utilization))
+            router.register_instance(s.instance_id, spec_prior(s))
     return router
 
 

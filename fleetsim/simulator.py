@@ -61,6 +61,7 @@ from fleetcore.types import (
 )
 from fleetmind.site_choice import NearestReadySite, rtt_ms
 from tokenpilot.policy import InstanceRouter
+from tokenpilot.priors import EnginePrior, prior_from_physics
 
 from .metrics import RequestRecord, Status
 
@@ -267,6 +268,13 @@ def fleet_instances(fleet: FleetConfig) -> list[InstanceSpec]:
     return out
 
 
+def spec_prior(spec: InstanceSpec) -> EnginePrior:
+    """A router's starting beliefs about a simulated instance: the roofline of its engine."""
+    e = spec.engine
+    return prior_from_physics(e.model.name, spec.gpu, spec.tp, e.block_size, e.max_num_batched_tokens,
+                              e.gpu_memory_utilization)
+
+
 def site_rtt_s(site: SiteConfig, region: str) -> float:
     """Round trip between a client entry region and a site, seconds (FleetMind's rule)."""
     return rtt_ms(site, region) / 1000.0
@@ -432,11 +440,7 @@ class FleetSimulator:
                 insts.append(inst)
         register = getattr(self.router, "register_instance", None)
         if register is not None:
-            from tokenpilot.priors import prior_from_physics
-
-            e = spec.engine
-            register(iid, prior_from_physics(e.model.name, spec.gpu, spec.tp, e.block_size,
-                                             e.max_num_batched_tokens, e.gpu_memory_utilization))
+            register(iid, spec_prior(spec))
         self._push(now + startup_s, _READY, inst)
         return iid
 
