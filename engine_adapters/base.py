@@ -84,6 +84,21 @@ class EngineAdapter(abc.ABC):
         """A stream of KV cache events, or None when the engine does not publish them."""
         return None
 
+    # -- scaling (FleetMind's planner) ---------------------------------------------
+    @property
+    def scalable(self) -> bool:
+        """Whether `add_instance` / `remove_instance` work (they do where the adapter launches engines)."""
+        return False
+
+    async def add_instance(self) -> Instance:
+        """Start one more instance of the deployment. Returns as soon as it is reachable; it may
+        still be loading (unhealthy) for a while, and joins routing when its health says ready."""
+        raise AdapterError(f"{self.name} adapter cannot add instances")
+
+    async def remove_instance(self, instance: Instance) -> None:
+        """Stop one instance (the caller has drained it) and forget it."""
+        raise AdapterError(f"{self.name} adapter cannot remove instances")
+
 
 class AdapterError(RuntimeError):
     """An engine could not be launched or reached."""

@@ -138,6 +138,7 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._logs: dict[str, Path] = {}
         self._instances: list[Instance] = []
+        self._next_index = count  # ids of instances added later never repeat a removed one's
 
     # -- what subclasses say -------------------------------------------------
     @abc.abstractmethod
@@ -204,6 +205,12 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         return self.instances
 
     async def _launch_one(self, index: int, port: int, sub: KVEventSubscriber | None) -> Instance:
+        inst, proc, log_path = await self._spawn_one(index, port, sub)
+        await self._wait_ready(inst, proc, log_path)
+        return inst
+
+    async def _spawn_one(self, index: int, port: int, sub: KVEventSubscriber | None,
+                         ) -> tuple[Instance, asyncio.subprocess.Process, Path]:
         host = self.options.host
         shown = f"[{host}]" if ":" in host else host
         inst = self._instance(index, f"http://{shown}:{port}")
@@ -225,8 +232,29 @@ class ManagedEngineAdapter(HttpEngineAdapter):
             except OSError as e:
                 raise AdapterError(f"{inst.instance_id}: cannot start {argv[0]}: {e.strerror}") from None
         self._procs[inst.instance_id] = proc
-        await self._wait_ready(inst, proc, log_path)
+        return inst, proc, log_path
+
+    # -- scaling (FleetMind's planner) ------------------------------------------------
+    @property
+    def scalable(self) -> bool:
+        # Attached engines belong to someone else; fixed ports leave no room for another.
+        return not self.attach and self.options.ports is None
+
+    async def add_instance(self) -> Instance:
+        """Start one more engine; it is returned at once and answers health once it has loaded
+        (the gateway's poller brings it into routing then)."""
+        if not self.scalable:
+            raise AdapterError(f"{self.id_prefix}: attached engines or fixed ports cannot be scaled")
+        index, self._next_index = self._next_index, self._next_index + 1
+        inst, _, _ = await self._spawn_one(index, free_ports(1, self.options.host)[0], self.subscriber)
+        self._instances.append(inst)
         return inst
+
+    async def remove_instance(self, instance: Instance) -> None:
+        self._instances = [i for i in self._instances if i.instance_id != instance.instance_id]
+        proc = self._procs.pop(instance.instance_id, None)
+        if proc is not None:
+            await terminate([proc], self.options.stop_grace_s, groups=True)
 
     def _log_dir(self) -> Path:
         if self.options.log_dir:

@@ -44,6 +44,8 @@ class SiteConfig(_Strict):
     jurisdiction: str = Field(min_length=1)
     rtt_ms: dict[str, float] = Field(default_factory=dict)
     egress_cost_per_gb: float = Field(default=0.0, ge=0)
+    gpus: int | None = Field(default=None, ge=0,
+                             description="GPUs the planner may fill with replicas (default: those deployed)")
 
     @model_validator(mode="after")
     def _rtt_non_negative(self) -> SiteConfig:
@@ -121,6 +123,37 @@ class TenantConfig(_Strict):
         return [hash_api_key(k) for k in self.api_keys] + [h.lower() for h in self.api_key_sha256]
 
 
+class PlannerSettings(_Strict):
+    """The `planner:` block: FleetMind's long cycle (replica placement) in the live gateway.
+
+    Off unless `enabled`. Tuning fields left out keep `fleetmind.planner.PlannerConfig`'s
+    defaults (see there for what each means); the simulator's `fleetmind+planner` placement
+    reads the same fields.
+    """
+
+    enabled: bool = False
+    cycle_s: float = Field(default=30.0, gt=0, description="how often the planner runs")
+    drain_timeout_s: float = Field(default=600.0, gt=0,
+                                   description="a replica leaving a site is stopped after this even if busy")
+    ready_timeout_s: float = Field(default=900.0, gt=0,
+                                   description="a new replica not ready by then is given up")
+    window_s: float | None = Field(default=None, gt=0)
+    lead_s: float | None = Field(default=None, ge=0)
+    target_utilisation: float | None = Field(default=None, gt=0, le=1)
+    cooldown_s: float | None = Field(default=None, ge=0)
+    watch_s: float | None = Field(default=None, gt=0)
+    rollback_drop: float | None = Field(default=None, gt=0, lt=1)
+    block_s: float | None = Field(default=None, ge=0)
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_batch: int | None = Field(default=None, ge=1)
+    demand_tolerance: float | None = Field(default=None, gt=0)
+
+    def tuning(self) -> dict[str, float | int]:
+        """The planner tuning fields the file sets (for `PlannerConfig(**...)`)."""
+        runtime = {"enabled", "cycle_s", "drain_timeout_s", "ready_timeout_s"}
+        return {k: v for k, v in self.model_dump().items() if k not in runtime and v is not None}
+
+
 class FleetConfig(_Strict):
     regions: list[str] = Field(default_factory=list)
     default_region: str | None = None
@@ -130,6 +163,7 @@ class FleetConfig(_Strict):
     tenants: list[TenantConfig] = Field(default_factory=list)
     region_policies: list[RegionPolicy] = Field(default_factory=list)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    planner: PlannerSettings = Field(default_factory=PlannerSettings)
     admin_api_keys: list[str] = Field(default_factory=list, description="plain admin keys (dev only)")
     admin_api_key_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of admin keys")
 

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fleetcore.fleet_config import FleetConfig
+
 Key = tuple[str, str]  # (site, model)
 
 
@@ -229,3 +231,15 @@ class Planner:
     def _free_gpus(self, site: str, placement: Mapping[Key, int]) -> int:
         used = sum(n * self.gpus_per_replica.get(m, 1) for (s, m), n in placement.items() if s == site)
         return self.gpu_budget.get(site, 0) - used
+
+
+def planner_for(fleet: FleetConfig, **defaults: float | int) -> Planner:
+    """The planner a fleet file describes: its `planner:` tuning over `defaults`, each site's
+    GPU budget from its `gpus` (a site without one gets no replicas beyond those moved into
+    it), and GPUs per replica from the model's deployments (their TP degree)."""
+    gpus_per_replica: dict[str, int] = {}
+    for d in fleet.deployments:
+        gpus_per_replica.setdefault(d.model, d.tp)
+    return Planner(gpu_budget={s.name: s.gpus for s in fleet.sites if s.gpus is not None},
+                   gpus_per_replica=gpus_per_replica,
+                   config=PlannerConfig(**{**defaults, **fleet.planner.tuning()}))  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
-from fleetmind.planner import Planner, PlannerConfig
+from fleetmind.planner import planner_for
 from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
 from slomax import ADMISSION_NAMES, make_admission
@@ -86,12 +86,12 @@ def make_placement(name: str, fleet: FleetConfig, router: Any) -> FleetMind:
 
 def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, Any]]:
     """FleetMind's long cycle for `fleetmind+planner`: the planner every 30 s, replicas taking
-    60 s to start, each move watched for 2 minutes."""
+    60 s to start, each move watched for 2 minutes (the fleet file's `planner:` block may
+    retune it)."""
     if name != "fleetmind+planner":
         return []
-    loop = PlannerLoop(Planner(config=PlannerConfig(window_s=60, lead_s=60, cooldown_s=60, watch_s=120,
-                                                    rollback_drop=0.3)),
-                       fleet, cycle_s=30.0, startup_s=60.0)
+    planner = planner_for(fleet, window_s=60, lead_s=60, cooldown_s=60, watch_s=120, rollback_drop=0.3)
+    loop = PlannerLoop(planner, fleet, cycle_s=fleet.planner.cycle_s, startup_s=60.0)
     return [(loop.cycle_s, loop)]
 
 

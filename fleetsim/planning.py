@@ -13,15 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine_adapters.sim import hardware
-from engine_adapters.sim.physics import StepTimer
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.slo import DEFAULT_SLOS, ClassSLO
+from fleetmind.demand import DemandModel
 from fleetmind.planner import Move, Planner
 
-from .simulator import FleetSimulator, fleet_instances, site_rtt_s
-
-DECODE_BATCH = 32  # decode work is shared by a batch; this is its typical size here
+from .simulator import FleetSimulator
 
 
 @dataclass
@@ -33,14 +30,17 @@ class PlannerLoop:
     window_s: float = 60.0
     slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     _seen: int = 0
-    _timers: dict[str, StepTimer] = field(default_factory=dict)
-    _home: dict[tuple[str, str], str] = field(default_factory=dict)
+    demand: DemandModel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.demand = DemandModel(self.fleet)
 
     def __call__(self, sim: FleetSimulator, now: float) -> None:
         reqs = sim.requests
         for r in reqs[self._seen:]:
             inp = r.inp
-            self.planner.record_demand(self._home_of(inp.region, inp.model), inp.model, self._work_s(inp))
+            self.planner.record_demand(self.demand.home(inp.region, inp.model), inp.model,
+                                       self.demand.work_s(inp.model, inp.prompt_tokens, inp.output_tokens))
         self._seen = len(reqs)
         self.planner.record_goodput(self._good_fraction(sim, now), now)
         undo = self.planner.check(now)
@@ -59,27 +59,6 @@ class PlannerLoop:
                 sim.add_instance(move.to_site, move.model, now, self.startup_s)
             done += 1
         return done > 0
-
-    def _home_of(self, region: str, model: str) -> str:
-        key = (region, model)
-        if key not in self._home:
-            serving = {d.site for d in self.fleet.deployments if d.model == model}
-            sites = [s for s in self.fleet.sites if s.name in serving] or list(self.fleet.sites)
-            self._home[key] = min(sites, key=lambda s: (site_rtt_s(s, region), s.name)).name
-        return self._home[key]
-
-    def _work_s(self, inp: object) -> float:
-        """Instance seconds a request needs: its prefill plus its share of decode steps."""
-        model = inp.model  # type: ignore[attr-defined]
-        t = self._timers.get(model)
-        if t is None:
-            spec = next(s for s in fleet_instances(self.fleet) if s.model == model)
-            t = self._timers[model] = StepTimer(hardware.model(spec.engine.model.name), hardware.gpu(spec.gpu),
-                                                tp=spec.tp)
-        prompt, out = inp.prompt_tokens, inp.output_tokens  # type: ignore[attr-defined]
-        prefill = t.step_time([(prompt, 0)], [])
-        decode = t.step_time([], [prompt] * DECODE_BATCH) / DECODE_BATCH
-        return prefill + out * decode
 
     def _good_fraction(self, sim: FleetSimulator, now: float) -> float:
         """Goodput normalised by demand: of the output tokens of requests that ended in the last

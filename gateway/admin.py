@@ -6,7 +6,11 @@
     DELETE /admin/v1/region-policies/{tenant}/{model}
     GET    /admin/v1/audit?limit=N                        who changed what, newest first
     POST   /admin/v1/dry-run                              where a sample request would go and why
-    GET    /admin/v1/planner                              the placement planner's plans, applies and rollbacks
+    GET    /admin/v1/planner?limit=N                      the placement planner: plans, applies, rollbacks,
+                                                          the adapter actions carrying them out, placement
+    GET    /admin/v1/fleet                                per site: region, jurisdiction, RTTs (configured
+                                                          and probed), per model and version: replicas
+                                                          ready / starting / draining, queue, KV use
 
 Writes take `If-Match: <version>` for optimistic concurrency (412 when stale) and take
 effect on the next request, in every gateway replica sharing the store, without a
@@ -107,7 +111,8 @@ class RegionPolicyAdmin:
 
 
 def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyAdmin, relay: Any,
-                         planner_log: Any = None) -> None:
+                         placement: Any = None) -> None:
+    """`placement`: the gateway's `PlacementLoop`, or None when the planner is off."""
     auth = AdminAuth(config)
 
     def if_match(request: Request) -> int | None:
@@ -189,9 +194,41 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
         })
 
     @app.get("/admin/v1/planner")
-    async def planner(request: Request) -> JSONResponse:
+    async def planner(request: Request, limit: int = 200) -> JSONResponse:
         auth.require(request.headers)
-        entries = planner_log() if planner_log else []
-        return JSONResponse({"entries": [
-            {"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None, "reason": e.reason}
-            for e in entries]})
+        if placement is None:
+            return JSONResponse({"enabled": False, "placement": [], "entries": [], "actions": []})
+        return JSONResponse(placement.report(max(1, min(limit, 1000))))
+
+    @app.get("/admin/v1/fleet")
+    async def fleet(request: Request) -> JSONResponse:
+        auth.require(request.headers)
+        return JSONResponse({"entry_region": config.entry_region, "sites": fleet_view(config, relay.state)})
+
+
+def fleet_view(config: FleetConfig, state: Any) -> list[dict[str, Any]]:
+    """What FleetMind sees of each site, for operators (see the module doc)."""
+    probed = state.probe_rtt_ms()
+    pools: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for st in state.states():
+        inst, load = st.instance, st.load
+        pool = pools.setdefault((inst.site, inst.model, inst.version), {
+            "model": inst.model, "version": inst.version, "ready": 0, "starting": 0, "draining": 0,
+            "unready": 0, "inflight": 0, "num_waiting": 0, "kv_usage_max": 0.0})
+        if st.draining:
+            pool["draining"] += 1
+        elif st.ready:
+            pool["ready"] += 1
+        elif st.ready_at is None:
+            pool["starting"] += 1
+        else:
+            pool["unready"] += 1
+        pool["inflight"] += st.inflight
+        if load is not None:
+            pool["num_waiting"] += load.num_waiting
+            pool["kv_usage_max"] = max(pool["kv_usage_max"], load.kv_usage)
+    return [{"site": s.name, "region": s.region, "jurisdiction": s.jurisdiction, "gpus": s.gpus,
+             "rtt_ms": dict(s.rtt_ms), "probe_rtt_ms": probed.get(s.name),
+             "egress_cost_per_gb": s.egress_cost_per_gb,
+             "pools": [p for (site, _, _), p in sorted(pools.items()) if site == s.name]}
+            for s in config.sites]

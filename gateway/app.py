@@ -32,10 +32,13 @@ from gateway.fleet_state import FleetState
 from gateway.goodput_report import install_report_routes
 from gateway.kv_feed import KVEventFeed
 from gateway.metrics import GatewayMetrics
+from gateway.placement import PlacementLoop
 from gateway.policy_store import MemoryPolicyStore, PolicyStore, watch
 from gateway.relay import DecisionLog, Relay, SiteChooser
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
+from fleetmind.demand import DemandModel
+from fleetmind.planner import planner_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
 from tokenpilot.policy import InstanceRouter
@@ -59,6 +62,7 @@ class GatewayContext:
     # model name -> its real tokenizer (exact token ids and cache keys); others estimate
     tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
     admission: AdmissionGate | None = None  # SLOMax (or FCFS), its ledger and live state
+    placement: PlacementLoop | None = None  # FleetMind's replica planner, when the fleet file enables it
 
 
 class BodySizeLimit:
@@ -137,12 +141,14 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
-               admission: AdmissionPolicy | None = None) -> FastAPI:
+               admission: AdmissionPolicy | None = None, planner: bool | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them).
 
     `tokenizers` defaults to the models' own tokenizers found via the fleet file
     (`fleetcore.model_tokenizer.model_tokenizers`). `admission` defaults to the fleet
     file's `admission.policy` (SLOMax unless it says fcfs) with its classes and tenants.
+    `planner` turns FleetMind's replica planner on or off (default: the fleet file's
+    `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
     """
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
@@ -157,8 +163,15 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                   site_chooser if site_chooser is not None else build_site_chooser(config, router),
                   metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)),
                   admission=gate)
+    placement = None
+    if config.planner.enabled if planner is None else planner:
+        p = config.planner
+        placement = PlacementLoop(planner_for(config), DemandModel(config), state, relay.router, admission.ledger,
+                                  clock, cycle_s=p.cycle_s, drain_timeout_s=p.drain_timeout_s,
+                                  ready_timeout_s=p.ready_timeout_s)
+        relay.listeners.append(placement)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
-                         model_tokenizers(config) if tokenizers is None else tokenizers, gate)
+                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
     store = policy_store if policy_store is not None else MemoryPolicyStore(config.region_policies)
@@ -172,8 +185,12 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             await state.start()
             if kv_feed is not None:
                 await kv_feed.start()
+            if placement is not None:
+                placement.start()
             yield
         finally:
+            if placement is not None:
+                await placement.stop()
             gate.close()
             policy_watch.cancel()
             if kv_feed is not None:
@@ -189,7 +206,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
-    install_admin_routes(app, config, policy_admin, relay)
+    install_admin_routes(app, config, policy_admin, relay, placement)
     install_report_routes(app, config, gate, clock)
     return app
 

@@ -104,7 +104,8 @@ async def _up(args: argparse.Namespace) -> int:
             # Several gateway replicas serving one fleet share region policies through Redis.
             from gateway.policy_store import RedisPolicyStore
             store = RedisPolicyStore(args.redis_url, config.region_policies)
-        app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store)
+        app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store,
+                         planner=args.planner)
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                         timeout_graceful_shutdown=5,
                                         # longer than clients' pools keep idle connections (the
@@ -121,6 +122,9 @@ async def _up(args: argparse.Namespace) -> int:
         budgets = sum(1 for t in config.tenants if t.budgets is not None)
         _say(f"admission {config.admission.policy} (classes {', '.join(sorted(config.admission.class_names))}; "
              f"{budgets} tenant(s) with budgets); goodput report at /v1/reports/goodput")
+        placement = app.state.tokenfleet.placement
+        _say(f"planner  every {placement.cycle_s:g} s; log at /admin/v1/planner" if placement
+             else "planner  off (replicas stay where the fleet file puts them)")
         _say("stop with Ctrl-C")
         await server.serve(sockets=[sock])
     finally:
@@ -152,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $TOKENFLEET_REDIS_URL; none: in-process)")
     up.add_argument("--router", default=DEFAULT_ROUTER, choices=ROUTER_NAMES,
                     help="instance routing policy (default: %(default)s)")
+    up.add_argument("--planner", action=argparse.BooleanOptionalAction, default=None,
+                    help="FleetMind's replica planner on or off (default: the fleet file's planner.enabled)")
     up.add_argument("--log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug"])
     chk = sub.add_parser("check", help="validate a fleet file")

@@ -3,7 +3,11 @@
 Each instance is polled by its own task (health + load snapshot, with a per-call
 timeout), so a hung engine goes unready without delaying anyone else's update.
 The gateway also keeps its own in-flight count per instance: engine metrics
-lag one scrape, the count does not. A failed connection marks an instance
+lag one scrape, the count does not. An instance being taken out of service (FleetMind's
+planner moving a replica) is *draining*: it finishes what it has and gets nothing new.
+Each probe's round trip is kept too: the lowest of the last few is the network RTT the
+gateway sees to that instance's site (an engine's own work adds to every probe, so the
+minimum, not the mean). A failed connection marks an instance
 unready at once; only a health check that *started after* the failure may
 bring it back (an older, slower check must not undo fresh evidence).
 """
@@ -13,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +40,14 @@ class InstanceState:
     failed_at: float = float("-inf")  # clock time of the last failed connection
     last_poll: float | None = None
     last_error: str | None = None
+    draining: bool = False
+    added_at: float = 0.0  # clock time the gateway first saw it
+    ready_at: float | None = None  # clock time of its first ready health check
+    probe_s: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+
+    @property
+    def probe_rtt_ms(self) -> float | None:
+        return 1000 * min(self.probe_s) if self.probe_s else None
 
 
 # --- pure helpers ---
@@ -42,7 +56,7 @@ def instance_snapshot(st: InstanceState) -> InstanceSnapshot:
     inst, load = st.instance, st.load
     return InstanceSnapshot(
         instance_id=inst.instance_id, site=inst.site, model=inst.model, version=inst.version,
-        url=inst.url, ready=st.ready, inflight=st.inflight,
+        url=inst.url, ready=st.ready, draining=st.draining, inflight=st.inflight,
         num_running=load.num_running if load else 0,
         num_waiting=load.num_waiting if load else 0,
         kv_usage=load.kv_usage if load else 0.0,
@@ -61,6 +75,26 @@ def build_view(config: FleetConfig, states: Iterable[InstanceState]) -> FleetVie
                      rtt_ms=dict(s.rtt_ms),
                      instances=tuple(sorted(by_site[s.name], key=lambda i: i.instance_id)))
         for s in config.sites))
+
+
+def placement(states: Iterable[InstanceState]) -> dict[tuple[str, str], int]:
+    """Replicas per (site, model) that serve or are starting; draining ones are on their way out."""
+    out: dict[tuple[str, str], int] = {}
+    for st in states:
+        if not st.draining:
+            key = (st.instance.site, st.instance.model)
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def site_probe_rtt_ms(states: Iterable[InstanceState]) -> dict[str, float]:
+    """Per site: the median over its instances of each one's lowest recent probe round trip."""
+    by_site: dict[str, list[float]] = {}
+    for st in states:
+        rtt = st.probe_rtt_ms
+        if rtt is not None:
+            by_site.setdefault(st.instance.site, []).append(rtt)
+    return {site: statistics.median(v) for site, v in by_site.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +169,7 @@ class FleetState:
                 seen.add(inst.instance_id)
                 st = self._states.get(inst.instance_id)
                 if st is None or st.instance != inst:
-                    self._states[inst.instance_id] = InstanceState(adapter, inst)
+                    self._states[inst.instance_id] = InstanceState(adapter, inst, added_at=self.clock())
         for gone in set(self._states) - seen:
             del self._states[gone]
             task = self._pollers.pop(gone, None)
@@ -170,6 +204,7 @@ class FleetState:
         except Exception as e:  # a broken adapter or engine is an unready instance, not a crash
             self._apply(instance_id, started, False, None, f"{type(e).__name__}: {e}")
             return
+        st.probe_s.append(self.clock() - started)
         self._apply(instance_id, started, bool(healthy) and load.ready, load, None)
 
     def _apply(self, instance_id: str, started: float, ready: bool, load: LoadSnapshot | None,
@@ -186,6 +221,8 @@ class FleetState:
         if st.ready != ready:
             log.info("instance %s is now %s%s", instance_id, "ready" if ready else "unready",
                      f" ({error})" if error else "")
+        if ready and st.ready_at is None:
+            st.ready_at = started
         st.ready = ready
 
     # used by the relay
@@ -214,6 +251,26 @@ class FleetState:
         st.inflight = max(0, st.inflight - 1)
         return st.inflight
 
+    # used by the placement loop
+
+    def drain(self, instance_id: str) -> bool:
+        """Route nothing new to the instance; False when it is unknown."""
+        st = self._states.get(instance_id)
+        if st is None:
+            return False
+        if not st.draining:
+            log.info("instance %s draining (%d in flight)", instance_id, st.inflight)
+        st.draining = True
+        return True
+
+    def idle(self, instance_id: str) -> bool:
+        """Nothing of ours in flight and, as last scraped, nothing running or waiting on the engine."""
+        st = self._states.get(instance_id)
+        if st is None:
+            return True
+        load = st.load
+        return st.inflight == 0 and (load is None or load.num_running + load.num_waiting == 0)
+
     # reading
 
     def get(self, instance_id: str) -> InstanceState | None:
@@ -227,3 +284,9 @@ class FleetState:
 
     def counts(self) -> ReadyCounts:
         return ready_counts(self._states.values())
+
+    def placement(self) -> dict[tuple[str, str], int]:
+        return placement(self._states.values())
+
+    def probe_rtt_ms(self) -> dict[str, float]:
+        return site_probe_rtt_ms(self._states.values())

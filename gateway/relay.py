@@ -481,12 +481,15 @@ class Relay:
         self.clock = clock
         self.retry_after_s = retry_after_s
         self.session: aiohttp.ClientSession | None = None  # set by the app's lifespan
+        # Others that learn from traffic (FleetMind's placement loop): `arrived(profile)` for
+        # every parsed request, before admission; `observe(outcome)` like the policies.
+        self.listeners: list[Any] = []
 
     def observe(self, outcome: RequestOutcome) -> None:
         """Feed every policy that learns; a policy bug must not fail the request."""
         if self.admission is not None:
             self.admission.attempt_ended(outcome)  # the policy hears the final one, at release
-        for policy in (self.router, self.site_chooser):
+        for policy in (self.router, self.site_chooser, *self.listeners):
             observe = getattr(policy, "observe", None)
             if observe is None:
                 continue
@@ -517,6 +520,11 @@ class Relay:
 
     async def handle(self, request: Request, parsed: ParsedRequest, path: str) -> Response:
         rid = parsed.profile.request_id
+        for listener in self.listeners:
+            try:
+                listener.arrived(parsed.profile)
+            except Exception:
+                log.exception("%s.arrived failed", type(listener).__name__)
         try:
             async with DisconnectWatch(request.receive) as watch:
                 if self.admission is None:

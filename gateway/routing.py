@@ -41,6 +41,15 @@ def register_instances(router: InstanceRouter, instances: Iterable[Instance]) ->
         register(inst.instance_id, instance_prior(inst))
 
 
+def forget_instances(router: InstanceRouter, instance_ids: Iterable[str]) -> None:
+    """Instances gone from the fleet: the router drops what it indexed for them."""
+    forget = getattr(router, "forget_instance", None)
+    if forget is None:
+        return
+    for iid in instance_ids:
+        forget(iid)
+
+
 def build_router(name: str, instances: Iterable[Instance], seed: int = 0) -> InstanceRouter:
     router = make_router(name, seed=seed)
     register_instances(router, instances)

@@ -37,13 +37,19 @@ async def gateway() -> AsyncIterator[str]:
         await stop_all(adapters)
 
 
-async def served_site(c: httpx.AsyncClient, url: str, key: dict[str, str], region: str | None = None) -> str:
+async def served(c: httpx.AsyncClient, url: str, key: dict[str, str], region: str | None = None) -> tuple[str, float]:
+    """(site that served a small request, seconds it took)."""
     headers = dict(key)
     if region:
         headers["x-tokenfleet-region"] = region
+    t0 = time.monotonic()
     r = await c.post(f"{url}/v1/completions", headers=headers, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200, r.text
-    return r.headers["x-tokenfleet-site"]
+    return r.headers["x-tokenfleet-site"], time.monotonic() - t0
+
+
+async def served_site(c: httpx.AsyncClient, url: str, key: dict[str, str], region: str | None = None) -> str:
+    return (await served(c, url, key, region))[0]
 
 
 async def test_auth(gateway: str) -> None:
@@ -87,7 +93,9 @@ async def test_policy_change_reroutes_within_a_second_and_is_audited(gateway: st
                         json={"allowed_jurisdictions": ["eu"], "description": "moved to the EU"})
         assert r.status_code == 201, r.text
         assert r.json()["version"] == version + 1
-        assert await served_site(c, gateway, ACME) == "euw1"
+        site, took = await served(c, gateway, ACME)
+        assert site == "euw1"
+        assert took >= 0.075  # the EU site's emulated round trip
         assert time.monotonic() - t0 < 1.0
         # a stale writer is refused
         r = await c.put(f"{gateway}/admin/v1/region-policies/acme/*", headers={**ADMIN, "If-Match": str(version)},
@@ -104,6 +112,19 @@ async def test_policy_change_reroutes_within_a_second_and_is_audited(gateway: st
         assert [(e["action"], e["tenant"]) for e in audit[:2]] == [("delete", "acme"), ("create", "acme")]
         assert audit[1]["after"]["allowed_jurisdictions"] == ["eu"] and audit[0]["after"] is None
         assert audit[0]["actor"].startswith("admin:") and "sk-admin" not in str(audit)
+
+
+async def test_fleet_view_shows_probed_rtts(gateway: str) -> None:
+    """The gateway measures the round trip to each site from its health probes (the emulated WAN)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.get(f"{gateway}/admin/v1/fleet", headers=ACME)
+        assert r.status_code == 403
+        sites = {s["site"]: s for s in (await c.get(f"{gateway}/admin/v1/fleet", headers=ADMIN)).json()["sites"]}
+    assert sites["euw1"]["rtt_ms"]["us-east"] == 75 and sites["euw1"]["jurisdiction"] == "eu"
+    assert sites["euw1"]["probe_rtt_ms"] >= 75 and sites["usw2"]["probe_rtt_ms"] >= 62
+    assert sites["use1"]["probe_rtt_ms"] < 62
+    pool = sites["use1"]["pools"][0]
+    assert (pool["model"], pool["version"], pool["ready"], pool["starting"], pool["draining"]) == (MODEL, "v1", 1, 0, 0)
 
 
 async def test_residency_holds_under_region_hints(gateway: str) -> None:

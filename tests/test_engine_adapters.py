@@ -239,6 +239,35 @@ async def test_launch_timeout_names_the_instance_and_stops_it(tmp_path):
     assert await gone(record["pid"], record["helper_pid"])
 
 
+async def test_launched_deployment_adds_and_removes_engines(tmp_path):
+    """FleetMind's planner scales a launch-mode deployment: a new engine is returned before it is
+    ready (the gateway's poller admits it later); a removed one is stopped with its helpers."""
+    make_tokenizer_dir(tmp_path / "model")
+    (a,) = build_adapters(fleet(options=fake_options(tmp_path), instances=1))
+    assert a.scalable
+    try:
+        (first,) = await a.launch()
+        added = await a.add_instance()
+        assert added.instance_id == "s1/tiny/1" and added.url != first.url
+        for _ in range(100):
+            if await a.health(added):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the added engine never became healthy")
+        proc = a.process(first)
+        assert proc is not None
+        await a.remove_instance(first)
+        assert proc.returncode is not None and [i.instance_id for i in a.instances] == ["s1/tiny/1"]
+        assert (await a.add_instance()).instance_id == "s1/tiny/2"  # ids are never reused
+    finally:
+        await a.stop()
+    attached = build_adapters(fleet(options={"urls": ["http://127.0.0.1:9"]}, instances=1))[0]
+    assert not attached.scalable
+    with pytest.raises(AdapterError, match="cannot be scaled"):
+        await attached.add_instance()
+
+
 async def test_missing_engine_package_is_reported(tmp_path):
     opts = fake_options(tmp_path, env={"PYTHONPATH": str(tmp_path / "empty")})
     (a,) = build_adapters(fleet(options=opts, instances=1))

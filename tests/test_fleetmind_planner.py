@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from fleetmind.planner import Move, Planner, PlannerConfig
+from pathlib import Path
+
+import pytest
+
+from fleetcore.fleet_config import FleetConfigError, load_fleet_file, parse_fleet
+from fleetmind.demand import DemandModel
+from fleetmind.planner import Move, Planner, PlannerConfig, planner_for
 
 CFG = PlannerConfig(window_s=10, lead_s=10, target_utilisation=0.5, cooldown_s=30, watch_s=20,
                     rollback_drop=0.15)
@@ -83,3 +89,30 @@ def test_respects_gpu_budget() -> None:
     p = Planner({"m": 1.0}, gpu_budget={"a": 4}, gpus_per_replica={"m": 2}, config=CFG)
     feed(p, 0, 60, {"a": 3.9})
     assert p.plan({("a", "m"): 2}, 60) is None  # wants more, but the site's 4 GPUs are in use
+
+
+def test_planner_for_a_fleet_file_takes_its_tuning_and_gpu_budgets() -> None:
+    fleet = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
+    p = planner_for(fleet, window_s=99.0, cooldown_s=7.0)
+    assert p.config.window_s == 2 and p.config.cooldown_s == 1  # the file wins over the defaults given
+    assert p.config.block_s == PlannerConfig().block_s  # what neither sets keeps the planner's default
+    assert p.gpu_budget == {} and p.gpus_per_replica == {"llama-3.1-8b": 1}
+    data = fleet.model_dump(exclude_none=True)
+    data["sites"][0]["gpus"] = 4
+    data["deployments"][0]["tp"] = 2
+    p = planner_for(parse_fleet(data, "f.yaml"))
+    assert p.gpu_budget == {"a": 4} and p.gpus_per_replica == {"llama-3.1-8b": 2}
+    data["planner"]["rollback_drop"] = 1.5
+    with pytest.raises(FleetConfigError, match="planner.rollback_drop"):
+        parse_fleet(data, "f.yaml")
+
+
+def test_demand_is_engine_work_booked_to_the_nearest_serving_site() -> None:
+    d = DemandModel(load_fleet_file(Path(__file__).with_name("fleet_3sites.yaml")))
+    assert d.home("us-east", "llama-3.1-8b") == "use1" and d.home("eu-west", "llama-3.1-8b") == "euw1"
+    assert d.home(None, "llama-3.1-8b") == "use1"  # the fleet's entry region
+    short, long_prompt, long_output = (d.work_s("llama-3.1-8b", 100, 10), d.work_s("llama-3.1-8b", 8000, 10),
+                                       d.work_s("llama-3.1-8b", 100, 1000))
+    assert 0 < short < long_prompt and short < long_output
+    # 8k tokens of prefill on one H100 take a good part of a second, not microseconds nor minutes
+    assert 0.2 < long_prompt < 3.0

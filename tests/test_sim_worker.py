@@ -412,3 +412,52 @@ async def test_in_process_worker_exposes_itself(http: aiohttp.ClientSession) -> 
     finally:
         await runner.cleanup()
     assert not w.driver.alive
+
+
+async def test_startup_delay_and_emulated_network_rtt() -> None:
+    """A worker that is still loading answers 503 (health and generation); an emulated RTT
+    delays every answer by one round trip."""
+    runner, url = await start_worker(served_model_name=MODEL, time_scale=SCALE, startup_s=0.6,
+                                     network_rtt_ms=80)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    try:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            async with s.get(f"{url}/health") as r:
+                assert r.status == 503 and "loading" in await r.text()
+            assert time.monotonic() - t0 >= 0.08
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["type"] == "ServiceUnavailableError"
+            await asyncio.sleep(0.6)
+            async with s.get(f"{url}/health") as r:
+                assert r.status == 200
+            t0 = time.monotonic()
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200
+            assert time.monotonic() - t0 >= 0.08
+    finally:
+        await runner.cleanup()
+
+
+async def test_sim_adapter_adds_a_loading_instance_and_removes_one() -> None:
+    from engine_adapters.sim.launcher import SimAdapter
+
+    adapter = SimAdapter(id_prefix="s/m", site="s", model=MODEL, version="v1", instances=1, spec="llama-3.1-8b",
+                         gpu="H100", options={"time_scale": SCALE, "startup_s": 0.5})
+    assert adapter.scalable
+    try:
+        (first,) = await adapter.launch()
+        assert await adapter.health(first)  # the fleet's own instances are up when launch returns
+        added = await adapter.add_instance()
+        assert added.instance_id == "s/m/1" and [i.instance_id for i in adapter.instances] == ["s/m/0", "s/m/1"]
+        assert not await adapter.health(added)  # still loading
+        await asyncio.sleep(0.6)
+        assert await adapter.health(added)
+        proc = adapter.process(first)
+        assert proc is not None
+        await adapter.remove_instance(first)
+        assert proc.returncode is not None
+        assert [i.instance_id for i in adapter.instances] == ["s/m/1"]
+    finally:
+        await adapter.stop()

@@ -171,6 +171,10 @@ class TokenPilot:
         s.budget[k] = prior.max_batched_tokens
         self.index.set_capacity(instance_id, prior.capacity_blocks)
 
+    def forget_instance(self, instance_id: str) -> None:
+        """The instance left the fleet: its cache entries go (its learned speed stays, should it return)."""
+        self.index.forget(instance_id)
+
     def _slot(self, instance_id: str) -> int:
         k = self._s.slot(instance_id)
         if k is None:

@@ -1,4 +1,11 @@
-"""The sim adapter: runs bundled simulated workers as local processes, one per instance."""
+"""The sim adapter: runs bundled simulated workers as local processes, one per instance.
+
+Options (the deployment's `options:` in the fleet file): `time_scale`,
+`num_gpu_blocks_override`, `startup_s` (how long an instance added at run time — by
+FleetMind's planner — loads before it is ready; the fleet's first instances are ready when
+`launch` returns) and `network_rtt_ms` (an emulated network to the site: every request
+is served one round trip late).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from engine_adapters.process import drain, exit_code_soon, spawn, terminate
 
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+SIM_OPTIONS = ("time_scale", "num_gpu_blocks_override", "startup_s", "network_rtt_ms")
 
 
 class SimAdapter(HttpEngineAdapter):
@@ -40,12 +48,19 @@ class SimAdapter(HttpEngineAdapter):
         ]
         if "num_gpu_blocks_override" in opts:
             self._args += ["--num-gpu-blocks-override", str(int(opts.pop("num_gpu_blocks_override")))]
+        rtt = float(opts.pop("network_rtt_ms", 0.0))
+        self.startup_s = float(opts.pop("startup_s", 0.0))
+        if rtt < 0 or self.startup_s < 0:
+            raise AdapterError(f"{id_prefix}: network_rtt_ms and startup_s must be >= 0")
+        if rtt:
+            self._args += ["--network-rtt-ms", str(rtt)]
         if opts:
             raise AdapterError(f"{id_prefix}: unknown sim option(s) {sorted(opts)} "
-                               "(known: time_scale, num_gpu_blocks_override)")
+                               f"(known: {', '.join(SIM_OPTIONS)})")
         self._gpu_util = gpu_memory_utilization
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._instances: list[Instance] = []
+        self._next_index = instances
 
     @property
     def instances(self) -> list[Instance]:
@@ -65,8 +80,31 @@ class SimAdapter(HttpEngineAdapter):
         self._instances = [r for r in results if isinstance(r, Instance)]
         return self.instances
 
-    async def _launch_one(self, instance_id: str) -> Instance:
-        proc = await spawn([sys.executable, "-m", "engine_adapters.sim.worker", *self._args,
+    @property
+    def scalable(self) -> bool:
+        return True
+
+    async def add_instance(self) -> Instance:
+        iid = f"{self.id_prefix}/{self._next_index}"
+        self._next_index += 1
+        try:
+            inst = await self._launch_one(iid, ["--startup-s", str(self.startup_s)])
+        except BaseException:
+            proc = self._procs.pop(iid, None)
+            if proc is not None:
+                await terminate([proc], STOP_GRACE_S)
+            raise
+        self._instances.append(inst)
+        return inst
+
+    async def remove_instance(self, instance: Instance) -> None:
+        self._instances = [i for i in self._instances if i.instance_id != instance.instance_id]
+        proc = self._procs.pop(instance.instance_id, None)
+        if proc is not None:
+            await terminate([proc], STOP_GRACE_S)
+
+    async def _launch_one(self, instance_id: str, extra: list[str] | None = None) -> Instance:
+        proc = await spawn([sys.executable, "-m", "engine_adapters.sim.worker", *self._args, *(extra or []),
                             "--host", self.host, "--port", "0", "--instance-id", instance_id])
         self._procs[instance_id] = proc
         assert proc.stdout is not None

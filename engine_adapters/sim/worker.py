@@ -78,6 +78,12 @@ class WorkerConfig:
     # (and the request's own `seed`), so every instance answers a prompt identically and
     # a retry on another instance writes the same words.
     seed: int = 0
+    # Wall seconds after start during which the worker is "loading weights": it listens, but
+    # health and generation answer 503, as a real engine that is still starting is not ready.
+    startup_s: float = 0.0
+    # An emulated network between gateway and worker: every request is served one round trip
+    # late, so a local fleet can stand for sites far apart (TTFT grows by the RTT).
+    network_rtt_ms: float = 0.0
 
 
 class Wire(Protocol):
@@ -117,6 +123,17 @@ def _api(handler: Handler) -> Handler:
     return wrapped
 
 
+def _network_delay(rtt_s: float) -> Any:
+    """Serve every request one emulated round trip late (see WorkerConfig.network_rtt_ms)."""
+
+    @web.middleware
+    async def delay(request: web.Request, handler: Handler) -> web.StreamResponse:
+        await asyncio.sleep(rtt_s)
+        return await handler(request)
+
+    return delay
+
+
 class SimWorker:
     """One simulated engine instance and its HTTP face."""
 
@@ -134,11 +151,17 @@ class SimWorker:
         self.metrics = SimMetrics(config.served_model_name, config.block_size, self.num_gpu_blocks)
         self.driver = EngineDriver(self.engine, config.time_scale, observer=self.metrics)
         self.started = time.time()
+        self.loaded_at = time.monotonic() + max(0.0, config.startup_s)
+
+    @property
+    def loading(self) -> bool:
+        return time.monotonic() < self.loaded_at
 
     # -- app --------------------------------------------------------------------
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        middlewares = [_network_delay(self.config.network_rtt_ms / 1000)] if self.config.network_rtt_ms > 0 else []
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         app[WORKER_KEY] = self
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
@@ -201,6 +224,8 @@ class SimWorker:
         return rid or None
 
     def _submit(self, req: GenRequest) -> RequestStream:
+        if self.loading:
+            raise ApiError(503, "The engine is still loading its model.", "ServiceUnavailableError")
         hashes = block_hashes(req.prompt_ids, self.config.block_size)
         try:
             return self.driver.submit(req.request_id, len(req.prompt_ids), hashes, req.plan.output_len,
@@ -313,6 +338,8 @@ class SimWorker:
     # -- probes -------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.loading:
+            return web.Response(status=503, text="loading model")
         if self.driver.alive:
             return web.Response(status=200)
         return web.Response(status=503, text="engine driver not running")
@@ -493,6 +520,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--instance-id", default=None)
+    p.add_argument("--startup-s", type=float, default=0.0,
+                   help="seconds of 'loading weights' (503 on health and generation) after start")
+    p.add_argument("--network-rtt-ms", type=float, default=0.0,
+                   help="emulated round trip added to every request (a far-away site)")
     p.add_argument("--seed", type=int, default=0, help="reserved; output text does not depend on it")
     p.add_argument("--log-level", default="warning")
     return p
@@ -505,7 +536,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, time_scale=args.time_scale,
-        instance_id=args.instance_id, seed=args.seed)
+        instance_id=args.instance_id, seed=args.seed, startup_s=args.startup_s,
+        network_rtt_ms=args.network_rtt_ms)
 
 
 async def _serve_forever(config: WorkerConfig, host: str, port: int, access_log: bool) -> None:

@@ -1,0 +1,65 @@
+"""What a request asks of the fleet, in the planner's units, and which site it counts for.
+
+The placement planner (`fleetmind.planner`) plans replicas from demand measured as
+engine work: seconds of one replica's time per second. A request's work is its prefill
+plus its share of the decode steps it rides in, timed by the same roofline the simulated
+engine and TokenPilot's priors use (model x GPU x TP of the deployment). It is booked to
+the request's *home* site, the nearest site serving its model from where the client
+entered, because that is where capacity was wanted (a spilled request still says its home
+was short). The simulator's planner loop and the live gateway's both book demand here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine_adapters.sim import hardware
+from engine_adapters.sim.physics import StepTimer
+from fleetcore.fleet_config import FleetConfig
+from fleetmind.site_choice import rtt_ms
+
+log = logging.getLogger("tokenfleet.fleetmind")
+
+# Decode work is shared by a batch; this is its typical size on a busy replica.
+DECODE_BATCH = 32
+# Hardware the roofline falls back to when a deployment's model or GPU is not in its tables.
+_FALLBACK = ("llama-3.1-8b", "H100", 1)
+
+
+class DemandModel:
+    def __init__(self, fleet: FleetConfig, decode_batch: int = DECODE_BATCH) -> None:
+        self.fleet = fleet
+        self.decode_batch = decode_batch
+        self._home: dict[tuple[str | None, str], str] = {}
+        self._timers: dict[str, StepTimer] = {}
+
+    def home(self, client_region: str | None, model: str) -> str:
+        """The nearest site that serves `model` (any site when none does) from `client_region`."""
+        key = (client_region, model)
+        if key not in self._home:
+            region = client_region or self.fleet.entry_region
+            serving = {d.site for d in self.fleet.deployments if d.model == model}
+            sites = [s for s in self.fleet.sites if s.name in serving] or list(self.fleet.sites)
+            self._home[key] = min(sites, key=lambda s: (rtt_ms(s, region), s.name)).name
+        return self._home[key]
+
+    def work_s(self, model: str, prompt_tokens: int, output_tokens: int) -> float:
+        """Replica seconds a request needs: its prefill plus its share of decode steps."""
+        t = self._timer(model)
+        prefill = t.step_time([(prompt_tokens, 0)], [])
+        decode = t.step_time([], [prompt_tokens] * self.decode_batch) / self.decode_batch
+        return prefill + output_tokens * decode
+
+    def _timer(self, model: str) -> StepTimer:
+        t = self._timers.get(model)
+        if t is None:
+            d = next((d for d in self.fleet.deployments if d.model == model), None)
+            spec = next((m.engine.spec for m in self.fleet.models if m.name == model), _FALLBACK[0])
+            gpu, tp = (d.gpu, d.tp) if d is not None else _FALLBACK[1:]
+            try:
+                t = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp)
+            except ValueError as e:
+                log.warning("demand of %s timed on %s/%s (%s)", model, _FALLBACK[0], _FALLBACK[1], e)
+                t = StepTimer(hardware.model(_FALLBACK[0]), hardware.gpu(_FALLBACK[1]), tp=_FALLBACK[2])
+            self._timers[model] = t
+        return t
