@@ -147,6 +147,7 @@ class PlannerSettings(_Strict):
     min_replicas: int | None = Field(default=None, ge=0)
     max_batch: int | None = Field(default=None, ge=1)
     demand_tolerance: float | None = Field(default=None, gt=0)
+    min_speed_ratio: float | None = Field(default=None, ge=0)
 
     def tuning(self) -> dict[str, float | int]:
         """The planner tuning fields the file sets (for `PlannerConfig(**...)`)."""

@@ -3,7 +3,8 @@
 The placement planner (`fleetmind.planner`) plans replicas from demand measured as
 engine work: seconds of one replica's time per second. A request's work is its prefill
 plus its share of the decode steps it rides in, timed by the same roofline the simulated
-engine and TokenPilot's priors use (model x GPU x TP of the deployment). It is booked to
+engine and TokenPilot's priors use (model x GPU x TP of the model's first deployment:
+the reference hardware; `replica_speed` says how a site's own hardware compares). It is booked to
 the request's *home* site, the nearest site serving its model from where the client
 entered, because that is where capacity was wanted (a spilled request still says its home
 was short). The simulator's planner loop and the live gateway's both book demand here.
@@ -22,6 +23,8 @@ log = logging.getLogger("tokenfleet.fleetmind")
 
 # Decode work is shared by a batch; this is its typical size on a busy replica.
 DECODE_BATCH = 32
+# The request replica speeds are compared on.
+TYPICAL_PROMPT, TYPICAL_OUTPUT = 2048, 256
 # Hardware the roofline falls back to when a deployment's model or GPU is not in its tables.
 _FALLBACK = ("llama-3.1-8b", "H100", 1)
 
@@ -31,7 +34,7 @@ class DemandModel:
         self.fleet = fleet
         self.decode_batch = decode_batch
         self._home: dict[tuple[str | None, str], str] = {}
-        self._timers: dict[str, StepTimer] = {}
+        self._timers: dict[tuple[str, str, int], StepTimer] = {}
 
     def home(self, client_region: str | None, model: str) -> str:
         """The nearest site that serves `model` (any site when none does) from `client_region`."""
@@ -50,16 +53,34 @@ class DemandModel:
         decode = t.step_time([], [prompt_tokens] * self.decode_batch) / self.decode_batch
         return prefill + output_tokens * decode
 
-    def _timer(self, model: str) -> StepTimer:
-        t = self._timers.get(model)
+    def replica_speed(self, site: str, model: str) -> float:
+        """How much reference work one replica of `model` at `site` does per second (1.0 on the
+        reference hardware, less on slower GPUs): a typical request's time there vs. here."""
+        here = self._timer(model, site)
+        ref = self._timer(model)
+        if here is ref:
+            return 1.0
+        p, o, b = TYPICAL_PROMPT, TYPICAL_OUTPUT, self.decode_batch
+
+        def cost(t: StepTimer) -> float:
+            return t.step_time([(p, 0)], []) + o * t.step_time([], [p] * b) / b
+
+        return cost(ref) / cost(here)
+
+    def _timer(self, model: str, site: str | None = None) -> StepTimer:
+        """The roofline of `model` on the hardware of its first deployment (at `site`, when given
+        and deployed there; else anywhere: the reference hardware)."""
+        deps = [d for d in self.fleet.deployments if d.model == model]
+        d = next((d for d in deps if d.site == site), None) if site is not None else None
+        d = d or (deps[0] if deps else None)
+        key = (model, d.gpu, d.tp) if d is not None else (model, *_FALLBACK[1:])
+        t = self._timers.get(key)
         if t is None:
-            d = next((d for d in self.fleet.deployments if d.model == model), None)
             spec = next((m.engine.spec for m in self.fleet.models if m.name == model), _FALLBACK[0])
-            gpu, tp = (d.gpu, d.tp) if d is not None else _FALLBACK[1:]
             try:
-                t = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp)
+                t = StepTimer(hardware.model(spec), hardware.gpu(key[1]), tp=key[2])
             except ValueError as e:
                 log.warning("demand of %s timed on %s/%s (%s)", model, _FALLBACK[0], _FALLBACK[1], e)
                 t = StepTimer(hardware.model(_FALLBACK[0]), hardware.gpu(_FALLBACK[1]), tp=_FALLBACK[2])
-            self._timers[model] = t
+            self._timers[key] = t
         return t

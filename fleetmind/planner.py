@@ -3,16 +3,21 @@
 Pure: the composition root feeds it demand and goodput observations and applies the
 plans it returns through the engine adapters (the simulator through its engines).
 
-Demand is measured as engine work: seconds of instance time per second that requests
-whose *home* is a site need (spilled requests count for their home, which is where
-capacity was missing). Each cycle:
+Demand is measured as engine work: seconds of instance time (on the model's reference
+hardware, `fleetmind.demand`) per second. It is booked twice: to the request's *home*
+site (spilled requests count for their home, which is where capacity was missing) and
+to the site that *served* it (a site busy with spilled-in work is not idle, even if no
+request calls it home). Each cycle:
 
-1. Per (site, model): replicas wanted = ceil(demand rate / target utilisation), where
-   the demand rate is an EWMA over `window_s` extrapolated `lead_s` ahead along its
-   trend (pre-warming: a replica takes `startup_s` to come up, so it is asked for
-   before the peak, not at it).
+1. Per (site, model): replicas wanted = ceil(max(home demand, served load) / (target
+   utilisation x the speed of that site's replicas)), where each rate is an EWMA over
+   `window_s` extrapolated `lead_s` ahead along its trend (pre-warming: a replica takes
+   `startup_s` to come up, so it is asked for before the peak, not at it). Speed is
+   relative to the reference hardware: a site of slower GPUs needs more replicas for
+   the same work, and a replica moved there supplies less.
 2. Moves pair the largest deficit with the largest surplus of the same model
-   (replicas leave a site that does not need them and start where demand is),
+   (replicas leave a site that does not need them and start where demand is, unless
+   they would run slower there than `min_speed_ratio` of their speed at the source),
    within each site's GPU budget and per-site minimums; at most one move (of up to
    `max_batch` replicas) per cycle and a `cooldown_s` between changes, so each change
    can be judged on its own.
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fleetcore.fleet_config import FleetConfig
+from fleetmind.demand import DemandModel
 
 Key = tuple[str, str]  # (site, model)
 
@@ -65,6 +71,9 @@ class PlannerConfig:
     min_replicas: int = 1  # a site keeps at least this many replicas of a model it serves
     max_batch: int = 4  # replicas one move may carry
     demand_tolerance: float = 0.25  # demand moving more than this during a watch: inconclusive
+    # A replica is not moved to a site where it would run slower than this fraction of its
+    # speed where it is: the capacity it takes away is worth more than what it adds.
+    min_speed_ratio: float = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +124,16 @@ class _Watch:
 class Planner:
     def __init__(self, replica_capacity: Mapping[str, float] | None = None,
                  gpu_budget: Mapping[str, int] | None = None, gpus_per_replica: Mapping[str, int] | None = None,
-                 config: PlannerConfig | None = None) -> None:
+                 config: PlannerConfig | None = None, replica_speed: Mapping[Key, float] | None = None) -> None:
         # work-seconds per second one replica of a model supplies (1.0 = fully busy)
         self.replica_capacity = dict(replica_capacity or {})
+        # (site, model) -> speed of that site's replicas relative to the reference hardware
+        self.replica_speed = dict(replica_speed or {})
         self.gpu_budget = dict(gpu_budget or {})  # site -> GPUs available for replicas
         self.gpus_per_replica = dict(gpus_per_replica or {})  # model -> GPUs (TP)
         self.config = config or PlannerConfig()
         self._demand: dict[Key, _Rate] = {}
+        self._served: dict[Key, _Rate] = {}
         self._goodput: list[tuple[float, float]] = []
         self._last_change = -math.inf
         self._watch: _Watch | None = None
@@ -130,7 +142,12 @@ class Planner:
 
     # -- observations ---------------------------------------------------------------
     def record_demand(self, site: str, model: str, work_s: float) -> None:
+        """Work of a request whose home is `site`."""
         self._demand.setdefault((site, model), _Rate()).add(work_s)
+
+    def record_served(self, site: str, model: str, work_s: float) -> None:
+        """Work of a request that ran at `site` (its home or not)."""
+        self._served.setdefault((site, model), _Rate()).add(work_s)
 
     def record_goodput(self, goodput_tok_s: float, now: float) -> None:
         self._goodput.append((now, goodput_tok_s))
@@ -143,11 +160,13 @@ class Planner:
     # -- the cycle ------------------------------------------------------------------
     def wanted(self, now: float) -> dict[Key, int]:
         cfg = self.config
-        out = {}
-        for key, rate in self._demand.items():
+        for rate in (*self._demand.values(), *self._served.values()):
             rate.roll(now, cfg.window_s)
-            cap = self.replica_capacity.get(key[1], 1.0) * cfg.target_utilisation
-            out[key] = math.ceil(rate.ahead(cfg.lead_s) / cap - 1e-9) if cap > 0 else 0
+        out = {}
+        for key in self._demand.keys() | self._served.keys():
+            need = max(r.ahead(cfg.lead_s) for r in (self._demand.get(key), self._served.get(key)) if r is not None)
+            cap = self.replica_capacity.get(key[1], 1.0) * self.replica_speed.get(key, 1.0) * cfg.target_utilisation
+            out[key] = math.ceil(need / cap - 1e-9) if cap > 0 else 0
         return out
 
     def plan(self, placement: Mapping[Key, int], now: float) -> Move | None:
@@ -163,7 +182,9 @@ class Planner:
             short = max(keys, key=lambda k: (gap[k], k), default=None)
             if short is None or gap[short] <= 0:
                 continue
-            spare = [k for k in keys if gap[k] < 0 and placement.get(k, 0) > self.config.min_replicas]
+            speed = self.replica_speed.get(short, 1.0)
+            spare = [k for k in keys if gap[k] < 0 and placement.get(k, 0) > self.config.min_replicas
+                     and speed >= self.config.min_speed_ratio * self.replica_speed.get(k, 1.0) - 1e-12]
             if spare:
                 src = min(spare, key=lambda k: (gap[k], k))
                 n = min(gap[short], -gap[src], placement.get(src, 0) - self.config.min_replicas,
@@ -233,13 +254,15 @@ class Planner:
         return self.gpu_budget.get(site, 0) - used
 
 
-def planner_for(fleet: FleetConfig, **defaults: float | int) -> Planner:
+def planner_for(fleet: FleetConfig, demand: DemandModel, **defaults: float | int) -> Planner:
     """The planner a fleet file describes: its `planner:` tuning over `defaults`, each site's
     GPU budget from its `gpus` (a site without one gets no replicas beyond those moved into
-    it), and GPUs per replica from the model's deployments (their TP degree)."""
+    it), GPUs per replica from the model's deployments (their TP degree), and each site's
+    replica speed from its hardware (`demand.replica_speed`)."""
     gpus_per_replica: dict[str, int] = {}
     for d in fleet.deployments:
         gpus_per_replica.setdefault(d.model, d.tp)
+    speed = {(d.site, d.model): demand.replica_speed(d.site, d.model) for d in fleet.deployments}
     return Planner(gpu_budget={s.name: s.gpus for s in fleet.sites if s.gpus is not None},
-                   gpus_per_replica=gpus_per_replica,
+                   gpus_per_replica=gpus_per_replica, replica_speed=speed,
                    config=PlannerConfig(**{**defaults, **fleet.planner.tuning()}))  # type: ignore[arg-type]

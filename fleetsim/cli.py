@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
+from fleetmind.demand import DemandModel
 from fleetmind.planner import planner_for
 from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
@@ -90,8 +91,9 @@ def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, An
     retune it)."""
     if name != "fleetmind+planner":
         return []
-    planner = planner_for(fleet, window_s=60, lead_s=60, cooldown_s=60, watch_s=120, rollback_drop=0.3)
-    loop = PlannerLoop(planner, fleet, cycle_s=fleet.planner.cycle_s, startup_s=60.0)
+    demand = DemandModel(fleet)
+    planner = planner_for(fleet, demand, window_s=60, lead_s=60, cooldown_s=60, watch_s=120, rollback_drop=0.3)
+    loop = PlannerLoop(planner, demand, cycle_s=fleet.planner.cycle_s, startup_s=60.0)
     return [(loop.cycle_s, loop)]
 
 

@@ -2,7 +2,8 @@
 
 Every `cycle_s` the loop tells the planner what demand arrived since the last cycle
 (engine work, attributed to each request's *home* site: the nearest site serving its
-model, i.e. where capacity was wanted) and the goodput of the last window, then
+model, i.e. where capacity was wanted; and to the site that served it) and the goodput
+of the last window, then
 carries out what the planner decides: a move drains one replica at the source
 (it finishes its requests) and starts one at the destination, ready `startup_s`
 later; a rollback does the inverse.
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from fleetcore.fleet_config import FleetConfig
 from fleetcore.slo import DEFAULT_SLOS, ClassSLO
 from fleetmind.demand import DemandModel
 from fleetmind.planner import Move, Planner
@@ -24,23 +25,25 @@ from .simulator import FleetSimulator
 @dataclass
 class PlannerLoop:
     planner: Planner
-    fleet: FleetConfig
+    demand: DemandModel
     cycle_s: float = 30.0
     startup_s: float = 60.0
     window_s: float = 60.0
     slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     _seen: int = 0
-    demand: DemandModel = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.demand = DemandModel(self.fleet)
+    _unrouted: list[Any] = field(default_factory=list)  # arrived, not yet sent to a site (queued)
 
     def __call__(self, sim: FleetSimulator, now: float) -> None:
         reqs = sim.requests
         for r in reqs[self._seen:]:
             inp = r.inp
-            self.planner.record_demand(self.demand.home(inp.region, inp.model), inp.model,
-                                       self.demand.work_s(inp.model, inp.prompt_tokens, inp.output_tokens))
+            self.planner.record_demand(self.demand.home(inp.region, inp.model), inp.model, self._work_s(r))
+        fresh, self._unrouted = self._unrouted + reqs[self._seen:], []
+        for r in fresh:
+            if r.site is not None:
+                self.planner.record_served(r.site, r.inp.model, self._work_s(r))
+            elif r.status in ("new", "queued"):
+                self._unrouted.append(r)
         self._seen = len(reqs)
         self.planner.record_goodput(self._good_fraction(sim, now), now)
         undo = self.planner.check(now)
@@ -59,6 +62,9 @@ class PlannerLoop:
                 sim.add_instance(move.to_site, move.model, now, self.startup_s)
             done += 1
         return done > 0
+
+    def _work_s(self, r: Any) -> float:
+        return self.demand.work_s(r.inp.model, r.inp.prompt_tokens, r.inp.output_tokens)
 
     def _good_fraction(self, sim: FleetSimulator, now: float) -> float:
         """Goodput normalised by demand: of the output tokens of requests that ended in the last

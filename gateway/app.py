@@ -166,8 +166,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     placement = None
     if config.planner.enabled if planner is None else planner:
         p = config.planner
-        placement = PlacementLoop(planner_for(config), DemandModel(config), state, relay.router, admission.ledger,
-                                  clock, cycle_s=p.cycle_s, drain_timeout_s=p.drain_timeout_s,
+        demand = DemandModel(config)
+        placement = PlacementLoop(planner_for(config, demand), demand, state, relay.router, admission.ledger, clock, cycle_s=p.cycle_s, drain_timeout_s=p.drain_timeout_s,
                                   ready_timeout_s=p.ready_timeout_s)
         relay.listeners.append(placement)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),

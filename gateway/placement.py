@@ -4,6 +4,7 @@ Every `cycle_s` the loop gives the pure planner (`fleetmind.planner`) what it ne
 - demand: each request that arrived, as engine work booked to its home site
   (`fleetmind.demand`); output length is not known on arrival, so the model's mean
   observed output (capped by the request's max_tokens) stands in for it;
+- served load: each attempt that ended, as the work it did at the site that ran it;
 - goodput normalised by demand: of the requests that ended since the last cycle, the
   share that met its class SLO, from admission's goodput ledger (rejected, cancelled and
   failed requests count as misses, so refusing work cannot look like success);
@@ -87,12 +88,16 @@ class PlacementLoop:
                                    self.demand.work_s(profile.model, profile.prompt_tokens, round(out)))
 
     def observe(self, outcome: RequestOutcome) -> None:
+        """A request ended at a site: the work it did there is that site's served load."""
         st = self.state.get(outcome.instance_id)
-        if st is None or not outcome.ok:
+        if st is None:
             return
         model = st.instance.model
-        mean = self._mean_output.get(model, DEFAULT_OUTPUT_TOKENS)
-        self._mean_output[model] = mean + _OUTPUT_EWMA * (outcome.output_tokens - mean)
+        self.planner.record_served(outcome.site, model,
+                                   self.demand.work_s(model, outcome.prompt_tokens, outcome.output_tokens))
+        if outcome.ok:
+            mean = self._mean_output.get(model, DEFAULT_OUTPUT_TOKENS)
+            self._mean_output[model] = mean + _OUTPUT_EWMA * (outcome.output_tokens - mean)
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:

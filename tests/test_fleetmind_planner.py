@@ -93,14 +93,15 @@ def test_respects_gpu_budget() -> None:
 
 def test_planner_for_a_fleet_file_takes_its_tuning_and_gpu_budgets() -> None:
     fleet = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
-    p = planner_for(fleet, window_s=99.0, cooldown_s=7.0)
+    p = planner_for(fleet, DemandModel(fleet), window_s=99.0, cooldown_s=7.0)
     assert p.config.window_s == 2 and p.config.cooldown_s == 1  # the file wins over the defaults given
     assert p.config.block_s == PlannerConfig().block_s  # what neither sets keeps the planner's default
     assert p.gpu_budget == {} and p.gpus_per_replica == {"llama-3.1-8b": 1}
     data = fleet.model_dump(exclude_none=True)
     data["sites"][0]["gpus"] = 4
     data["deployments"][0]["tp"] = 2
-    p = planner_for(parse_fleet(data, "f.yaml"))
+    fleet = parse_fleet(data, "f.yaml")
+    p = planner_for(fleet, DemandModel(fleet))
     assert p.gpu_budget == {"a": 4} and p.gpus_per_replica == {"llama-3.1-8b": 2}
     data["planner"]["rollback_drop"] = 1.5
     with pytest.raises(FleetConfigError, match="planner.rollback_drop"):
@@ -116,3 +117,44 @@ def test_demand_is_engine_work_booked_to_the_nearest_serving_site() -> None:
     assert 0 < short < long_prompt and short < long_output
     # 8k tokens of prefill on one H100 take a good part of a second, not microseconds nor minutes
     assert 0.2 < long_prompt < 3.0
+
+
+def test_a_site_busy_with_spilled_in_work_is_not_spare() -> None:
+    """b's own clients are few, but b serves a's overflow: taking replicas from b would only
+    move the queue, so no move."""
+    p = Planner({"m": 1.0}, config=CFG)
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    t = 0.0
+    while t < 60:
+        p.record_demand("a", "m", 3.9)
+        p.record_served("a", "m", 2.0)  # a runs what fits ...
+        p.record_served("b", "m", 1.9)  # ... and spills the rest to b
+        p.record_goodput(100.0, t)
+        t += 1.0
+        p.wanted(t)
+    assert p.wanted(60)[("b", "m")] >= 4
+    assert p.plan(placement, 60) is None
+
+
+def test_replicas_do_not_move_to_much_slower_gpus() -> None:
+    def planner(min_speed_ratio: float) -> Planner:
+        cfg = PlannerConfig(window_s=10, lead_s=10, target_utilisation=0.5, cooldown_s=30, watch_s=20,
+                            min_speed_ratio=min_speed_ratio)
+        return Planner({"m": 1.0}, config=cfg, replica_speed={("a", "m"): 0.4, ("b", "m"): 1.0})
+
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    p = planner(0.8)
+    feed(p, 0, 60, {"a": 1.5, "b": 0.2})
+    assert p.wanted(60)[("a", "m")] == 8  # a's slow replicas: twice as many for the same work
+    assert p.plan(placement, 60) is None
+    p = planner(0.0)  # speed-blind
+    feed(p, 0, 60, {"a": 1.5, "b": 0.2})
+    assert p.plan(placement, 60) == Move("m", "b", "a", 3)
+
+
+def test_replica_speed_follows_each_sites_hardware() -> None:
+    fleet = load_fleet_file(Path(__file__).parents[1] / "deploy" / "local" / "fleet.yaml")
+    d = DemandModel(fleet)
+    assert d.replica_speed("us-east-1", "llama-3.1-8b") == 1.0  # the model's first deployment: reference
+    assert 0.3 < d.replica_speed("us-west-2", "llama-3.1-8b") < 0.7  # A100 vs H100
+    assert d.replica_speed("eu-west-1", "llama-3.1-8b") > 1.0  # H200

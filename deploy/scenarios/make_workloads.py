@@ -7,6 +7,7 @@ at us-east, split between tenants acme (US-only) and globex (anywhere) by sessio
 10% of them pinned to model version v2.
 demand-shift.jsonl: 20 minutes of the trace entering at us-east, then 20 at us-west.
 flash-crowd.jsonl: 30 minutes entering at us-east, plus a 2-minute burst at us-west.
+cheap-site.jsonl: 30 minutes entering at us-west (whose site has slower GPUs).
 All deterministic.
 """
 
@@ -49,6 +50,12 @@ def flash_crowd(traces: Path, rate_scale: float = 0.7) -> Workload:
                  Workload("burst", _at(burst, "us-west", 600), trace.block_tokens), name="flash-crowd")
 
 
+def cheap_site(traces: Path, rate_scale: float = 0.7) -> Workload:
+    trace = scale_rate(load_trace(traces / "conversation_trace.jsonl.gz"), rate_scale)
+    return Workload("cheap-site", _at(window(trace, 0, 1800), "us-west", 0), trace.block_tokens,
+                    {"phases": "0-1800 s us-west", "rate_scale": rate_scale})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
@@ -59,7 +66,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     traces = Path(args.traces)
     for name, wl in (("multisite", multisite(traces, args.requests)), ("demand-shift", demand_shift(traces)),
-                     ("flash-crowd", flash_crowd(traces))):
+                     ("flash-crowd", flash_crowd(traces)), ("cheap-site", cheap_site(traces))):
         path = out / f"{name}.jsonl"
         wl.to_jsonl(path)
         print(f"wrote {path} ({len(wl)} requests)")
