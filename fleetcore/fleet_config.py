@@ -145,6 +145,7 @@ class PlannerSettings(_Strict):
     rollback_drop: float | None = Field(default=None, gt=0, lt=1)
     block_s: float | None = Field(default=None, ge=0)
     min_replicas: int | None = Field(default=None, ge=0)
+    keep_fraction: float | None = Field(default=None, ge=0, le=1)
     max_batch: int | None = Field(default=None, ge=1)
     demand_tolerance: float | None = Field(default=None, gt=0)
     min_speed_ratio: float | None = Field(default=None, ge=0)

@@ -69,6 +69,9 @@ class PlannerConfig:
     rollback_drop: float = 0.15  # roll back when goodput falls this fraction below its baseline
     block_s: float = 600.0  # a rolled-back move is not proposed again for this long
     min_replicas: int = 1  # a site keeps at least this many replicas of a model it serves
+    # ... and at least this fraction of the replicas the fleet file gives it: a quiet site
+    # stripped bare has nothing to meet a burst with for minutes (see deploy/scenarios).
+    keep_fraction: float = 0.5
     max_batch: int = 4  # replicas one move may carry
     demand_tolerance: float = 0.25  # demand moving more than this during a watch: inconclusive
     # A replica is not moved to a site where it would run slower than this fraction of its
@@ -124,11 +127,13 @@ class _Watch:
 class Planner:
     def __init__(self, replica_capacity: Mapping[str, float] | None = None,
                  gpu_budget: Mapping[str, int] | None = None, gpus_per_replica: Mapping[str, int] | None = None,
-                 config: PlannerConfig | None = None, replica_speed: Mapping[Key, float] | None = None) -> None:
+                 config: PlannerConfig | None = None, replica_speed: Mapping[Key, float] | None = None,
+                 initial: Mapping[Key, int] | None = None) -> None:
         # work-seconds per second one replica of a model supplies (1.0 = fully busy)
         self.replica_capacity = dict(replica_capacity or {})
         # (site, model) -> speed of that site's replicas relative to the reference hardware
         self.replica_speed = dict(replica_speed or {})
+        self.initial = dict(initial or {})  # replicas per (site, model) as the fleet file places them
         self.gpu_budget = dict(gpu_budget or {})  # site -> GPUs available for replicas
         self.gpus_per_replica = dict(gpus_per_replica or {})  # model -> GPUs (TP)
         self.config = config or PlannerConfig()
@@ -183,11 +188,11 @@ class Planner:
             if short is None or gap[short] <= 0:
                 continue
             speed = self.replica_speed.get(short, 1.0)
-            spare = [k for k in keys if gap[k] < 0 and placement.get(k, 0) > self.config.min_replicas
+            spare = [k for k in keys if gap[k] < 0 and placement.get(k, 0) > self._floor(k)
                      and speed >= self.config.min_speed_ratio * self.replica_speed.get(k, 1.0) - 1e-12]
             if spare:
                 src = min(spare, key=lambda k: (gap[k], k))
-                n = min(gap[short], -gap[src], placement.get(src, 0) - self.config.min_replicas,
+                n = min(gap[short], -gap[src], placement.get(src, 0) - self._floor(src),
                         self.config.max_batch)
                 move = Move(model, src[0], short[0], max(1, n))
                 if any(m.from_site == move.from_site and m.to_site == move.to_site and m.model == model
@@ -249,6 +254,9 @@ class Planner:
         """Demand rate of `model` per site: a shift between sites counts, not only the total."""
         return {site: r.value for (site, m), r in self._demand.items() if m == model}
 
+    def _floor(self, key: Key) -> int:
+        return max(self.config.min_replicas, math.ceil(self.config.keep_fraction * self.initial.get(key, 0) - 1e-9))
+
     def _free_gpus(self, site: str, placement: Mapping[Key, int]) -> int:
         used = sum(n * self.gpus_per_replica.get(m, 1) for (s, m), n in placement.items() if s == site)
         return self.gpu_budget.get(site, 0) - used
@@ -263,6 +271,9 @@ def planner_for(fleet: FleetConfig, demand: DemandModel, **defaults: float | int
     for d in fleet.deployments:
         gpus_per_replica.setdefault(d.model, d.tp)
     speed = {(d.site, d.model): demand.replica_speed(d.site, d.model) for d in fleet.deployments}
+    initial: dict[Key, int] = {}
+    for d in fleet.deployments:
+        initial[(d.site, d.model)] = initial.get((d.site, d.model), 0) + d.instance_count
     return Planner(gpu_budget={s.name: s.gpus for s in fleet.sites if s.gpus is not None},
-                   gpus_per_replica=gpus_per_replica, replica_speed=speed,
+                   gpus_per_replica=gpus_per_replica, replica_speed=speed, initial=initial,
                    config=PlannerConfig(**{**defaults, **fleet.planner.tuning()}))  # type: ignore[arg-type]

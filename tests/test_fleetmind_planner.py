@@ -158,3 +158,15 @@ def test_replica_speed_follows_each_sites_hardware() -> None:
     assert d.replica_speed("us-east-1", "llama-3.1-8b") == 1.0  # the model's first deployment: reference
     assert 0.3 < d.replica_speed("us-west-2", "llama-3.1-8b") < 0.7  # A100 vs H100
     assert d.replica_speed("eu-west-1", "llama-3.1-8b") > 1.0  # H200
+
+
+def test_a_site_keeps_a_share_of_its_replicas() -> None:
+    """keep_fraction: the quiet site keeps half of what the fleet file gives it, for the burst
+    the demand average has not seen yet."""
+    placement = {("a", "m"): 6, ("b", "m"): 6}
+    cfg = PlannerConfig(window_s=10, lead_s=10, target_utilisation=0.5, cooldown_s=30, watch_s=20,
+                        keep_fraction=0.5)
+    p = Planner({"m": 1.0}, config=cfg, initial=dict(placement))
+    feed(p, 0, 60, {"a": 5.9, "b": 0.2})
+    assert p.plan(placement, 60) == Move("m", "b", "a", 3)
+    assert p.plan({("a", "m"): 9, ("b", "m"): 3}, 200) is None  # b is at its floor
