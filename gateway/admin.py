@@ -209,26 +209,10 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
 def fleet_view(config: FleetConfig, state: Any) -> list[dict[str, Any]]:
     """What FleetMind sees of each site, for operators (see the module doc)."""
     probed = state.probe_rtt_ms()
-    pools: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for st in state.states():
-        inst, load = st.instance, st.load
-        pool = pools.setdefault((inst.site, inst.model, inst.version), {
-            "model": inst.model, "version": inst.version, "ready": 0, "starting": 0, "draining": 0,
-            "unready": 0, "inflight": 0, "num_waiting": 0, "kv_usage_max": 0.0})
-        if st.draining:
-            pool["draining"] += 1
-        elif st.ready:
-            pool["ready"] += 1
-        elif st.ready_at is None:
-            pool["starting"] += 1
-        else:
-            pool["unready"] += 1
-        pool["inflight"] += st.inflight
-        if load is not None:
-            pool["num_waiting"] += load.num_waiting
-            pool["kv_usage_max"] = max(pool["kv_usage_max"], load.kv_usage)
+    pools = sorted(state.pools().items())
     return [{"site": s.name, "region": s.region, "jurisdiction": s.jurisdiction, "gpus": s.gpus,
              "rtt_ms": dict(s.rtt_ms), "probe_rtt_ms": probed.get(s.name),
              "egress_cost_per_gb": s.egress_cost_per_gb,
-             "pools": [p for (site, _, _), p in sorted(pools.items()) if site == s.name]}
+             "pools": [{"model": model, "version": version, **asdict(c)}
+                       for (site, model, version), c in pools if site == s.name]}
             for s in config.sites]

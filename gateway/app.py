@@ -28,6 +28,7 @@ from gateway.admission import AdmissionGate, AdmissionPolicy
 from gateway.admission_metrics import AdmissionCollector
 from gateway.auth import Authenticator, Caller
 from gateway.errors import GatewayError, body_too_large, install_handlers
+from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
 from gateway.goodput_report import install_report_routes
 from gateway.kv_feed import KVEventFeed
@@ -170,6 +171,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         placement = PlacementLoop(planner_for(config, demand), demand, state, relay.router, admission.ledger, clock, cycle_s=p.cycle_s, drain_timeout_s=p.drain_timeout_s,
                                   ready_timeout_s=p.ready_timeout_s)
         relay.listeners.append(placement)
+    metrics.registry.register(FleetCollector(state, placement))
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement)
 

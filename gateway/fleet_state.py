@@ -87,6 +87,40 @@ def placement(states: Iterable[InstanceState]) -> dict[tuple[str, str], int]:
     return out
 
 
+@dataclass(slots=True)
+class PoolCounts:
+    """One site's instances of one model version, by state (what operators watch)."""
+
+    ready: int = 0
+    starting: int = 0  # never ready yet: loading
+    draining: int = 0
+    unready: int = 0  # was ready, failing now
+    inflight: int = 0
+    num_waiting: int = 0
+    kv_usage_max: float = 0.0
+
+
+def pool_counts(states: Iterable[InstanceState]) -> dict[tuple[str, str, str], PoolCounts]:
+    """Per (site, model, version)."""
+    out: dict[tuple[str, str, str], PoolCounts] = {}
+    for st in states:
+        inst, load = st.instance, st.load
+        c = out.setdefault((inst.site, inst.model, inst.version), PoolCounts())
+        if st.draining:
+            c.draining += 1
+        elif st.ready:
+            c.ready += 1
+        elif st.ready_at is None:
+            c.starting += 1
+        else:
+            c.unready += 1
+        c.inflight += st.inflight
+        if load is not None:
+            c.num_waiting += load.num_waiting
+            c.kv_usage_max = max(c.kv_usage_max, load.kv_usage)
+    return out
+
+
 def site_probe_rtt_ms(states: Iterable[InstanceState]) -> dict[str, float]:
     """Per site: the median over its instances of each one's lowest recent probe round trip."""
     by_site: dict[str, list[float]] = {}
@@ -287,6 +321,9 @@ class FleetState:
 
     def placement(self) -> dict[tuple[str, str], int]:
         return placement(self._states.values())
+
+    def pools(self) -> dict[tuple[str, str, str], PoolCounts]:
+        return pool_counts(self._states.values())
 
     def probe_rtt_ms(self) -> dict[str, float]:
         return site_probe_rtt_ms(self._states.values())

@@ -74,6 +74,7 @@ class PlacementLoop:
         self.ready_timeout_s = ready_timeout_s
         self.poll_s = poll_s
         self.actions: deque[Action] = deque(maxlen=keep_actions)
+        self.action_counts: dict[ActionKind, int] = {}  # since start (the deque forgets)
         self._mean_output: dict[str, float] = {}
         self._last_ended: tuple[int, int] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -241,6 +242,7 @@ class PlacementLoop:
     def _act(self, kind: ActionKind, move: str, site: str | None, instance: str | None, detail: str) -> None:
         a = Action(self.clock(), kind, move, site, instance, detail)
         self.actions.append(a)
+        self.action_counts[kind] = self.action_counts.get(kind, 0) + 1
         (log.warning if kind in ("failed", "skipped") else log.info)("placement %s %s %s: %s", kind, move,
                                                                     instance or site or "", detail)
 

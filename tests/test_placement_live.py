@@ -148,3 +148,7 @@ async def test_planner_moves_a_replica_to_demand_then_rolls_back_when_goodput_fa
         started = {a["instance"] for a in rep["actions"] if a["kind"] == "start"}
         assert not ids & stopped and started <= ids
         assert all(ctx.state.get(i).ready for i in started)
+        metrics = (await c.get(f"{url}/metrics")).text
+        assert 'tokenfleet_planner_decisions_total{kind="rollback"} 1.0' in metrics
+        assert 'tokenfleet_planner_actions_total{kind="stop"} 2.0' in metrics
+        assert f'tokenfleet_replicas{{model="{MODEL}",site="b",state="ready",version="v1"}} 2.0' in metrics
