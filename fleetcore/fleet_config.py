@@ -132,6 +132,8 @@ class PlannerSettings(_Strict):
     """
 
     enabled: bool = False
+    mode: Literal["auto", "advise"] = Field(default="auto",
+                                           description="advise: plans are logged for operators, not carried out")
     cycle_s: float = Field(default=30.0, gt=0, description="how often the planner runs")
     drain_timeout_s: float = Field(default=600.0, gt=0,
                                    description="a replica leaving a site is stopped after this even if busy")
@@ -152,7 +154,7 @@ class PlannerSettings(_Strict):
 
     def tuning(self) -> dict[str, float | int]:
         """The planner tuning fields the file sets (for `PlannerConfig(**...)`)."""
-        runtime = {"enabled", "cycle_s", "drain_timeout_s", "ready_timeout_s"}
+        runtime = {"enabled", "mode", "cycle_s", "drain_timeout_s", "ready_timeout_s"}
         return {k: v for k, v in self.model_dump().items() if k not in runtime and v is not None}
 
 

@@ -82,7 +82,7 @@ class PlannerConfig:
 @dataclass(frozen=True, slots=True)
 class LogEntry:
     at: float
-    kind: Literal["plan", "apply", "rollback", "keep"]
+    kind: Literal["plan", "apply", "rollback", "keep", "advise"]
     move: Move | None
     reason: str
 
@@ -221,6 +221,12 @@ class Planner:
         self._watch = _Watch(move, now, baseline, self._model_demand(move.model))
         self._last_change = now
         self.log.append(LogEntry(now, "apply", move, f"goodput before: {baseline:.2f}"))
+
+    def advised(self, move: Move, now: float, why: str) -> None:
+        """The move was only shown to operators (advise mode), or could not be carried out: it
+        is not watched, but the cooldown applies so it is not proposed again every cycle."""
+        self._last_change = now
+        self.log.append(LogEntry(now, "advise", move, why))
 
     def check(self, now: float) -> Move | None:
         """After a watch period: the inverse move if goodput dropped past the threshold."""

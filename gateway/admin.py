@@ -8,6 +8,8 @@
     POST   /admin/v1/dry-run                              where a sample request would go and why
     GET    /admin/v1/planner?limit=N                      the placement planner: plans, applies, rollbacks,
                                                           the adapter actions carrying them out, placement
+    PUT    /admin/v1/planner                              {"mode": "auto" | "advise" | "off"}: carry plans
+                                                          out, only log them, or stop planning
     GET    /admin/v1/fleet                                per site: region, jurisdiction, RTTs (configured
                                                           and probed), per model and version: replicas
                                                           ready / starting / draining, queue, KV use
@@ -34,6 +36,7 @@ from fleetcore.types import RequestProfile
 from fleetmind.residency import PolicySet
 from gateway.auth import bearer_token
 from gateway.errors import GatewayError, bad_request, invalid_api_key
+from gateway.placement import MODES
 from gateway.policy_store import AuditEntry, PolicyStore, Snapshot, VersionConflict, now_unix
 
 
@@ -199,6 +202,18 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
         if placement is None:
             return JSONResponse({"enabled": False, "placement": [], "entries": [], "actions": []})
         return JSONResponse(placement.report(max(1, min(limit, 1000))))
+
+    @app.put("/admin/v1/planner")
+    async def set_planner(request: Request) -> JSONResponse:
+        actor = auth.require(request.headers)
+        body = await body_of(request)
+        if not isinstance(body, dict) or body.get("mode") not in MODES:
+            raise bad_request(f"Give {{\"mode\": ...}}, one of {', '.join(MODES)}.", param="mode")
+        if placement is None:
+            raise GatewayError(409, "The placement planner is not enabled in this gateway (fleet file "
+                                    "`planner.enabled`, or `tokenfleet up --planner`).", code="planner_disabled")
+        placement.set_mode(body["mode"], actor)
+        return JSONResponse({"mode": placement.mode})
 
     @app.get("/admin/v1/fleet")
     async def fleet(request: Request) -> JSONResponse:

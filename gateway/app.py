@@ -169,7 +169,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         p = config.planner
         demand = DemandModel(config)
         placement = PlacementLoop(planner_for(config, demand), demand, state, relay.router, admission.ledger, clock, cycle_s=p.cycle_s, drain_timeout_s=p.drain_timeout_s,
-                                  ready_timeout_s=p.ready_timeout_s)
+                                  ready_timeout_s=p.ready_timeout_s, mode=p.mode)
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),

@@ -42,7 +42,11 @@ from tokenpilot.policy import InstanceRouter
 
 log = logging.getLogger("tokenfleet.placement")
 
-ActionKind = Literal["start", "ready", "drain", "stop", "failed", "skipped"]
+ActionKind = Literal["start", "ready", "drain", "stop", "failed", "skipped", "mode"]
+# auto: plans are carried out; advise: logged for operators only; off: no planning at all
+# (demand is still recorded, so switching back on starts from a warm history).
+Mode = Literal["auto", "advise", "off"]
+MODES: tuple[Mode, ...] = ("auto", "advise", "off")
 # Output length assumed for a model before any of its requests has finished.
 DEFAULT_OUTPUT_TOKENS = 256.0
 _OUTPUT_EWMA = 0.05
@@ -62,7 +66,7 @@ class PlacementLoop:
     def __init__(self, planner: Planner, demand: DemandModel, state: FleetState, router: InstanceRouter,
                  ledger: Any, clock: Callable[[], float], *, cycle_s: float = 30.0,
                  drain_timeout_s: float = 600.0, ready_timeout_s: float = 900.0,
-                 poll_s: float = 0.25, keep_actions: int = 500) -> None:
+                 poll_s: float = 0.25, keep_actions: int = 500, mode: Mode = "auto") -> None:
         self.planner = planner
         self.demand = demand
         self.state = state
@@ -70,6 +74,7 @@ class PlacementLoop:
         self.ledger = ledger  # slomax.ledger.GoodputLedger: cumulative `totals` per tenant x class
         self.clock = clock
         self.cycle_s = cycle_s
+        self.mode: Mode = mode
         self.drain_timeout_s = drain_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.poll_s = poll_s
@@ -131,12 +136,25 @@ class PlacementLoop:
     async def cycle(self) -> None:
         now = self.clock()
         self.planner.record_goodput(self._attainment(), now)
+        if self.mode == "off":
+            return
         undo = self.planner.check(now)
         if undo is not None:
             await self.carry_out(undo)
         move = self.planner.plan(self.state.placement(), self.clock())
-        if move is not None and await self.carry_out(move):
+        if move is None:
+            return
+        if self.mode == "advise":
+            self.planner.advised(move, self.clock(), "advise mode: not carried out")
+        elif await self.carry_out(move):
             self.planner.applied(move, self.clock())
+        else:
+            self.planner.advised(move, self.clock(), "could not be carried out (see actions)")
+
+    def set_mode(self, mode: Mode, actor: str) -> None:
+        if mode != self.mode:
+            self._act("mode", "", None, None, f"{self.mode} -> {mode} by {actor}")
+            self.mode = mode
 
     def _attainment(self) -> float:
         """Met / ended over the requests that ended since the last cycle (1.0 when none did)."""
@@ -251,6 +269,7 @@ class PlacementLoop:
         placement = self.state.placement()
         return {
             "enabled": True,
+            "mode": self.mode,
             "cycle_s": self.cycle_s,
             "placement": [{"site": s, "model": m, "replicas": n} for (s, m), n in sorted(placement.items())],
             "entries": [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,

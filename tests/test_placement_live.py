@@ -1,6 +1,7 @@
 """FleetMind's planner in the live gateway: it moves a replica toward demand through the sim
 adapter (make-before-break: the new one loads first, the old one drains with its streams
-finishing), then rolls the move back when goodput falls, all visible in the admin API."""
+finishing), then rolls the move back when goodput falls, all visible in the admin API and
+/metrics; operators switch it to advise-only or off."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ import pytest_asyncio
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
+from fleetmind.demand import DemandModel
+from fleetmind.planner import Move, Planner, PlannerConfig
+from gateway.fleet_state import FleetState
+from gateway.placement import PlacementLoop
+from slomax.ledger import GoodputLedger
 from tests.servers import serve_app
+from tokenpilot.registry import make_router
 
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")
 ADMIN = {"Authorization": "Bearer sk-admin"}
@@ -152,3 +159,33 @@ async def test_planner_moves_a_replica_to_demand_then_rolls_back_when_goodput_fa
         assert 'tokenfleet_planner_decisions_total{kind="rollback"} 1.0' in metrics
         assert 'tokenfleet_planner_actions_total{kind="stop"} 2.0' in metrics
         assert f'tokenfleet_replicas{{model="{MODEL}",site="b",state="ready",version="v1"}} 2.0' in metrics
+
+
+async def test_planner_mode_from_the_admin_api(gateway: tuple[str, Any]) -> None:
+    url, ctx = gateway
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.put(f"{url}/admin/v1/planner", headers=ACME, json={"mode": "off"})
+        assert r.status_code == 403
+        r = await c.put(f"{url}/admin/v1/planner", headers=ADMIN, json={"mode": "sometimes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+        r = await c.put(f"{url}/admin/v1/planner", headers=ADMIN, json={"mode": "advise"})
+        assert r.status_code == 200 and r.json() == {"mode": "advise"}
+        rep = await planner(c, url)
+        assert rep["mode"] == "advise" and rep["actions"][-1]["kind"] == "mode"
+        assert rep["actions"][-1]["detail"].startswith("auto -> advise by admin:")
+
+
+async def test_advise_mode_logs_plans_without_carrying_them_out() -> None:
+    config = load_fleet_file(FLEET_FILE)
+    planner = Planner(config=PlannerConfig(window_s=1, lead_s=0, target_utilisation=0.1, cooldown_s=100))
+    clock = [0.0]
+    loop = PlacementLoop(planner, DemandModel(config), FleetState(config, []), make_router("round_robin"),
+                         GoodputLedger(), lambda: clock[0], mode="advise")
+    for t in range(5):
+        clock[0] = float(t)
+        planner.record_demand("a", MODEL, 5.0)
+        planner.record_served("b", MODEL, 0.0)
+        loop.state.placement = lambda: {("a", MODEL): 1, ("b", MODEL): 3}  # type: ignore[method-assign]
+        await loop.cycle()
+    assert [e.kind for e in planner.log] == ["plan", "advise"]  # then the cooldown: not re-proposed
+    assert planner.log[0].move == Move(MODEL, "b", "a", 2) and not loop.actions
