@@ -8,6 +8,8 @@ at us-east, split between tenants acme (US-only) and globex (anywhere) by sessio
 demand-shift.jsonl: 20 minutes of the trace entering at us-east, then 20 at us-west.
 flash-crowd.jsonl: 30 minutes entering at us-east, plus a 2-minute burst at us-west.
 cheap-site.jsonl: 30 minutes entering at us-west (whose site has slower GPUs).
+busy-neighbour.jsonl: 20 minutes at us-east at 0.75x the trace's rate, and other sessions
+at us-west at 0.35x.
 All deterministic.
 """
 
@@ -56,6 +58,14 @@ def cheap_site(traces: Path, rate_scale: float = 0.7) -> Workload:
                     {"phases": "0-1800 s us-west", "rate_scale": rate_scale})
 
 
+def busy_neighbour(traces: Path) -> Workload:
+    trace = load_trace(traces / "conversation_trace.jsonl.gz")
+    hot = window(scale_rate(trace, 0.75), 0, 1200)  # ~150% of the east site
+    own = window(scale_rate(trace, 0.35), 1200, 1200)  # ~70% of the west site, other sessions
+    return merge(Workload("hot", _at(hot, "us-east", 0), trace.block_tokens),
+                 Workload("own", _at(own, "us-west", 0), trace.block_tokens), name="busy-neighbour")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
@@ -66,7 +76,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     traces = Path(args.traces)
     for name, wl in (("multisite", multisite(traces, args.requests)), ("demand-shift", demand_shift(traces)),
-                     ("flash-crowd", flash_crowd(traces)), ("cheap-site", cheap_site(traces))):
+                     ("flash-crowd", flash_crowd(traces)), ("cheap-site", cheap_site(traces)),
+                     ("busy-neighbour", busy_neighbour(traces))):
         path = out / f"{name}.jsonl"
         wl.to_jsonl(path)
         print(f"wrote {path} ({len(wl)} requests)")
