@@ -11,8 +11,9 @@
     PUT    /admin/v1/planner                              {"mode": "auto" | "advise" | "off"}: carry plans
                                                           out, only log them, or stop planning
     GET    /admin/v1/fleet                                per site: region, jurisdiction, RTTs (configured
-                                                          and probed), per model and version: replicas
-                                                          ready / starting / draining, queue, KV use
+                                                          and probed), egress cost; per model and version:
+                                                          replicas ready / starting / draining, in flight,
+                                                          queued, KV use, predicted TTFT, cache blocks
 
 Writes take `If-Match: <version>` for optimistic concurrency (412 when stale) and take
 effect on the next request, in every gateway replica sharing the store, without a
@@ -218,16 +219,42 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
     @app.get("/admin/v1/fleet")
     async def fleet(request: Request) -> JSONResponse:
         auth.require(request.headers)
-        return JSONResponse({"entry_region": config.entry_region, "sites": fleet_view(config, relay.state)})
+        return JSONResponse({"entry_region": config.entry_region, "sites": fleet_view(config, relay)})
 
 
-def fleet_view(config: FleetConfig, state: Any) -> list[dict[str, Any]]:
-    """What FleetMind sees of each site, for operators (see the module doc)."""
+# The request the fleet view prices each pool with: a fresh 1,000-token prompt (no cache hit).
+_PROBE_PROMPT_TOKENS = 1000
+
+
+def fleet_view(config: FleetConfig, relay: Any) -> list[dict[str, Any]]:
+    """What FleetMind sees of each site, for operators (see the module doc). Per pool, next to
+    the replica counts: the TTFT the router predicts there now for a fresh 1,000-token prompt
+    (queueing included) and how many prefix blocks its cache index holds for the pool."""
+    state = relay.state
     probed = state.probe_rtt_ms()
-    pools = sorted(state.pools().items())
-    return [{"site": s.name, "region": s.region, "jurisdiction": s.jurisdiction, "gpus": s.gpus,
-             "rtt_ms": dict(s.rtt_ms), "probe_rtt_ms": probed.get(s.name),
-             "egress_cost_per_gb": s.egress_cost_per_gb,
-             "pools": [{"model": model, "version": version, **asdict(c)}
-                       for (site, model, version), c in pools if site == s.name]}
-            for s in config.sites]
+    view = state.view()
+    now = relay.clock()
+    predict = getattr(relay.router, "predict", None)
+    index = getattr(relay.router, "index", None)
+    out = []
+    for s in config.sites:
+        pools = []
+        for (site, model, version), c in sorted(state.pools().items()):
+            if site != s.name:
+                continue
+            ready = view.site(site).pool(model, version)
+            row: dict[str, Any] = {"model": model, "version": version, **asdict(c)}
+            if predict is not None and ready:
+                profile = RequestProfile(request_id="fleet-view", model=model, model_version=version,
+                                         prompt_tokens=_PROBE_PROMPT_TOKENS)
+                guess = predict(profile, ready, now)
+                row["predicted_ttft_s"] = round(guess[0], 4) if guess is not None else None
+            if index is not None:
+                ids = [i.instance_id for i in view.site(site).instances if i.model == model and i.version == version]
+                row["cache_blocks"] = sum(index.entries(i) for i in ids)
+                row["cache_exact_instances"] = sum(1 for i in ids if index.is_exact(i, now))
+            pools.append(row)
+        out.append({"site": s.name, "region": s.region, "jurisdiction": s.jurisdiction, "gpus": s.gpus,
+                    "rtt_ms": dict(s.rtt_ms), "probe_rtt_ms": probed.get(s.name),
+                    "egress_cost_per_gb": s.egress_cost_per_gb, "pools": pools})
+    return out

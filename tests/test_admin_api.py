@@ -125,6 +125,7 @@ async def test_fleet_view_shows_probed_rtts(gateway: str) -> None:
     assert sites["use1"]["probe_rtt_ms"] < 62
     pool = sites["use1"]["pools"][0]
     assert (pool["model"], pool["version"], pool["ready"], pool["starting"], pool["draining"]) == (MODEL, "v1", 1, 0, 0)
+    assert 0 < pool["predicted_ttft_s"] < 5 and pool["cache_blocks"] >= 0
 
 
 async def test_residency_holds_under_region_hints(gateway: str) -> None:
