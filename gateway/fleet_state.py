@@ -176,6 +176,9 @@ class FleetState:
         self._states: dict[str, InstanceState] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._supervisor: asyncio.Task[None] | None = None
+        # Checked by the loops too: on Python 3.11 `wait_for` can swallow a cancellation that
+        # lands as its inner call completes, and the loop would go on (and `stop` wait forever).
+        self._stopping = False
 
     # lifecycle
 
@@ -186,6 +189,7 @@ class FleetState:
         self._supervisor = asyncio.create_task(self._supervise(), name="fleet-state")
 
     async def stop(self) -> None:
+        self._stopping = True
         tasks = [t for t in (self._supervisor, *self._pollers.values()) if t is not None]
         for t in tasks:
             t.cancel()
@@ -214,7 +218,7 @@ class FleetState:
         await asyncio.gather(*(self.poll_instance(i) for i in list(self._states)))
 
     async def _supervise(self) -> None:
-        while True:
+        while not self._stopping:
             self.sync_instances()
             for iid in self._states:
                 if iid not in self._pollers or self._pollers[iid].done():
@@ -222,7 +226,7 @@ class FleetState:
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll_loop(self, instance_id: str) -> None:
-        while instance_id in self._states:
+        while instance_id in self._states and not self._stopping:
             await asyncio.sleep(self.poll_interval_s)
             await self.poll_instance(instance_id)
 

@@ -1,0 +1,143 @@
+"""How the placement loop carries out moves, on adapters whose engines are stand-ins: the order
+of steps (make-before-break), removing only, and what happens when a replica cannot start
+or never becomes ready (the source keeps its replica)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from engine_adapters.base import AdapterError, EngineAdapter, Instance, LoadSnapshot
+from fleetcore.fleet_config import load_fleet_file
+from fleetmind.demand import DemandModel
+from fleetmind.planner import Move, Planner
+from gateway.fleet_state import FleetState
+from gateway.placement import PlacementLoop
+from slomax.ledger import GoodputLedger
+from tokenpilot.registry import make_router
+
+CONFIG = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
+MODEL = "llama-3.1-8b"
+
+
+class StandInAdapter(EngineAdapter):
+    """Instances that exist only as records; `healthy` says which answer health."""
+
+    name = "stand-in"
+
+    def __init__(self, site: str, count: int, *, fail_add: bool = False, never_ready: bool = False) -> None:
+        self.site, self.model = site, MODEL
+        self.fail_add, self.never_ready = fail_add, never_ready
+        self._instances = [self._make(i) for i in range(count)]
+        self._next = count
+        self.healthy = {i.instance_id for i in self._instances}
+        self.removed: list[str] = []
+
+    def _make(self, i: int) -> Instance:
+        return Instance(f"{self.site}/{MODEL}/{i}", self.site, MODEL, "v1", f"http://stand-in/{self.site}/{i}",
+                        self.name)
+
+    @property
+    def instances(self) -> list[Instance]:
+        return list(self._instances)
+
+    async def launch(self) -> list[Instance]:
+        return self.instances
+
+    async def stop(self) -> None:
+        pass
+
+    async def health(self, instance: Instance) -> bool:
+        return instance.instance_id in self.healthy
+
+    async def snapshot(self, instance: Instance) -> LoadSnapshot:
+        return LoadSnapshot(ready=True)
+
+    @property
+    def scalable(self) -> bool:
+        return True
+
+    async def add_instance(self) -> Instance:
+        if self.fail_add:
+            raise AdapterError("no free GPUs")
+        inst = self._make(self._next)
+        self._next += 1
+        self._instances.append(inst)
+        if not self.never_ready:
+            self.healthy.add(inst.instance_id)
+        return inst
+
+    async def remove_instance(self, instance: Instance) -> None:
+        self.removed.append(instance.instance_id)
+        self._instances = [i for i in self._instances if i.instance_id != instance.instance_id]
+
+
+@pytest.fixture
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[tuple[PlacementLoop, StandInAdapter, StandInAdapter]]:
+    opts = getattr(request, "param", {})
+    a, b = StandInAdapter("a", 1, **opts), StandInAdapter("b", 2)
+    state = FleetState(CONFIG, [a, b], poll_interval_s=0.02)
+    await state.start()
+    loop = PlacementLoop(Planner(), DemandModel(CONFIG), state, make_router("round_robin"), GoodputLedger(),
+                         time.monotonic, poll_s=0.01, ready_timeout_s=0.3, drain_timeout_s=5)
+    try:
+        yield loop, a, b
+    finally:
+        await loop.stop()
+        await state.stop()
+
+
+def steps(loop: PlacementLoop) -> list[tuple[str, str | None]]:
+    return [(x.kind, x.site) for x in loop.actions]
+
+
+async def test_a_move_starts_first_and_drains_the_least_busy_replica_once_the_new_one_is_ready(fleet) -> None:
+    loop, a, b = fleet
+    loop.state.begin(f"b/{MODEL}/0")  # b/0 is busy, b/1 idle
+    assert await loop.carry_out(Move(MODEL, "b", "a"))
+    await loop.settle()
+    assert steps(loop) == [("start", "a"), ("ready", "a"), ("drain", "b"), ("stop", "b")]
+    assert b.removed == [f"b/{MODEL}/1"] and loop.state.placement() == {("a", MODEL): 2, ("b", MODEL): 1}
+
+
+async def test_a_drain_waits_for_requests_in_flight(fleet) -> None:
+    loop, a, b = fleet
+    for i in (0, 1):
+        loop.state.begin(f"b/{MODEL}/{i}")
+    assert await loop.carry_out(Move(MODEL, "b", None))  # remove only
+    await asyncio.sleep(0.2)
+    assert b.removed == [] and steps(loop) == [("drain", "b")]
+    assert "1 in flight" in loop.actions[0].detail
+    victim = loop.actions[0].instance
+    assert victim is not None and loop.state.get(victim).draining
+    loop.state.end(victim)
+    await loop.settle()
+    assert b.removed == [victim] and steps(loop)[-1] == ("stop", "b")
+
+
+@pytest.mark.parametrize("fleet", [{"fail_add": True}], indirect=True)
+async def test_a_replica_that_cannot_start_leaves_the_source_alone(fleet) -> None:
+    loop, a, b = fleet
+    assert not await loop.carry_out(Move(MODEL, "b", "a"))
+    assert steps(loop) == [("failed", "a")] and "no free GPUs" in loop.actions[0].detail
+    assert not any(st.draining for st in loop.state.states())
+
+
+@pytest.mark.parametrize("fleet", [{"never_ready": True}], indirect=True)
+async def test_a_replica_that_never_gets_ready_is_stopped_and_the_source_keeps_its_own(fleet) -> None:
+    loop, a, b = fleet
+    assert await loop.carry_out(Move(MODEL, "b", "a"))
+    await loop.settle()
+    assert steps(loop) == [("start", "a"), ("failed", "a"), ("stop", "a")]
+    assert a.removed == [f"a/{MODEL}/1"] and b.removed == []
+    assert loop.state.placement() == {("a", MODEL): 1, ("b", MODEL): 2}
+
+
+async def test_a_site_without_a_scalable_deployment_is_skipped(fleet) -> None:
+    loop, a, b = fleet
+    assert not await loop.carry_out(Move(MODEL, "b", "elsewhere"))
+    assert steps(loop) == [("skipped", "elsewhere")]
