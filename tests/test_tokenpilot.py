@@ -195,3 +195,22 @@ def test_decision_cost_microbenchmark_prints_p99() -> None:
     times.sort()
     print(f"\ntokenpilot decision, 64 instances: p50 {times[100] * 1e6:.0f} us, p99 {times[198] * 1e6:.0f} us")
     assert times[100] < 0.05  # sanity only: a decision never takes anything like 50 ms
+
+
+def test_match_blocks_agrees_with_match() -> None:
+    """The router's vector prefix match gives `match`'s counts, in pool order, for pools with
+    instances the index has never seen, nested holders and more than 64 instances."""
+    rng = random.Random(7)
+    idx = PrefixCacheIndex(stride=4)
+    ids = [f"i{k}" for k in range(70)]
+    convs: list[list[int]] = [[0, 1]]
+    for n in range(400):
+        blocks = rng.choice(convs) + [1000 + n] if rng.random() < 0.6 else [0, 2000 + n]
+        convs.append(blocks)
+        idx.record_route(rng.choice(ids), synthetic_block_hashes(blocks, 8), float(n))
+    for n in range(200):
+        pool = tuple(rng.sample(ids + ["new-a", "new-b"], rng.randrange(1, 72)))
+        hashes = synthetic_block_hashes(rng.choice(convs) + [5000 + n], 8)
+        by_id = idx.match(hashes, pool)
+        assert idx.match_blocks(hashes, pool).tolist() == [float(by_id[i]) for i in pool]
+    assert idx.match_blocks((), ("i0",)).tolist() == [0.0]

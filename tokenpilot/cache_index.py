@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class _InstanceBlocks:
@@ -68,7 +70,7 @@ class PrefixCacheIndex:
         self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
         self._tick = 0
-        self._want_cache: dict[tuple[str, ...], int] = {}
+        self._want_cache: dict[tuple[str, ...], tuple[int, np.ndarray, int]] = {}
 
     # -- instances ---------------------------------------------------------
     def _entry(self, instance: str) -> _InstanceBlocks:
@@ -153,9 +155,7 @@ class PrefixCacheIndex:
         e.batches.append((self._tick, keys))
         e.batch_refs += len(keys)
         if new:
-            bit, mask = 1 << e.bit, self._mask
-            for h in new:
-                mask[h] = mask.get(h, 0) | bit
+            self._set_bit(new, e.bit)
         if e.batch_refs > 4 * len(last) + 1024:
             self._compact(e)
 
@@ -173,6 +173,17 @@ class PrefixCacheIndex:
             if last.pop(h, None) is not None:
                 self._unset(h, e.bit)
 
+    def _set_bit(self, hashes: set[int], bit: int) -> None:
+        """Add `bit` to the masks of `hashes`. Most of a request's new keys are new to the
+        whole index (nobody holds them): those go in with one C-level update, and only keys
+        other instances hold too take a Python step each."""
+        mask, b = self._mask, 1 << bit
+        fresh = hashes.difference(mask)  # (set.difference probes a dict; set.intersection would scan it)
+        mask.update(dict.fromkeys(fresh, b))
+        if len(fresh) < len(hashes):
+            for h in hashes.difference(fresh):
+                mask[h] |= b
+
     def _unset(self, h: int, bit: int) -> None:
         m = self._mask.get(h, 0) & ~(1 << bit)
         if m:
@@ -185,10 +196,17 @@ class PrefixCacheIndex:
         while len(last) > limit and batches:
             tick, keys = batches.popleft()
             e.batch_refs -= len(keys)
+            # (`_unset` inlined: this loop runs for every evicted key of every routed request)
+            mask, clear = self._mask, ~(1 << e.bit)
+            held, mask_of = last.get, mask.get
             for h in keys:
-                if last.get(h) == tick:
+                if held(h) == tick:
                     del last[h]
-                    self._unset(h, e.bit)
+                    m = mask_of(h, 0) & clear
+                    if m:
+                        mask[h] = m
+                    else:
+                        mask.pop(h, None)
 
     def _bound_total(self, e: _InstanceBlocks) -> None:
         # A hard memory bound even for exact instances whose engines never evict.
@@ -204,30 +222,36 @@ class PrefixCacheIndex:
 
     # -- queries ---------------------------------------------------------
     def _want_mask(self, instances: tuple[str, ...]) -> int:
-        """Bits of `instances`; pools repeat, so the answer is cached until membership changes."""
+        """Bits of `instances` (cached, see `_pool_bits`)."""
+        return self._pool_bits(instances)[0]
+
+    def _pool_bits(self, instances: tuple[str, ...]) -> tuple[int, np.ndarray, int]:
+        """(bitmask of `instances`, each one's bit index, bytes that hold every bit); pools
+        repeat, so the answer is cached until membership changes. An instance the index does
+        not know gets a spare bit index that no instance holds, so it matches nothing."""
         cached = self._want_cache.get(instances)
         if cached is None:
-            cached = 0
+            spare = max(self._by_bit, default=-1) + 1
+            want, bits = 0, []
             for i in instances:
                 e = self._inst.get(i)
+                bits.append(spare if e is None else e.bit)
                 if e is not None:
-                    cached |= 1 << e.bit
+                    want |= 1 << e.bit
             if len(self._want_cache) > 1024:
                 self._want_cache.clear()
-            self._want_cache[instances] = cached
+            cached = self._want_cache[instances] = (want, np.array(bits, dtype=np.intp), spare // 8 + 1)
         return cached
-    def match(self, block_hashes: Sequence[int], instances: Iterable[str]) -> dict[str, int]:
-        """Leading blocks of `block_hashes` held by each of `instances` (0 when none)."""
-        result = dict.fromkeys(instances, 0)
-        keys = self._keys(block_hashes)
+
+    def _levels(self, keys: Sequence[int], want: int) -> list[tuple[int, int]]:
+        """(instances, keys held) for the nested groups of instances in `want` that hold a
+        prefix of `keys`: the first group holds keys 0..a0, the next (a subset) up to a1 > a0,
+        and so on. An instance's match is the `keys held` of the last group it belongs to."""
+        levels: list[tuple[int, int]] = []
         n = len(keys)
-        if not n:
-            return result
-        want = self._want_mask(tuple(result))
         get = self._mask.get
-        mask = get(keys[0], 0) & want
+        mask = get(keys[0], 0) & want if n else 0
         lo = 0
-        stride = self.stride
         while mask:
             # Everyone in `mask` holds block `lo`; find the last block they all hold.
             a, b = lo, n - 1
@@ -237,11 +261,40 @@ class PrefixCacheIndex:
                     a = mid
                 else:
                     b = mid - 1
-            nxt = get(keys[a + 1], 0) & mask if a + 1 < n else 0
-            dropped = mask & ~nxt
+            levels.append((mask, a + 1))
+            mask, lo = (get(keys[a + 1], 0) & mask if a + 1 < n else 0), a + 1
+        return levels
+
+    def match(self, block_hashes: Sequence[int], instances: Iterable[str]) -> dict[str, int]:
+        """Leading blocks of `block_hashes` held by each of `instances` (0 when none)."""
+        result = dict.fromkeys(instances, 0)
+        want = self._want_mask(tuple(result))
+        levels = self._levels(self._keys(block_hashes), want)
+        for (mask, held), (inner, _) in zip(levels, [*levels[1:], (0, 0)]):
+            dropped = mask & ~inner  # those that hold no further
             while dropped:
                 low = dropped & -dropped
-                result[self._by_bit[low.bit_length() - 1]] = (a + 1) * stride
+                result[self._by_bit[low.bit_length() - 1]] = held * self.stride
                 dropped ^= low
-            mask, lo = nxt, a + 1
         return result
+
+    def match_blocks(self, block_hashes: Sequence[int], instances: tuple[str, ...]) -> np.ndarray:
+        """`match` as a float array aligned with `instances`, for the router's vector scoring.
+
+        Instead of walking the bits of every instance (one Python step per candidate), each
+        group's bitmask is unpacked to a 0/1 vector by bit and the groups' key counts summed:
+        the groups are nested, so the sum telescopes to the last group's count.
+        """
+        want, bits, nbytes = self._pool_bits(instances)
+        levels = self._levels(self._keys(block_hashes), want)
+        if not levels:
+            return np.zeros(len(instances))
+        # One row of 0/1 per group (by bit), weighted by the blocks the group adds over the
+        # previous one: the product sums, per bit, the blocks its instance holds. (Sums of
+        # whole numbers: exact in floating point.)
+        member = np.unpackbits(np.frombuffer(b"".join([m.to_bytes(nbytes, "little") for m, _ in levels]),
+                                             dtype=np.uint8), bitorder="little").reshape(len(levels), -1)
+        stride = self.stride
+        added = np.array([(held - below) * stride for (_, held), (_, below)
+                          in zip(levels, [(0, 0), *levels[:-1]])], dtype=float)
+        return (added @ member)[bits]

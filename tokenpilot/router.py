@@ -104,15 +104,28 @@ class _Explained(Sequence[Candidate]):
 
 
 class _Slots:
-    """Per-instance state as numpy columns, so one decision scores every candidate at once."""
+    """Per-instance state as the rows of one matrix (field x slot), so one decision gathers
+    every candidate's state with a single `take` and scores them all at once.
 
-    FIELDS = ("token_s", "attn_s", "kv_s", "overhead_s", "capacity_blocks", "budget", "prefill_factor",
-              "decode_factor", "backlog", "backlog_at", "context", "streams", "duty", "duty_at")
+    Besides the state proper it keeps derived rows (speeds times learned factors, context
+    per stream) that change only when an instance's state does: `refresh` recomputes them
+    with the very expressions the score used to evaluate per decision, so scores are
+    bit-for-bit what they were, at a few vector operations less per decision.
+    """
+
+    # State. Backlog and duty decay on the same clock, so one "decayed at" serves both.
+    TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
+        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS = range(13)
+    # Derived by `refresh`.
+    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(13, 18)
+    ROWS = 18
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
         self.ids: list[str] = []
-        self.cols = {f: np.zeros(0) for f in self.FIELDS}
+        self.m = np.zeros((self.ROWS, 8))
+        # Slots of recently seen pools: pools repeat, and slots never move once assigned.
+        self._pool_slots: dict[tuple[str, ...], np.ndarray] = {}
 
     def slot(self, instance_id: str) -> int | None:
         return self.index.get(instance_id)
@@ -121,19 +134,39 @@ class _Slots:
         n = len(self.ids)
         self.index[instance_id] = n
         self.ids.append(instance_id)
-        for f, col in self.cols.items():
-            if n >= len(col):
-                grown = np.zeros(max(8, 2 * len(col)))
-                grown[: len(col)] = col
-                self.cols[f] = grown
-        self.cols["prefill_factor"][n] = self.cols["decode_factor"][n] = 1.0
+        if n >= self.m.shape[1]:
+            grown = np.zeros((self.ROWS, 2 * self.m.shape[1]))
+            grown[:, :n] = self.m
+            self.m = grown
+        self.m[self.PREFILL_FACTOR, n] = self.m[self.DECODE_FACTOR, n] = 1.0
         return n
 
-    def __getattr__(self, name: str) -> np.ndarray:
-        try:
-            return self.__dict__["cols"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    def pool_slots(self, ids: tuple[str, ...]) -> np.ndarray | None:
+        """Slots of `ids` in order (cached), or None if one of them has no slot yet."""
+        k = self._pool_slots.get(ids)
+        if k is None:
+            index = self.index
+            if not all(i in index for i in ids):
+                return None
+            k = np.fromiter((index[i] for i in ids), dtype=np.intp, count=len(ids))
+            if len(self._pool_slots) > 1024:
+                self._pool_slots.clear()
+            self._pool_slots[ids] = k
+        return k
+
+    def refresh(self, k: int) -> None:
+        """Recompute slot `k`'s derived rows after its prior or learned speeds changed."""
+        m = self.m
+        m[self.TOKEN_EFF, k] = m[self.TOKEN_S, k] * m[self.PREFILL_FACTOR, k]
+        m[self.ATTN_EFF, k] = m[self.ATTN_S, k] * m[self.PREFILL_FACTOR, k]
+        m[self.KV_EFF, k] = m[self.KV_S, k] * m[self.DECODE_FACTOR, k]
+        m[self.OVERHEAD_DF, k] = m[self.OVERHEAD_S, k] * m[self.DECODE_FACTOR, k]
+        self.refresh_context(k)
+
+    def refresh_context(self, k: int) -> None:
+        """... after only its streams and context changed (every routed request)."""
+        m = self.m
+        m[self.CONTEXT_PER_STREAM, k] = m[self.CONTEXT, k] / max(m[self.STREAMS, k], 1.0)
 
 
 class TokenPilot:
@@ -158,17 +191,19 @@ class TokenPilot:
 
     # -- fleet membership ----------------------------------------------------
     def register_instance(self, instance_id: str, prior: EnginePrior) -> None:
-        k = self._s.slot(instance_id)
-        if k is None:
-            k = self._s.add(instance_id)
-            self._learned.append(_Learned(SpeedFactor(), SpeedFactor()))
         s = self._s
-        s.token_s[k] = prior.prefill_token_s
-        s.attn_s[k] = prior.attn_s_per_token_ctx
-        s.kv_s[k] = prior.kv_read_s_per_token
-        s.overhead_s[k] = prior.step_overhead_s
-        s.capacity_blocks[k] = prior.capacity_blocks
-        s.budget[k] = prior.max_batched_tokens
+        k = s.slot(instance_id)
+        if k is None:
+            k = s.add(instance_id)
+            self._learned.append(_Learned(SpeedFactor(), SpeedFactor()))
+        m = s.m
+        m[s.TOKEN_S, k] = prior.prefill_token_s
+        m[s.ATTN_S, k] = prior.attn_s_per_token_ctx
+        m[s.KV_S, k] = prior.kv_read_s_per_token
+        m[s.OVERHEAD_S, k] = prior.step_overhead_s
+        m[s.CAPACITY_BLOCKS, k] = prior.capacity_blocks
+        m[s.BUDGET, k] = prior.max_batched_tokens
+        s.refresh(k)
         self.index.set_capacity(instance_id, prior.capacity_blocks)
 
     def forget_instance(self, instance_id: str) -> None:
@@ -182,20 +217,35 @@ class TokenPilot:
             k = self._s.index[instance_id]
         return k
 
+    def _pool_slots(self, ids: tuple[str, ...]) -> np.ndarray:
+        """Slots of the pool's instances; unknown ones are registered with the default prior."""
+        k = self._s.pool_slots(ids)
+        if k is None:
+            for i in ids:
+                self._slot(i)
+            k = self._s.pool_slots(ids)
+            assert k is not None
+        return k
+
     # -- the decision --------------------------------------------------------
     def _eligible(self, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
         hw = self.config.kv_high_water
-        up = [c for c in candidates if c.ready and not c.draining and c.role != "decode"]
-        below = [c for c in up if c.kv_usage < hw]
+        below = [c for c in candidates if c.ready and not c.draining and c.role != "decode" and c.kv_usage < hw]
+        if below:
+            return below
         # Every instance above the high-water mark: the engines will queue the request, which
         # beats refusing it; send it where KV is least full rather than nowhere.
-        return below or ([min(up, key=lambda c: (c.kv_usage, c.instance_id))] if up else [])
+        up = [c for c in candidates if c.ready and not c.draining and c.role != "decode"]
+        return [min(up, key=lambda c: (c.kv_usage, c.instance_id))] if up else []
 
     def _terms(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
-               now: float) -> tuple[list[str], tuple[np.ndarray, ...]]:
-        ids = [c.instance_id for c in pool]
-        matched = self.index.match(profile.block_hashes, ids)
-        return ids, self._score(profile, pool, ids, [matched[i] for i in ids], now)
+               now: float) -> tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]:
+        """(pool ids, their slots, the score terms): the prefix match runs before unknown
+        instances are registered, as it always has, so index bits are handed out in the same order."""
+        ids = tuple([c.instance_id for c in pool])
+        matched = self.index.match_blocks(profile.block_hashes, ids)
+        k = self._pool_slots(ids)
+        return ids, k, self._score(profile, pool, k, matched, now)
 
     def predict(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
                 now: float) -> tuple[float, int] | None:
@@ -204,7 +254,7 @@ class TokenPilot:
         pool = self._eligible(candidates)
         if not pool:
             return None
-        _, terms = self._terms(profile, pool, now)
+        _, _, terms = self._terms(profile, pool, now)
         best = int(np.argmin(terms[0]))
         return float(terms[1][best]), int(terms[6][best])
 
@@ -216,7 +266,7 @@ class TokenPilot:
             why = "no candidate instance" if not candidates else \
                 f"all {len(candidates)} candidate(s) unready or draining"
             return RouteDecision(None, why)
-        ids, terms = self._terms(profile, pool, now)
+        ids, slots, terms = self._terms(profile, pool, now)
         cost = terms[0]
         best = int(np.argmin(cost))  # pool order is instance-id order: ties go to the smallest id
         chosen, reason = best, "lowest predicted cost"
@@ -225,7 +275,7 @@ class TokenPilot:
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
-        self._commit(profile, self._s.index[ids[chosen]], ids[chosen], cached, ttft, float(terms[2][chosen]),
+        self._commit(profile, int(slots[chosen]), ids[chosen], ttft, float(terms[2][chosen]),
                      float(terms[3][chosen]), float(terms[8][chosen]), now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
@@ -234,38 +284,41 @@ class TokenPilot:
             del self.decisions[: len(self.decisions) - cfg.max_decisions_kept]
         return decision
 
-    def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], ids: Sequence[str],
-               matched_blocks: Sequence[int], now: float) -> tuple[np.ndarray, ...]:
-        """(cost, ttft, queue, prefill, interference, kv pressure, cached tokens, own decode) per candidate."""
+    def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
+               matched_blocks: np.ndarray, now: float) -> tuple[np.ndarray, ...]:
+        """(cost, ttft, queue, prefill, interference, kv pressure, cached tokens, own decode,
+        prefill compute) per candidate.
+
+        Each expression keeps the operation order it has always had (the floating-point
+        results, hence the decisions, are exactly those of earlier versions); what changed is
+        only where the operands come from.
+        """
         cfg = self.config
         s = self._s
-        slot = s.index.get
-        k = np.array([slot(i) if i in s.index else self._slot(i) for i in ids], dtype=np.intp)
-        running, waiting, kv_usage = np.array(
-            [(c.num_running, c.num_waiting, c.kv_usage) for c in pool], dtype=float).T
+        g = s.m.take(k, axis=1)  # every state row of every candidate, one gather
+        running = np.fromiter([c.num_running for c in pool], dtype=float, count=len(pool))
+        waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=len(pool))
         prompt = profile.prompt_tokens
-        cached = np.minimum(np.asarray(matched_blocks, dtype=float) * profile.block_size, max(prompt - 1, 0))
+        cached = np.minimum(matched_blocks * profile.block_size, max(prompt - 1, 0))
         uncached = prompt - cached
-        speed = s.prefill_factor[k]
-        token_s = s.token_s[k] * speed
-        kv_s = s.kv_s[k] * s.decode_factor[k]
-        overhead = s.overhead_s[k]
+        token_s, kv_s, overhead, budget = g[s.TOKEN_EFF], g[s.KV_EFF], g[s.OVERHEAD_S], g[s.BUDGET]
         # Context decoding alongside the prefill: what we routed there, or what the engine
         # reports running when others share it (assume our mean context per stream).
-        ours = s.streams[k]
+        ours = g[s.STREAMS]
         streams = np.maximum(ours, running)
-        mean_ctx = np.where(ours > 0, s.context[k] / np.maximum(ours, 1), prompt)
+        mean_ctx = np.where(ours, g[s.CONTEXT_PER_STREAM], prompt)  # (ours >= 0: nonzero means > 0)
         context = streams * mean_ctx
         # Prefill = linear layers per token + attention over the context so far (quadratic in
         # long prompts) + every step's decode KV reads and fixed cost while it runs.
-        compute = uncached * token_s + s.attn_s[k] * speed * uncached * (cached + uncached / 2)
-        steps = uncached / s.budget[k]
-        prefill = compute + steps * (context * kv_s + overhead) + overhead
+        compute = uncached * token_s + g[s.ATTN_EFF] * uncached * (cached + uncached / 2)
+        context_kv = context * kv_s
+        step_s = context_kv + overhead
+        prefill = compute + uncached / budget * step_s + overhead
         # Prefill work routed here and not yet done (seconds), drained by the clock.
-        backlog = np.maximum(0.0, s.backlog[k] - np.maximum(0.0, now - s.backlog_at[k]))
-        s.backlog[k] = backlog
-        s.backlog_at[k] = np.maximum(s.backlog_at[k], now)
-        per_token = compute / np.maximum(uncached, 1) + (context * kv_s + overhead) / s.budget[k]
+        elapsed = np.maximum(0.0, now - g[s.DECAYED_AT])
+        backlog = np.maximum(0.0, g[s.BACKLOG] - elapsed)
+        # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
+        per_token = compute / (uncached if prompt >= 1 else np.maximum(uncached, 1)) + step_s / budget
         waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
         queue = np.maximum(backlog, waiting_hint)
         ttft = queue + prefill
@@ -273,27 +326,20 @@ class TokenPilot:
         # taking lately (EWMA). Every prefill step stalls all decoding streams, so a stream's
         # time per token is its decode step stretched by 1 / (1 - duty).
         window = self._duty_window()
-        duty = s.duty[k] * np.exp(-np.maximum(0.0, now - s.duty_at[k]) / window)
-        s.duty[k] = duty
-        s.duty_at[k] = np.maximum(s.duty_at[k], now)
+        duty = g[s.DUTY] * np.exp(elapsed / -window)  # (x / -w is -x / w, bit for bit)
+        self._store_decay(k, backlog, duty, g[s.DECAYED_AT], now)
         duty_after = np.minimum(cfg.max_duty, duty + compute / window)
-        decode_step = overhead * s.decode_factor[k] + context * kv_s
+        decode_step = g[s.OVERHEAD_DF] + context_kv
         tpot_now = decode_step / (1 - np.minimum(duty, cfg.max_duty))
         # Each running stream absorbs this prefill's compute as gaps between its tokens over
         # its remaining output; only what pushes it past its TPOT budget costs goodput.
         remaining = self._remaining_tokens()
         slack = (cfg.tpot_slo_s - tpot_now) * remaining
-        interference = cfg.interference_weight * streams * np.maximum(0.0, compute - np.maximum(slack, 0.0))
-        # The whole request holds KV once running (cached blocks become referenced too), and
-        # streams grow as they decode; past the soft mark it risks evicting hot prefixes,
-        # past full it will be preempted and recomputed (its TTFT doubles).
-        need = (prompt + self._mean_output) / (profile.block_size * s.capacity_blocks[k])
-        new_usage = kv_usage + need
-        kv_cost = prefill * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
-                             / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
+        interference = _weighted(cfg.interference_weight, streams) * np.maximum(0.0, compute - np.maximum(slack, 0.0))
+        kv_cost = self._kv_cost(profile, pool, g[s.CAPACITY_BLOCKS], prefill)
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
-        locality = cfg.locality_weight * cached * token_s
+        locality = _weighted(cfg.locality_weight, cached) * token_s
         # Its own decode: every step there reads all streams' KV, ours included. A crowded
         # instance stretches this request's time per token (and past the TPOT budget, costs
         # its SLO); without this term, requests whose prefill is cheap everywhere would
@@ -301,9 +347,39 @@ class TokenPilot:
         own_step = (decode_step + prompt * kv_s) / (1 - duty_after)
         out = 2 * remaining
         decode = out * (cfg.decode_weight * own_step
-                        + cfg.decode_slo_weight * np.maximum(0.0, own_step - cfg.tpot_slo_s))
-        cost = ttft + interference + kv_cost + decode - locality
+                        + _weighted(cfg.decode_slo_weight, np.maximum(0.0, own_step - cfg.tpot_slo_s)))
+        cost = ttft + interference
+        if kv_cost is not None:
+            cost = cost + kv_cost
+        else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
+            kv_cost = np.zeros(len(k))
+        cost = cost + decode - locality
         return cost, ttft, queue, prefill, interference, kv_cost, cached, decode, compute
+
+    def _store_decay(self, k: np.ndarray, backlog: np.ndarray, duty: np.ndarray, decayed_at: np.ndarray,
+                     now: float) -> None:
+        """Keep the clock-drained backlog and duty: the next decision decays from here."""
+        s, m = self._s, self._s.m
+        m[s.BACKLOG][k] = backlog
+        m[s.DUTY][k] = duty
+        m[s.DECAYED_AT][k] = np.maximum(decayed_at, now)
+
+    def _kv_cost(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], capacity: np.ndarray,
+                 prefill: np.ndarray) -> np.ndarray | None:
+        """KV pressure per candidate, or None where no candidate would pass the soft mark.
+
+        The whole request holds KV once running (cached blocks become referenced too), and
+        streams grow as they decode; past the soft mark it risks evicting hot prefixes,
+        past full it will be preempted and recomputed (its TTFT doubles).
+        """
+        cfg = self.config
+        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
+        need = (profile.prompt_tokens + self._mean_output) / (profile.block_size * capacity)
+        new_usage = kv_usage + need
+        if not new_usage.max() > cfg.kv_soft_mark:  # (written so that NaN still takes the full path)
+            return None
+        return prefill * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
+                          / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
 
     def _duty_window(self) -> float:
         cfg = self.config
@@ -316,14 +392,15 @@ class TokenPilot:
     def _explain(self, ids: Sequence[str], terms: tuple[np.ndarray, ...]) -> _Explained:
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
-    def _commit(self, profile: RequestProfile, k: int, instance_id: str, cached: int, ttft: float,
+    def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, now: float) -> None:
-        s = self._s
-        s.backlog[k] += prefill_s
-        s.duty[k] += compute_s / self._duty_window()
+        s, m = self._s, self._s.m
+        m[s.BACKLOG, k] += prefill_s
+        m[s.DUTY, k] += compute_s / self._duty_window()
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
-        s.context[k] += profile.prompt_tokens
-        s.streams[k] += 1
+        m[s.CONTEXT, k] += profile.prompt_tokens
+        m[s.STREAMS, k] += 1
+        s.refresh_context(k)
         self.index.record_route(instance_id, profile.block_hashes, now)
         self._inflight[profile.request_id] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
 
@@ -332,11 +409,17 @@ class TokenPilot:
         rec = self._inflight.pop(outcome.request_id, None)
         if rec is None:
             return
-        s, k = self._s, rec.slot
-        s.streams[k] = max(0.0, s.streams[k] - 1)
-        s.context[k] = max(0.0, s.context[k] - rec.prompt_tokens)
-        if not outcome.ok or outcome.cancelled:
-            return
+        s, m, k = self._s, self._s.m, rec.slot
+        m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
+        m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
+        if outcome.ok and not outcome.cancelled:
+            self._learn(k, rec, outcome)
+            s.refresh(k)
+        else:
+            s.refresh_context(k)
+
+    def _learn(self, k: int, rec: _Inflight, outcome: RequestOutcome) -> None:
+        s, m = self._s, self._s.m
         if outcome.output_tokens > 0:
             self._mean_output += 0.02 * (outcome.output_tokens - self._mean_output)
         learned = self._learned[k]
@@ -344,11 +427,11 @@ class TokenPilot:
         # in the queue model would be taken for a slow (or fast) GPU and feed back on itself.
         if outcome.ttft_s is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
             learned.prefill.update(outcome.ttft_s, rec.predicted_ttft_s)
-            s.prefill_factor[k] = learned.prefill.value
+            m[s.PREFILL_FACTOR, k] = learned.prefill.value
         if outcome.mean_tpot_s is not None and outcome.output_tokens > 1:
-            predicted = (s.overhead_s[k] + s.context[k] * s.kv_s[k]) * learned.decode.value
+            predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
             learned.decode.update(outcome.mean_tpot_s, max(float(predicted), 1e-4))
-            s.decode_factor[k] = learned.decode.value
+            m[s.DECODE_FACTOR, k] = learned.decode.value
 
     def observe_kv_events(self, instance_id: str, seq: int, events: Sequence[Mapping[str, object]],
                           now: float) -> None:
@@ -358,7 +441,13 @@ class TokenPilot:
     def explain(self, instance_id: str) -> dict[str, float]:
         """What TokenPilot has learned about one instance (for debug endpoints and tests)."""
         s, k = self._s, self._slot(instance_id)
-        return {"prefill_speed_factor": float(s.prefill_factor[k]),
-                "decode_speed_factor": float(s.decode_factor[k]),
-                "backlog_s": float(s.backlog[k]), "streams": float(s.streams[k]),
+        m = s.m
+        return {"prefill_speed_factor": float(m[s.PREFILL_FACTOR, k]),
+                "decode_speed_factor": float(m[s.DECODE_FACTOR, k]),
+                "backlog_s": float(m[s.BACKLOG, k]), "streams": float(m[s.STREAMS, k]),
                 "index_entries": float(self.index.entries(instance_id))}
+
+
+def _weighted(weight: float, x: np.ndarray) -> np.ndarray:
+    """weight * x, skipping the vector operation at the (default) weight 1, where it is exact."""
+    return x if weight == 1.0 else weight * x
