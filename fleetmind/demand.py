@@ -30,9 +30,14 @@ _FALLBACK = ("llama-3.1-8b", "H100", 1)
 
 
 class DemandModel:
-    def __init__(self, fleet: FleetConfig, decode_batch: int = DECODE_BATCH) -> None:
+    """`wall_clock`: replicas work in wall seconds, as a live gateway sees them: a simulated
+    worker with `time_scale: 0.1` does ten physical seconds of work per second, so it counts
+    as ten times as fast (the simulator, in virtual time, leaves it False)."""
+
+    def __init__(self, fleet: FleetConfig, decode_batch: int = DECODE_BATCH, wall_clock: bool = False) -> None:
         self.fleet = fleet
         self.decode_batch = decode_batch
+        self.wall_clock = wall_clock
         self._home: dict[tuple[str | None, str], str] = {}
         self._timers: dict[tuple[str, str, int], StepTimer] = {}
 
@@ -56,16 +61,18 @@ class DemandModel:
     def replica_speed(self, site: str, model: str) -> float:
         """How much reference work one replica of `model` at `site` does per second (1.0 on the
         reference hardware, less on slower GPUs): a typical request's time there vs. here."""
-        here = self._timer(model, site)
-        ref = self._timer(model)
-        if here is ref:
-            return 1.0
+        here, ref = self._timer(model, site), self._timer(model)
         p, o, b = TYPICAL_PROMPT, TYPICAL_OUTPUT, self.decode_batch
 
         def cost(t: StepTimer) -> float:
             return t.step_time([(p, 0)], []) + o * t.step_time([], [p] * b) / b
 
-        return cost(ref) / cost(here)
+        speed = 1.0 if here is ref else cost(ref) / cost(here)
+        return speed / self._time_scale(site, model) if self.wall_clock else speed
+
+    def _time_scale(self, site: str, model: str) -> float:
+        d = next((d for d in self.fleet.deployments if d.site == site and d.model == model), None)
+        return float(d.options.get("time_scale", 1.0)) if d is not None and d.adapter == "sim" else 1.0
 
     def _timer(self, model: str, site: str | None = None) -> StepTimer:
         """The roofline of `model` on the hardware of its first deployment (at `site`, when given
@@ -84,3 +91,4 @@ class DemandModel:
                 t = StepTimer(hardware.model(_FALLBACK[0]), hardware.gpu(_FALLBACK[1]), tp=_FALLBACK[2])
             self._timers[key] = t
         return t
+

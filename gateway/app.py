@@ -167,7 +167,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     placement = None
     if config.planner.enabled if planner is None else planner:
         p = config.planner
-        demand = DemandModel(config)
+        demand = DemandModel(config, wall_clock=True)
         placement = PlacementLoop(planner_for(config, demand), demand, state, relay.router, admission.ledger, clock, cycle_s=p.cycle_s, drain_timeout_s=p.drain_timeout_s,
                                   ready_timeout_s=p.ready_timeout_s, mode=p.mode)
         relay.listeners.append(placement)

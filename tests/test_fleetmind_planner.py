@@ -170,3 +170,10 @@ def test_a_site_keeps_a_share_of_its_replicas() -> None:
     feed(p, 0, 60, {"a": 5.9, "b": 0.2})
     assert p.plan(placement, 60) == Move("m", "b", "a", 3)
     assert p.plan({("a", "m"): 9, ("b", "m"): 3}, 200) is None  # b is at its floor
+
+
+def test_live_replica_speed_counts_the_simulated_workers_time_scale() -> None:
+    """A sim worker at time_scale 0.3 does 1/0.3 physical seconds of work per wall second."""
+    fleet = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
+    assert DemandModel(fleet).replica_speed("a", "llama-3.1-8b") == 1.0
+    assert abs(DemandModel(fleet, wall_clock=True).replica_speed("a", "llama-3.1-8b") - 1 / 0.3) < 1e-9

@@ -30,7 +30,7 @@ FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")
 ADMIN = {"Authorization": "Bearer sk-admin"}
 ACME = {"Authorization": "Bearer sk-acme"}
 MODEL = "llama-3.1-8b"
-LONG_TOKENS = 3000
+LONG_TOKENS = 6000
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
