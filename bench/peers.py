@@ -3,7 +3,8 @@
     .venv/bin/python bench/peers.py [--trace FILE] [--window S] [--start S] [--rate-scale X]
         [--workers N] [--spec M --gpu G --tp T] [--time-scale S]
         [--ours tokenpilot,round_robin] [--sglang-policy cache_aware] [--admission fcfs|slomax]
-        [--parts routing,overhead,fidelity] [--overhead-rate 200] [--json OUT.json]
+        [--parts routing,overhead,fidelity] [--overhead-rate 200]
+        [--overhead-stacks auto,h11+asyncio,httptools+uvloop] [--json OUT.json]
 
 Three measurements, each printed as a table:
 
@@ -21,6 +22,11 @@ Three measurements, each printed as a table:
    router, each at a fixed open-loop rate (200 req/s) of small streaming
    requests (64 prompt tokens, 4 output tokens). Added latency per path is the
    path's TTFT (and end-to-end) percentile minus the direct path's, median and p99.
+   `--overhead-stacks` runs one gateway per uvicorn stack (HTTP parser + event
+   loop, e.g. `h11+asyncio` vs `httptools+uvloop`) side by side in the same
+   rounds; `auto` is exactly what `tokenfleet up` picks. Each gateway reports the
+   stack it really runs, and that is what its row is labelled with (plus
+   "(auto)" for the `tokenfleet up` one).
 3. fidelity — the same fleet (as `adapter: sim`), the same workload and the same
    policy through the discrete-event simulator (`fleetsim`), printed next to the
    live TTFT p50: tokenpilot vs our gateway with tokenpilot, and the simulator's
@@ -234,15 +240,66 @@ def gateway_fleet(shape: FleetShape, urls: Sequence[str], *, simulated: bool = F
             "admission": {"policy": shape.admission}}
 
 
+# `python -c GATEWAY_SHIM HTTP LOOP up ...` is `tokenfleet up ...` with uvicorn's HTTP parser
+# and/or the event loop forced ("auto": left as `tokenfleet up` has them), and it prints the
+# stack it really got once uvicorn has loaded its config on the running loop.
+GATEWAY_SHIM = r"""
+import asyncio, sys
+import uvicorn, uvicorn.config
+http, loop = sys.argv[1], sys.argv[2]
+del sys.argv[1:3]
+if http != "auto":
+    uvicorn.config.HTTP_PROTOCOLS["auto"] = uvicorn.config.HTTP_PROTOCOLS[http]
+if loop != "auto":
+    if loop == "uvloop":
+        import uvloop
+        factory = uvloop.new_event_loop
+    else:
+        factory = asyncio.SelectorEventLoop
+    def _run(main, *, debug=None):
+        with asyncio.Runner(debug=debug, loop_factory=factory) as runner:
+            return runner.run(main)
+    asyncio.run = _run
+_load = uvicorn.Config.load
+def _load_and_say(self):
+    _load(self)
+    got_loop = "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+    got_http = self.http_protocol_class.__module__.rsplit(".", 1)[-1].removesuffix("_impl")
+    print(f"gateway-stack {got_http}+{got_loop}", flush=True)
+uvicorn.Config.load = _load_and_say
+from gateway.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+GATEWAY_STACK_HTTP = ("auto", "h11", "httptools")
+GATEWAY_STACK_LOOP = ("auto", "asyncio", "uvloop")
+
+
+def parse_stack(spec: str) -> tuple[str, str]:
+    """'auto' or 'HTTP+LOOP' (each part 'auto' or a uvicorn choice) -> (http, loop)."""
+    http, _, loop = spec.strip().partition("+")
+    loop = loop or "auto"
+    if http not in GATEWAY_STACK_HTTP or loop not in GATEWAY_STACK_LOOP:
+        raise ValueError(f"gateway stack {spec!r}: expected HTTP+LOOP with HTTP in {GATEWAY_STACK_HTTP} "
+                         f"and LOOP in {GATEWAY_STACK_LOOP}, or 'auto'")
+    return http, loop
+
+
 async def start_gateway(procs: Processes, shape: FleetShape, urls: Sequence[str], router: str,
-                        name: str = "gateway") -> Proc:
+                        name: str = "gateway", stack: str = "auto") -> Proc:
+    """Our gateway over `urls`; `stack` forces uvicorn's HTTP parser/event loop (see
+    GATEWAY_SHIM). proc.extra["stack"] is the stack it really runs, e.g. 'httptools+uvloop'."""
+    http, loop = parse_stack(stack)
     path = procs.workdir / f"{name}-fleet.yaml"
     path.write_text(yaml.safe_dump(gateway_fleet(shape, urls), sort_keys=False))
-    proc = procs.spawn(name, [PY, "-m", "gateway.cli", "up", "--fleet", str(path), "--port", "0",
+    proc = procs.spawn(name, [PY, "-c", GATEWAY_SHIM, http, loop, "up", "--fleet", str(path), "--port", "0",
                               "--router", router])
     m = await _wait_for_log(proc, r"gateway\s+(http://\S+)")
     proc.url = m.group(1)
     await _wait_http(proc.url.removesuffix("/v1") + "/health", lambda j: j.get("ready_instances") == len(urls))
+    proc.extra["stack"] = (await _wait_for_log(proc, r"^gateway-stack (\S+)$")).group(1)
+    want = [w for w in (http, loop) if w != "auto"]
+    if not set(want) <= set(proc.extra["stack"].split("+")):
+        raise RuntimeError(f"{name}: asked for {stack}, runs {proc.extra['stack']}")
     return proc
 
 
@@ -419,11 +476,17 @@ class _Path:
 
 async def run_overhead(procs: Processes, sglang_py: Path | None, sglang_policy: str, rate: float, n: int,
                        rounds: int, router: str, modes: Sequence[str], max_busy: float = 0.5,
-                       quiet_wait_s: float = 120.0) -> list[dict[str, Any]]:
+                       quiet_wait_s: float = 120.0, stacks: Sequence[str] = ("auto",)) -> list[dict[str, Any]]:
     shape = FleetShape(workers=1, time_scale=0.001)
     worker = await start_worker(procs, shape, 99)
-    gw = await start_gateway(procs, shape, [worker.url], router, name="gateway-overhead")
-    paths = [_Path("direct", worker.url, None, worker), _Path(f"tokenfleet/{router}", gw.url, API_KEY, gw)]
+    paths = [_Path("direct", worker.url, None, worker)]
+    gateways: list[Proc] = []
+    for i, stack in enumerate(stacks):  # one gateway per uvicorn stack, all measured in the same rounds
+        gw = await start_gateway(procs, shape, [worker.url], router, name=f"gateway-overhead{i}", stack=stack)
+        gateways.append(gw)
+        label = f"tokenfleet/{router} {gw.extra['stack']}" + (" (auto)" if stack == "auto" else "")
+        paths.append(_Path(label, gw.url, API_KEY, gw))
+        print(f"gateway   {stack}: {gw.extra['stack']} at {gw.url}", flush=True)
     sg: Proc | None = None
     if sglang_py:
         sg = await start_sglang(procs, sglang_py, [worker.url], sglang_policy, name="sglang-overhead")
@@ -443,7 +506,7 @@ async def run_overhead(procs: Processes, sglang_py: Path | None, sglang_policy: 
                     run["idle_busy_cores"] = quiet
                     out[p.name].append(run)
         tables.append(_overhead_table(out, rate, n, mode))
-    for proc in (sg, gw, worker):
+    for proc in (sg, *gateways, worker):
         if proc is not None:
             procs.stop(proc)
     return tables
@@ -460,7 +523,7 @@ async def _overhead_run(p: _Path, wl: Workload, session: aiohttp.ClientSession, 
     s = summarize_all(run.records)
     s["cpu_ms_per_req"] = 1e3 * cpu / max(1, len(run.records))
     s["machine_busy_cores"] = busy / max(run.wall_s, 1e-9)
-    print(f"overhead  {mode:<9} round {r + 1} {p.name:<26} {s['completed']}/{s['requests']} ok  "
+    print(f"overhead  {mode:<9} round {r + 1} {p.name:<46} {s['completed']}/{s['requests']} ok  "
           f"TTFT p50 {s['ttft_ms']['p50'] or 0:.2f} p99 {s['ttft_ms']['p99'] or 0:.2f} ms  "
           f"cpu {s['cpu_ms_per_req']:.2f} ms/req  machine busy {s['machine_busy_cores']:.2f} cores  "
           f"send lag p99 {run.live_block(target)['send_lag_ms']['p99'] or 0:.2f} ms", flush=True)
@@ -493,12 +556,12 @@ def format_overhead(o: dict[str, Any]) -> str:
     conn = "a new connection per request" if o["connections"] == "fresh" else "keep-alive connections"
     lines = [(f"gateway overhead at {o['rate_rps']:g} req/s streaming, {conn} ({o['requests_per_round']} "
               f"requests x {o['rounds']} rounds; 64 prompt + 4 output tokens; medians over rounds)"),
-             (f"{'path':<28} {'ok':>11}  {'TTFT p50':>9} {'TTFT p99':>9}  {'e2e p50':>8} {'e2e p99':>8}  "
+             (f"{'path':<46} {'ok':>11}  {'TTFT p50':>9} {'TTFT p99':>9}  {'e2e p50':>8} {'e2e p99':>8}  "
               f"{'added p50':>9} {'added p99':>9}  {'cpu/req':>8} {'busy':>5} {'idle':>5}"),
-             "-" * 126]
+             "-" * 144]
     for name, a in o["paths"].items():
         add = a["added_ms"]
-        lines.append(f"{name:<28} {a['completed']:>5}/{a['requests']:<5}  {_f(a['ttft_ms']['p50'])} "
+        lines.append(f"{name:<46} {a['completed']:>5}/{a['requests']:<5}  {_f(a['ttft_ms']['p50'])} "
                      f"{_f(a['ttft_ms']['p99'])}  {_f(a['e2e_ms']['p50'], 8)} {_f(a['e2e_ms']['p99'], 8)}  "
                      f"{_f(add['ttft_p50'])} {_f(add['ttft_p99'])}  {_f(a['cpu_ms_per_req'], 8)} "
                      f"{_f(a['machine_busy_cores'], 5)} {_f(a['idle_busy_cores'], 5)}")
@@ -609,6 +672,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routing runs open a connection per request (default: keep-alive)")
     p.add_argument("--overhead-connections", default="keepalive,fresh",
                    help="client connection modes of the overhead runs (keepalive, fresh)")
+    p.add_argument("--overhead-stacks", default="auto",
+                   help="our gateway's uvicorn stacks in the overhead runs, comma-separated, one gateway each: "
+                        "'auto' (what `tokenfleet up` picks) or HTTP+LOOP, HTTP in auto/h11/httptools, LOOP in "
+                        "auto/asyncio/uvloop (e.g. auto,h11+asyncio,httptools+uvloop)")
     p.add_argument("--no-install", action="store_true", help="do not pip-install sglang-router into the peers venv")
     p.add_argument("--json", metavar="OUT.json", help="write every table's data as JSON")
     return p
@@ -624,6 +691,13 @@ async def amain(args: argparse.Namespace) -> int:
     if not set(modes) <= {"keepalive", "fresh"}:
         print(f"--overhead-connections: expected keepalive and/or fresh, got {args.overhead_connections!r}",
               file=sys.stderr)
+        return 2
+    stacks = list(dict.fromkeys(s.strip() for s in args.overhead_stacks.split(",") if s.strip())) or ["auto"]
+    try:
+        for s in stacks:
+            parse_stack(s)
+    except ValueError as e:
+        print(f"--overhead-stacks: {e}", file=sys.stderr)
         return 2
     shape = FleetShape(workers=args.workers, spec=args.spec, gpu=args.gpu, tp=args.tp, time_scale=args.time_scale,
                        admission=args.admission)
@@ -661,7 +735,7 @@ async def amain(args: argparse.Namespace) -> int:
                 router = ours[0] if ours else "tokenpilot"
                 tables = await run_overhead(procs, sglang_py, args.sglang_policy or "cache_aware",
                                             args.overhead_rate, args.overhead_requests, args.overhead_rounds,
-                                            router, modes, args.overhead_max_busy)
+                                            router, modes, args.overhead_max_busy, stacks=stacks)
                 report["overhead"] = tables
                 for o in tables:
                     print()
