@@ -39,7 +39,8 @@ class DemandModel:
         self.decode_batch = decode_batch
         self.wall_clock = wall_clock
         self._home: dict[tuple[str | None, str], str] = {}
-        self._timers: dict[tuple[str, str, int], StepTimer] = {}
+        self._timers: dict[tuple[str, str, int], StepTimer] = {}  # by hardware
+        self._by_place: dict[tuple[str, str | None], StepTimer] = {}
 
     def home(self, client_region: str | None, model: str) -> str:
         """The nearest site that serves `model` (any site when none does) from `client_region`."""
@@ -67,7 +68,7 @@ class DemandModel:
         def cost(t: StepTimer) -> float:
             return t.step_time([(p, 0)], []) + o * t.step_time([], [p] * b) / b
 
-        speed = 1.0 if here is ref else cost(ref) / cost(here)
+        speed = cost(ref) / cost(here)
         return speed / self._time_scale(site, model) if self.wall_clock else speed
 
     def _time_scale(self, site: str, model: str) -> float:
@@ -76,19 +77,26 @@ class DemandModel:
 
     def _timer(self, model: str, site: str | None = None) -> StepTimer:
         """The roofline of `model` on the hardware of its first deployment (at `site`, when given
-        and deployed there; else anywhere: the reference hardware)."""
-        deps = [d for d in self.fleet.deployments if d.model == model]
-        d = next((d for d in deps if d.site == site), None) if site is not None else None
-        d = d or (deps[0] if deps else None)
-        key = (model, d.gpu, d.tp) if d is not None else (model, *_FALLBACK[1:])
-        t = self._timers.get(key)
+        and deployed there; else anywhere: the reference hardware). Memoised per place: `work_s`
+        runs for every request the gateway sees."""
+        t = self._by_place.get((model, site))
         if t is None:
-            spec = next((m.engine.spec for m in self.fleet.models if m.name == model), _FALLBACK[0])
-            try:
-                t = StepTimer(hardware.model(spec), hardware.gpu(key[1]), tp=key[2])
-            except ValueError as e:
-                log.warning("demand of %s timed on %s/%s (%s)", model, _FALLBACK[0], _FALLBACK[1], e)
-                t = StepTimer(hardware.model(_FALLBACK[0]), hardware.gpu(_FALLBACK[1]), tp=_FALLBACK[2])
-            self._timers[key] = t
+            t = self._by_place[(model, site)] = self._hardware_timer(*self._hardware(model, site))
         return t
 
+    def _hardware(self, model: str, site: str | None) -> tuple[str, str, int]:
+        deps = [d for d in self.fleet.deployments if d.model == model]
+        d = next((d for d in deps if d.site == site), deps[0] if deps else None)
+        spec = next((m.engine.spec for m in self.fleet.models if m.name == model), _FALLBACK[0])
+        return (spec, d.gpu, d.tp) if d is not None else (spec, *_FALLBACK[1:])
+
+    def _hardware_timer(self, spec: str, gpu: str, tp: int) -> StepTimer:
+        t = self._timers.get((spec, gpu, tp))
+        if t is None:
+            try:
+                t = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp)
+            except ValueError as e:
+                log.warning("demand of %s timed on %s/%s (%s)", spec, _FALLBACK[0], _FALLBACK[1], e)
+                t = StepTimer(hardware.model(_FALLBACK[0]), hardware.gpu(_FALLBACK[1]), tp=_FALLBACK[2])
+            self._timers[(spec, gpu, tp)] = t
+        return t

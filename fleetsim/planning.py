@@ -31,20 +31,23 @@ class PlannerLoop:
     window_s: float = 60.0
     slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     _seen: int = 0
-    _unrouted: list[Any] = field(default_factory=list)  # arrived, not yet sent to a site (queued)
+    # (request, its work) arrived and not yet booked to the site that serves it
+    _unrouted: list[tuple[Any, float]] = field(default_factory=list)
 
     def __call__(self, sim: FleetSimulator, now: float) -> None:
         reqs = sim.requests
         for r in reqs[self._seen:]:
             inp = r.inp
-            self.planner.record_demand(self.demand.home(inp.region, inp.model), inp.model, self._work_s(r))
-        fresh, self._unrouted = self._unrouted + reqs[self._seen:], []
-        for r in fresh:
-            if r.site is not None:
-                self.planner.record_served(r.site, r.inp.model, self._work_s(r))
-            elif r.status in ("new", "queued"):
-                self._unrouted.append(r)
+            work = self.demand.work_s(inp.model, inp.prompt_tokens, inp.output_tokens)
+            self.planner.record_demand(self.demand.home(inp.region, inp.model), inp.model, work)
+            self._unrouted.append((r, work))
         self._seen = len(reqs)
+        pending, self._unrouted = self._unrouted, []
+        for r, work in pending:
+            if r.site is not None:
+                self.planner.record_served(r.site, r.inp.model, work)
+            elif r.status in ("new", "queued"):
+                self._unrouted.append((r, work))
         self.planner.record_goodput(self._good_fraction(sim, now), now)
         undo = self.planner.check(now)
         if undo is not None:
@@ -62,9 +65,6 @@ class PlannerLoop:
                 sim.add_instance(move.to_site, move.model, now, self.startup_s)
             done += 1
         return done > 0
-
-    def _work_s(self, r: Any) -> float:
-        return self.demand.work_s(r.inp.model, r.inp.prompt_tokens, r.inp.output_tokens)
 
     def _good_fraction(self, sim: FleetSimulator, now: float) -> float:
         """Goodput normalised by demand: of the output tokens of requests that ended in the last

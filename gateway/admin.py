@@ -236,13 +236,15 @@ def fleet_view(config: FleetConfig, relay: Any) -> list[dict[str, Any]]:
     now = relay.clock()
     predict = getattr(relay.router, "predict", None)
     index = getattr(relay.router, "index", None)
+    counts = sorted(state.pools().items())
     out = []
     for s in config.sites:
         pools = []
-        for (site, model, version), c in sorted(state.pools().items()):
+        snap = view.site(s.name)
+        for (site, model, version), c in counts:
             if site != s.name:
                 continue
-            ready = view.site(site).pool(model, version)
+            ready = snap.pool(model, version)
             row: dict[str, Any] = {"model": model, "version": version, **asdict(c)}
             if predict is not None and ready:
                 profile = RequestProfile(request_id="fleet-view", model=model, model_version=version,
@@ -250,7 +252,7 @@ def fleet_view(config: FleetConfig, relay: Any) -> list[dict[str, Any]]:
                 guess = predict(profile, ready, now)
                 row["predicted_ttft_s"] = round(guess[0], 4) if guess is not None else None
             if index is not None:
-                ids = [i.instance_id for i in view.site(site).instances if i.model == model and i.version == version]
+                ids = [i.instance_id for i in snap.instances if i.model == model and i.version == version]
                 row["cache_blocks"] = sum(index.entries(i) for i in ids)
                 row["cache_exact_instances"] = sum(1 for i in ids if index.is_exact(i, now))
             pools.append(row)

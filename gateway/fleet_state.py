@@ -15,7 +15,6 @@ bring it back (an older, slower check must not undo fresh evidence).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import statistics
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from engine_adapters.base import EngineAdapter, Instance, LoadSnapshot
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.types import FleetView, InstanceSnapshot, SiteSnapshot
+from gateway.background import cancel_and_wait
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -77,16 +77,6 @@ def build_view(config: FleetConfig, states: Iterable[InstanceState]) -> FleetVie
         for s in config.sites))
 
 
-def placement(states: Iterable[InstanceState]) -> dict[tuple[str, str], int]:
-    """Replicas per (site, model) that serve or are starting; draining ones are on their way out."""
-    out: dict[tuple[str, str], int] = {}
-    for st in states:
-        if not st.draining:
-            key = (st.instance.site, st.instance.model)
-            out[key] = out.get(key, 0) + 1
-    return out
-
-
 @dataclass(slots=True)
 class PoolCounts:
     """One site's instances of one model version, by state (what operators watch)."""
@@ -118,6 +108,15 @@ def pool_counts(states: Iterable[InstanceState]) -> dict[tuple[str, str, str], P
         if load is not None:
             c.num_waiting += load.num_waiting
             c.kv_usage_max = max(c.kv_usage_max, load.kv_usage)
+    return out
+
+
+def placement(pools: dict[tuple[str, str, str], PoolCounts]) -> dict[tuple[str, str], int]:
+    """Replicas per (site, model), all versions, that serve or are starting; draining ones are on
+    their way out."""
+    out: dict[tuple[str, str], int] = {}
+    for (site, model, _), c in pools.items():
+        out[(site, model)] = out.get((site, model), 0) + c.ready + c.starting + c.unready
     return out
 
 
@@ -176,9 +175,6 @@ class FleetState:
         self._states: dict[str, InstanceState] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._supervisor: asyncio.Task[None] | None = None
-        # Checked by the loops too: on Python 3.11 `wait_for` can swallow a cancellation that
-        # lands as its inner call completes, and the loop would go on (and `stop` wait forever).
-        self._stopping = False
 
     # lifecycle
 
@@ -189,13 +185,7 @@ class FleetState:
         self._supervisor = asyncio.create_task(self._supervise(), name="fleet-state")
 
     async def stop(self) -> None:
-        self._stopping = True
-        tasks = [t for t in (self._supervisor, *self._pollers.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait([self._supervisor, *self._pollers.values()])
         self._supervisor = None
         self._pollers.clear()
 
@@ -218,7 +208,7 @@ class FleetState:
         await asyncio.gather(*(self.poll_instance(i) for i in list(self._states)))
 
     async def _supervise(self) -> None:
-        while not self._stopping:
+        while True:
             self.sync_instances()
             for iid in self._states:
                 if iid not in self._pollers or self._pollers[iid].done():
@@ -226,7 +216,7 @@ class FleetState:
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll_loop(self, instance_id: str) -> None:
-        while instance_id in self._states and not self._stopping:
+        while instance_id in self._states:
             await asyncio.sleep(self.poll_interval_s)
             await self.poll_instance(instance_id)
 
@@ -324,7 +314,7 @@ class FleetState:
         return ready_counts(self._states.values())
 
     def placement(self) -> dict[tuple[str, str], int]:
-        return placement(self._states.values())
+        return placement(self.pools())
 
     def pools(self) -> dict[tuple[str, str, str], PoolCounts]:
         return pool_counts(self._states.values())

@@ -8,11 +8,11 @@ router's index ages the instance back to its approximate mode by itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from gateway.background import cancel_and_wait
 from gateway.fleet_state import FleetState
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -40,12 +40,7 @@ class KVEventFeed:
         self._supervisor = asyncio.create_task(self._supervise(), name="kv-feed")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._supervisor, *self._followers.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait([self._supervisor, *self._followers.values()])
         self._followers.clear()
 
     async def _supervise(self) -> None:

@@ -25,7 +25,6 @@ the planner's plans, applies, keeps and rollbacks and these actions are served a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from engine_adapters.base import EngineAdapter, Instance
 from fleetcore.types import RequestOutcome, RequestProfile
 from fleetmind.demand import DemandModel
 from fleetmind.planner import Move, Planner
+from gateway.background import cancel_and_wait
 from gateway.fleet_state import FleetState
 from gateway.routing import forget_instances, register_instances
 from tokenpilot.policy import InstanceRouter
@@ -110,12 +110,7 @@ class PlacementLoop:
         self._task = asyncio.create_task(self._run(), name="placement-planner")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._work) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait([self._task, *self._work])
         self._task = None
         self._work.clear()
 

@@ -11,51 +11,33 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapters.base import AdapterError, EngineAdapter, Instance, LoadSnapshot
+from engine_adapters.base import AdapterError, Instance
 from fleetcore.fleet_config import load_fleet_file
 from fleetmind.demand import DemandModel
 from fleetmind.planner import Move, Planner
 from gateway.fleet_state import FleetState
 from gateway.placement import PlacementLoop
 from slomax.ledger import GoodputLedger
+from tests.conftest import FakeAdapter, make_instance
 from tokenpilot.registry import make_router
 
 CONFIG = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
 MODEL = "llama-3.1-8b"
 
 
-class StandInAdapter(EngineAdapter):
-    """Instances that exist only as records; `healthy` says which answer health."""
-
-    name = "stand-in"
+class StandInAdapter(FakeAdapter):
+    """conftest's FakeAdapter for one site, able to add and remove instances."""
 
     def __init__(self, site: str, count: int, *, fail_add: bool = False, never_ready: bool = False) -> None:
+        super().__init__([self._make(site, i) for i in range(count)])
         self.site, self.model = site, MODEL
         self.fail_add, self.never_ready = fail_add, never_ready
-        self._instances = [self._make(i) for i in range(count)]
         self._next = count
-        self.healthy = {i.instance_id for i in self._instances}
         self.removed: list[str] = []
 
-    def _make(self, i: int) -> Instance:
-        return Instance(f"{self.site}/{MODEL}/{i}", self.site, MODEL, "v1", f"http://stand-in/{self.site}/{i}",
-                        self.name)
-
-    @property
-    def instances(self) -> list[Instance]:
-        return list(self._instances)
-
-    async def launch(self) -> list[Instance]:
-        return self.instances
-
-    async def stop(self) -> None:
-        pass
-
-    async def health(self, instance: Instance) -> bool:
-        return instance.instance_id in self.healthy
-
-    async def snapshot(self, instance: Instance) -> LoadSnapshot:
-        return LoadSnapshot(ready=True)
+    @staticmethod
+    def _make(site: str, i: int) -> Instance:
+        return make_instance(f"{site}/{MODEL}/{i}", f"http://stand-in/{site}/{i}", site=site, model=MODEL)
 
     @property
     def scalable(self) -> bool:
@@ -64,11 +46,10 @@ class StandInAdapter(EngineAdapter):
     async def add_instance(self) -> Instance:
         if self.fail_add:
             raise AdapterError("no free GPUs")
-        inst = self._make(self._next)
+        inst = self._make(self.site, self._next)
         self._next += 1
         self._instances.append(inst)
-        if not self.never_ready:
-            self.healthy.add(inst.instance_id)
+        self.ready[inst.instance_id] = not self.never_ready
         return inst
 
     async def remove_instance(self, instance: Instance) -> None:
