@@ -158,6 +158,58 @@ class PlannerSettings(_Strict):
         return {k: v for k, v in self.model_dump().items() if k not in runtime and v is not None}
 
 
+class GatewaySettings(_Strict):
+    """The `gateway:` block: every timeout and limit of the serving path, in one place.
+
+    Defaults suit a fleet on one network; each field says what it bounds. Nothing the
+    gateway waits on is unbounded: engines (connect, first byte, idle stream), clients
+    (headers, body, idle keep-alive), the policy store, tokenization, health checks and
+    shutdown each have their deadline here.
+    """
+
+    # --- engines ---
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect to an engine")
+    first_byte_timeout_floor_s: float = Field(
+        default=30.0, gt=0, description="least time an engine gets to send its first byte")
+    first_byte_timeout_factor: float = Field(
+        default=10.0, ge=1, description="first-byte deadline = max(floor, factor x predicted TTFT)")
+    stream_idle_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="no bytes from an engine for this long mid-response: it has stalled")
+    # --- clients ---
+    header_timeout_s: float = Field(default=10.0, gt=0, description="a request's headers must arrive within this")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="a request's body must arrive within this")
+    keep_alive_timeout_s: float = Field(
+        default=75.0, gt=0, description="idle client connection kept open (longer than clients' pools: 5 s for the OpenAI SDK)")
+    max_connections: int = Field(default=8192, ge=1, description="client connections open at once")
+    max_connections_per_client: int = Field(default=512, ge=1, description="per client IP address")
+    max_header_count: int = Field(default=100, ge=1)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, description="request line plus headers")
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_json_depth: int = Field(default=64, ge=4, description="nesting of a request body")
+    # --- work before routing ---
+    tokenize_workers: int = Field(default=2, ge=1, description="threads that tokenize prompts off the event loop")
+    tokenize_queue: int = Field(default=256, ge=1, description="prompts waiting for a tokenizer thread; more: 503")
+    tokenize_timeout_s: float = Field(default=5.0, gt=0)
+    # --- shared state ---
+    store_timeout_s: float = Field(default=1.0, gt=0, description="one policy-store (Redis) operation")
+    state_dir: str | None = Field(
+        default=None, description="where last-known-good admin state is kept on local disk "
+                                  "(default: $TOKENFLEET_STATE_DIR, else ~/.local/state/tokenfleet)")
+    # --- health ---
+    health_interval_s: float = Field(default=0.5, gt=0, description="how often each engine is checked")
+    health_timeout_s: float = Field(default=2.0, gt=0, description="a check slower than this is a miss")
+    health_misses_to_unready: int = Field(
+        default=3, ge=1, description="consecutive missed checks before an engine is taken out (a refused "
+                                     "connection takes it out at once)")
+    # --- lifecycle ---
+    shutdown_grace_s: float = Field(
+        default=120.0, ge=0, description="on SIGTERM, how long streams in flight may finish before they are "
+                                         "ended with an error event")
+    engine_restart_backoff_s: float = Field(default=1.0, gt=0, description="first wait before restarting a dead engine")
+    engine_restart_backoff_max_s: float = Field(default=60.0, gt=0)
+
+
 class FleetConfig(_Strict):
     regions: list[str] = Field(default_factory=list)
     default_region: str | None = None
@@ -168,6 +220,7 @@ class FleetConfig(_Strict):
     region_policies: list[RegionPolicy] = Field(default_factory=list)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     admin_api_keys: list[str] = Field(default_factory=list, description="plain admin keys (dev only)")
     admin_api_key_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of admin keys")
 
