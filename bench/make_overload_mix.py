@@ -51,7 +51,7 @@ from workloads import (
     window,
 )
 
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "traces"
 AZURE_CONV = "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE_CONV = "conversation_trace.jsonl.gz"
 
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7, help="seed of the generators (default 7)")
     p.add_argument("--noisy", action="store_true", help="add tenant `flood` (the noisy neighbour)")
     p.add_argument("--load", type=float, default=LOAD, help=f"source rate multiplier (default {LOAD})")
-    p.add_argument("--traces", default=str(TRACES), help="folder of the public traces (default ../shared/traces)")
+    p.add_argument("--traces", default=str(TRACES), help="folder of the public traces (default traces/ in the repository)")
     a = p.parse_args(argv)
     mix = build(a.duration, a.seed, a.noisy, Path(a.traces), a.load)
     mix.to_jsonl(a.out)

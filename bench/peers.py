@@ -88,7 +88,7 @@ from fleetsim.simulator import FleetSimulator, prepare
 from workloads import TraceRequest, Workload, scale_rate
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl.gz"
+DEFAULT_TRACE = REPO / "traces" / "conversation_trace.jsonl.gz"
 PEERS_VENV = Path(os.environ.get("TOKENFLEET_PEERS_VENV", Path.home() / ".cache" / "tokenfleet" / "peers-venv"))
 SGLANG_ROUTER_PIN = "sglang-router==0.3.2"  # the version whose launch facts are in shared/notes
 MODEL = "bench-model"

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
-TRACES=${TRACES:-../shared/traces}
+TRACES=${TRACES:-traces}
 POLICIES=${POLICIES:-round_robin,tokenpilot,sglang_cache_aware,dynamo_kv,llm_d,aibrix_prefix,least_loaded}
 mkdir -p "$OUT"
 run() {  # name trace rate-scale

@@ -1,4 +1,4 @@
-"""Where the tests find the project's shared data (the public traces beside the repo)."""
+"""Where the tests find the public traces the repository carries (traces/, provenance in SOURCES.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,5 @@ import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The traces live in ../shared/traces beside the checkout (CI lays a copy there too);
 # TOKENFLEET_TRACES points elsewhere. Missing traces fail the tests that need them.
-TRACES = Path(os.environ.get("TOKENFLEET_TRACES", REPO.parent / "shared" / "traces"))
+TRACES = Path(os.environ.get("TOKENFLEET_TRACES", REPO / "traces"))

@@ -16,9 +16,9 @@ from fleetsim.simulator import AdmissionDecision, FleetSimulator, HashCache, fle
 from tokenpilot.baselines import RoundRobin
 from workloads import TraceRequest
 
-TRACE = Path("/work/shared/traces/conversation_trace.jsonl.gz")
-if not TRACE.exists():  # the checkout's sibling shared/ folder
-    TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl.gz"
+from tests.paths import TRACES
+
+TRACE = TRACES / "conversation_trace.jsonl.gz"
 
 
 def small_fleet(instances: int = 1, rtt: dict[str, float] | None = None, model: str = "llama-3.1-8b",
@@ -45,7 +45,6 @@ def run(fleet: FleetConfig, reqs: list[TraceRequest], router=None, **kw):
 # --- the command line on the real trace -------------------------------------------------
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
 def test_cli_runs_200_requests_of_the_real_trace_and_writes_the_documented_json(tmp_path, capsys) -> None:
     out = tmp_path / "sim.json"
     rc = main(["simulate", "--trace", str(TRACE), "--trace-format", "mooncake", "--max-requests", "200",
@@ -138,7 +137,7 @@ def test_far_site_is_slower_by_its_rtt() -> None:
 
 
 def test_shared_prefix_hits_the_cache_under_a_prefix_affine_router() -> None:
-    peers = pytest.importorskip("tokenpilot.peers")
+    from tokenpilot import peers
     fleet = small_fleet(instances=4)
     # Two 1,500-token prompts sharing their first two 512-token trace blocks (1,024 tokens).
     reqs = [req(0, 1500, 4, [7, 8, 100]), req(5000, 1500, 4, [7, 8, 200])]

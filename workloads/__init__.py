@@ -1,7 +1,7 @@
 """Workloads for the simulator and the live benchmark.
 
 Canonical trace rows (`TraceRequest`) in time-ordered `Workload`s; loaders for the
-public traces in shared/traces/; seeded generators for chat, agent, long-document
+public traces in traces/ (in the repository); seeded generators for chat, agent, long-document
 and batch shapes; mixing (merge, assign, scale, window); and prompt text for live
 replay, where equal leading block ids become byte-identical leading text.
 """

@@ -2,7 +2,7 @@
 
 Formats:
   * `mooncake`  — JSON lines (optionally gzip) with timestamp (ms), input_length,
-                  output_length, hash_ids; the files in shared/traces/.
+                  output_length, hash_ids; the files in traces/ (in the repository).
   * `canonical` — the same layout plus optional keys (see `workloads.trace`);
                   one parser serves both, so a Mooncake file is a canonical file.
   * `azure`     — AzureLLMInferenceTrace CSVs: TIMESTAMP (wall clock, 7 fractional

@@ -139,7 +139,7 @@ class Workload:
     def describe(self) -> dict[str, Any]:
         """Summary statistics for the benchmark's `--json` "workload" section.
 
-        Reuse metrics follow shared/traces/SOURCES.md: file order is arrival order,
+        Reuse metrics follow traces/SOURCES.md: file order is arrival order,
         the cache is infinite; prefix_repeat_frac counts only each request's leading
         run of already-seen ids (what a prefix cache can reuse).
         """

@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--requests", type=int, default=2400)
-    ap.add_argument("--traces", default=str(Path(__file__).resolve().parents[3] / "shared" / "traces"))
+    ap.add_argument("--traces", default=str(Path(__file__).resolve().parents[2] / "traces"))
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
