@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.listener import ListenerLimits, fit_to_fd_limit
+from gateway.listener import FD_RESERVE, ListenerLimits, fit_to_fd_limit
 from fleetcore.fleet_config import GatewaySettings
 
 KEY = "sk-test-acme"
@@ -396,3 +396,24 @@ def test_connection_cap_is_lowered_below_the_open_file_limit() -> None:
     assert warning and "8192" in warning and "1024" in warning
     same, none = fit_to_fd_limit(limits, nofile=1 << 20, reserved=320)
     assert same == limits and none is None
+
+
+async def test_tokenfleet_up_fits_its_connection_cap_under_a_low_open_file_limit(tmp_path: Path) -> None:
+    """Hard limit 700: the default cap of 8192 cannot fit; it is lowered, said so, and enforced."""
+    def low_hard_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 700))
+
+    with tokenfleet_up(tmp_path, "{}", preexec_fn=low_hard_limit) as g:
+        cap = (700 - FD_RESERVE) // 2
+        assert f"gateway.max_connections 8192 lowered to {cap}" in g.log.read_text()
+        limits = Path(f"/proc/{g.proc.pid}/limits").read_text()
+        assert re.search(r"Max open files\s+700\s+700", limits), limits
+        held = [await asyncio.open_connection("127.0.0.1", g.port, local_addr=("127.0.0.7", 0)) for _ in range(cap)]
+        try:
+            # One more from another address: over the total cap, refused at once.
+            o = await asyncio.wait_for(slow_client(g.port, "127.0.0.8", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+                                                   b"", 0.2, 5), 10)
+            assert o.closed and o.status in (503, None) and o.lifetime_s < 2, o
+        finally:
+            for _, w in held:
+                w.close()
