@@ -99,10 +99,10 @@ async def _up(args: argparse.Namespace) -> int:
         _say(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
         return 2
     try:
-        ops_sock = _bind(args.host, ops_port) if ops_port is not None else None
+        ops_sock = _bind(args.ops_host or args.host, ops_port) if ops_port is not None else None
     except OSError as e:
         sock.close()
-        _say(f"cannot listen on {args.host}:{ops_port} (ops): {e.strerror}")
+        _say(f"cannot listen on {args.ops_host or args.host}:{ops_port} (ops): {e.strerror}")
         return 2
     # Connection caps below the open-file limit, so a flood is refused, not fatal.
     listeners, fd_warning = build_listeners(config.gateway, sock, ops_sock, raise_fd_limit())
@@ -143,7 +143,8 @@ async def _up(args: argparse.Namespace) -> int:
         _say(f"{len(instances)} instance(s) ready in {len(sites)} site(s): {', '.join(sites)}")
         _say(f"gateway  http://{shown}:{port}/v1")
         if ops_sock is not None:
-            _say(f"ops      http://{shown}:{ops_sock.getsockname()[1]}")
+            ops_host, ops_bound = ops_sock.getsockname()[:2]
+            _say(f"ops      http://{f'[{ops_host}]' if ':' in ops_host else ops_host}:{ops_bound}")
         key = _dev_key(config)
         _say(f"api key  {key}" if key else "api key  (none needed: the fleet file has no tenants)")
         budgets = sum(1 for t in config.tenants if t.budgets is not None)
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also serve /health, /metrics and /admin on this port, with connection caps of "
                          "its own, so a flood on --port cannot starve them (default: the fleet file's "
                          "gateway.ops_port; none: no ops listener; 0 picks a free port)")
+    up.add_argument("--ops-host", help="the ops listener's address (default: --host)")
     up.add_argument("--redis-url", default=os.environ.get("TOKENFLEET_REDIS_URL"),
                     help="share region policies with other gateway replicas through this Redis "
                          "(default: $TOKENFLEET_REDIS_URL; none: in-process)")

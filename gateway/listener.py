@@ -265,7 +265,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             if self._refusal is not None:
                 self._refuse(*self._refusal)
-            else:
+            else:  # counted, not logged: a flood of garbage must not become a flood of log lines
+                self._listener.closed["bad_request"] += 1
                 self.send_400_response("Invalid HTTP request received.")
             return
         # A header line still arriving is buffered by the parser, whole: bound it here.
