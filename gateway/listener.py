@@ -22,6 +22,7 @@ own small caps) serves only the operator paths, so a flood on the public port ca
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import resource
@@ -171,6 +172,20 @@ class PathFilter:
         await JSONResponse(body, status_code=404)(scope, receive, send)
 
 
+def client_key(host: str) -> str:
+    """What the per-client cap counts by: the IPv4 address, or the /64 of an IPv6 one (a
+    single host commonly holds a whole /64 and could rotate through it)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return host
+
+
 def _find_listener(listeners: Sequence[Listener], sockname: Any) -> Listener:
     """The listener a connection arrived on, from the connection's local address."""
     host, port = (sockname[0], sockname[1]) if isinstance(sockname, tuple) else ("", None)
@@ -225,7 +240,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")
-        self._peer = str(peer[0]) if isinstance(peer, tuple) else ""
+        self._peer = client_key(str(peer[0])) if isinstance(peer, tuple) else ""
         listener = _find_listener(self.listeners, transport.get_extra_info("sockname"))
         if not listener.admit(self._peer):
             # Refused before it costs more than this one write: not in uvicorn's connection set,

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.listener import FD_RESERVE, ListenerLimits, fit_to_fd_limit
+from gateway.listener import FD_RESERVE, ListenerLimits, client_key, fit_to_fd_limit
 from fleetcore.fleet_config import GatewaySettings
 
 KEY = "sk-test-acme"
@@ -417,3 +417,9 @@ async def test_tokenfleet_up_fits_its_connection_cap_under_a_low_open_file_limit
         finally:
             for _, w in held:
                 w.close()
+
+
+def test_per_client_cap_counts_an_ipv6_client_by_its_64() -> None:
+    assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
+    assert client_key("::ffff:127.0.0.2") == "127.0.0.2" == client_key("127.0.0.2")
