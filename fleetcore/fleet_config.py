@@ -186,6 +186,11 @@ class GatewaySettings(_Strict):
     max_header_count: int = Field(default=100, ge=1)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024, description="request line plus headers")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    ops_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="a second listener serving only /health, /metrics, /admin and /debug, with connection "
+                    "caps of its own, so a flood on the public port cannot starve them (none: no ops "
+                    "listener; `tokenfleet up --ops-port` overrides)")
     max_json_depth: int = Field(default=64, ge=4, description="nesting of a request body")
     # --- work before routing ---
     tokenize_workers: int = Field(default=2, ge=1, description="threads that tokenize prompts off the event loop")

@@ -44,7 +44,6 @@ from slomax import from_fleet as slomax_config
 from slomax import make_admission
 from tokenpilot.policy import InstanceRouter
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 CONNECT_TIMEOUT_S = 5.0
 # Tokenizing a prompt of this many bytes takes long enough to stall other requests' relays.
 _THREAD_PARSE_BYTES = 256 * 1024
@@ -138,7 +137,7 @@ def _client_session() -> aiohttp.ClientSession:
 
 def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                router: InstanceRouter | None = None, site_chooser: SiteChooser | None = None,
-               poll_interval_s: float = 0.5, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               poll_interval_s: float = 0.5, *, max_body_bytes: int | None = None,
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
@@ -150,6 +149,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     file's `admission.policy` (SLOMax unless it says fcfs) with its classes and tenants.
     `planner` turns FleetMind's replica planner on or off (default: the fleet file's
     `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
+    `max_body_bytes` defaults to the fleet file's `gateway.max_body_bytes`.
     """
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
@@ -205,7 +205,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tokenfleet = ctx
     install_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_body_bytes if max_body_bytes is None
+                       else max_body_bytes)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, placement)

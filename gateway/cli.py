@@ -21,6 +21,7 @@ from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetsim.cli import add_simulate_parser, run_simulate
 from fleetsim.live import add_bench_parser, run_bench
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
+from gateway.listener import ListenerCollector, build_listeners, protocol_class, raise_fd_limit
 from gateway.routing import DEFAULT_ROUTER, build_router
 from tokenpilot.registry import ROUTER_NAMES
 
@@ -91,11 +92,22 @@ async def _up(args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
     config, adapters = _load(args.fleet)
+    ops_port = args.ops_port if args.ops_port is not None else config.gateway.ops_port
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
         _say(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
         return 2
+    try:
+        ops_sock = _bind(args.ops_host or args.host, ops_port) if ops_port is not None else None
+    except OSError as e:
+        sock.close()
+        _say(f"cannot listen on {args.ops_host or args.host}:{ops_port} (ops): {e.strerror}")
+        return 2
+    # Connection caps below the open-file limit, so a flood is refused, not fatal.
+    listeners, fd_warning = build_listeners(config.gateway, sock, ops_sock, raise_fd_limit())
+    if fd_warning:
+        log.warning(fd_warning)
     n = sum(d.instance_count for d in config.deployments)
     _say(f"launching {n} instance(s) in {len(config.sites)} site(s)...")
     # Until the server takes over signals, Ctrl-C or SIGTERM cancels the launch cleanly.
@@ -116,17 +128,23 @@ async def _up(args: argparse.Namespace) -> int:
             store = RedisPolicyStore(args.redis_url, config.region_policies)
         app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store,
                          planner=args.planner)
+        app.state.tokenfleet.metrics.registry.register(ListenerCollector(listeners))
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                         timeout_graceful_shutdown=5,
+                                        # header/body deadlines, connection caps, header limits
+                                        http=protocol_class(listeners), ws="none",
                                         # longer than clients' pools keep idle connections (the
                                         # OpenAI SDK: 5 s), so a reused connection is never
                                         # closed under a request in flight
-                                        timeout_keep_alive=75))
+                                        timeout_keep_alive=config.gateway.keep_alive_timeout_s))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         sites = sorted({i.site for i in instances})
         _say(f"{len(instances)} instance(s) ready in {len(sites)} site(s): {', '.join(sites)}")
         _say(f"gateway  http://{shown}:{port}/v1")
+        if ops_sock is not None:
+            ops_host, ops_bound = ops_sock.getsockname()[:2]
+            _say(f"ops      http://{f'[{ops_host}]' if ':' in ops_host else ops_host}:{ops_bound}")
         key = _dev_key(config)
         _say(f"api key  {key}" if key else "api key  (none needed: the fleet file has no tenants)")
         budgets = sum(1 for t in config.tenants if t.budgets is not None)
@@ -136,12 +154,14 @@ async def _up(args: argparse.Namespace) -> int:
         _say(f"planner  every {placement.cycle_s:g} s; log at /admin/v1/planner" if placement
              else "planner  off (replicas stay where the fleet file puts them)")
         _say("stop with Ctrl-C")
-        await server.serve(sockets=[sock])
+        await server.serve(sockets=[sock] if ops_sock is None else [sock, ops_sock])
     finally:
         # Runs on a signal, a launch failure or a crash alike: no engine outlives the gateway.
         _say("stopping engines...")
         await asyncio.shield(stop_all(adapters))
         sock.close()
+        if ops_sock is not None:
+            ops_sock.close()
         _say("stopped")
     return 0
 
@@ -161,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    up.add_argument("--ops-port", type=int, default=None,
+                    help="also serve /health, /metrics and /admin on this port, with connection caps of "
+                         "its own, so a flood on --port cannot starve them (default: the fleet file's "
+                         "gateway.ops_port; none: no ops listener; 0 picks a free port)")
+    up.add_argument("--ops-host", help="the ops listener's address (default: --host)")
     up.add_argument("--redis-url", default=os.environ.get("TOKENFLEET_REDIS_URL"),
                     help="share region policies with other gateway replicas through this Redis "
                          "(default: $TOKENFLEET_REDIS_URL; none: in-process)")
