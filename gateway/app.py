@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
-from fleetcore.fleet_config import FleetConfig
+from fleetcore.fleet_config import FleetConfig, GatewaySettings
 from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
@@ -44,7 +44,6 @@ from slomax import from_fleet as slomax_config
 from slomax import make_admission
 from tokenpilot.policy import InstanceRouter
 
-CONNECT_TIMEOUT_S = 5.0
 # Tokenizing a prompt of this many bytes takes long enough to stall other requests' relays.
 _THREAD_PARSE_BYTES = 256 * 1024
 
@@ -126,10 +125,11 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _client_session() -> aiohttp.ClientSession:
-    # No total/read timeout: a long generation or a long prefill is not a failure.
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=None, connect=2 * CONNECT_TIMEOUT_S,
-                                    sock_connect=CONNECT_TIMEOUT_S)
+def _client_session(settings: GatewaySettings) -> aiohttp.ClientSession:
+    # No total timeout: a long generation is not a failure. Reads are bounded per phase (first
+    # byte from the predicted TTFT, then idle between reads) by the relay (`gateway.deadlines`).
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=None, connect=2 * settings.connect_timeout_s,
+                                    sock_connect=settings.connect_timeout_s)
     # aiohttp's default pool caps at 100 connections, i.e. 100 concurrent streams.
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
@@ -181,7 +181,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        relay.session = _client_session()
+        relay.session = _client_session(config.gateway)
         policy_watch = asyncio.create_task(watch(store, policy_admin.apply), name="region-policies")
         try:
             await state.start()
@@ -198,6 +198,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if kv_feed is not None:
                 await kv_feed.stop()
             await state.stop()
+            relay.shutdown.close()
             await relay.session.close()
             relay.session = None
 
@@ -242,8 +243,10 @@ def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         c = ctx.state.counts()
-        return JSONResponse({"status": "ok", "ready_instances": c.ready, "instances": c.total,
-                             "models": c.by_model, "sites": c.by_site})
+        draining = ctx.relay.shutdown.draining  # SIGTERM: readiness off while streams finish
+        return JSONResponse({"status": "shutting_down" if draining else "ok", "ready_instances": c.ready,
+                             "instances": c.total, "models": c.by_model, "sites": c.by_site},
+                            status_code=503 if draining else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from fleetsim.live import add_bench_parser, run_bench
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
 from gateway.listener import ListenerCollector, build_listeners, protocol_class, raise_fd_limit
 from gateway.routing import DEFAULT_ROUTER, build_router
+from gateway.shutdown import Shutdown
 from tokenpilot.registry import ROUTER_NAMES
 
 log = logging.getLogger("tokenfleet")
@@ -50,9 +52,22 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# uvicorn's own graceful timeout runs this much past the gateway's grace, so that it never cancels a
+# stream before the gateway has ended it with an error event (it still bounds a client that stops reading).
+SHUTDOWN_MARGIN_S = 5.0
+
+
 class _Server(uvicorn.Server):
     """uvicorn re-raises SIGTERM after serving, which would kill us before the engines are
-    stopped; here a signal only asks the server to finish, and `_up` cleans up after it."""
+    stopped; here a signal only asks the server to finish, and `_up` cleans up after it.
+
+    The first SIGTERM/SIGINT starts the gateway's graceful shutdown (`gateway.shutdown`: readiness
+    off, streams get the grace, then an error event) while uvicorn stops accepting; a second one
+    forces: whatever is still open is ended with its error event at once and the server exits."""
+
+    def __init__(self, config: uvicorn.Config, shutdown: Shutdown | None = None) -> None:
+        super().__init__(config)
+        self.shutdown = shutdown
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -68,6 +83,10 @@ class _Server(uvicorn.Server):
     def _on_signal(self) -> None:
         if self.should_exit:
             self.force_exit = True
+            if self.shutdown is not None:
+                self.shutdown.expire()
+        elif self.shutdown is not None:
+            self.shutdown.begin()
         self.should_exit = True
 
 
@@ -129,14 +148,15 @@ async def _up(args: argparse.Namespace) -> int:
         app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store,
                          planner=args.planner)
         app.state.tokenfleet.metrics.registry.register(ListenerCollector(listeners))
+        shutdown = app.state.tokenfleet.relay.shutdown
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                        timeout_graceful_shutdown=5,
+                                        timeout_graceful_shutdown=math.ceil(shutdown.grace_s + SHUTDOWN_MARGIN_S),
                                         # header/body deadlines, connection caps, header limits
                                         http=protocol_class(listeners), ws="none",
                                         # longer than clients' pools keep idle connections (the
                                         # OpenAI SDK: 5 s), so a reused connection is never
                                         # closed under a request in flight
-                                        timeout_keep_alive=config.gateway.keep_alive_timeout_s))
+                                        timeout_keep_alive=config.gateway.keep_alive_timeout_s), shutdown)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         sites = sorted({i.site for i in instances})

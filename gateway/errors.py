@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,8 +90,31 @@ def no_ready_instance(model: str, retry_after_s: int = 1) -> GatewayError:
 
 
 def upstream_failed(detail: str) -> GatewayError:
+    """502: `detail` is client-facing (say which instance and what happened, never its address)."""
     return GatewayError(502, f"Upstream engine failed: {detail}", type=SERVER_ERROR,
                         code="upstream_error")
+
+
+def upstream_timeout(detail: str) -> GatewayError:
+    """504: every engine tried stalled (sent nothing within its deadline)."""
+    return GatewayError(504, f"Upstream engine timed out: {detail}", type=SERVER_ERROR,
+                        code="upstream_timeout")
+
+
+def gateway_shutting_down(message: str, retry_after_s: int = 1) -> GatewayError:
+    """503 while the gateway drains: another replica can serve the request."""
+    return GatewayError(503, message, type=SERVER_ERROR, code="gateway_shutdown",
+                        headers={"Retry-After": str(retry_after_s)})
+
+
+# URLs, bracketed IPv6, dotted IPv4 and host:port: what an engine's or aiohttp's error text may
+# carry about the internal network. Client-facing text never does; the log keeps the original.
+_ADDRESS = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S+|\[[0-9a-fA-F:.%]+\](?::\d+)?"
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b[\w.-]+:\d{2,5}\b")
+
+
+def redact_addresses(text: str) -> str:
+    return _ADDRESS.sub("<address>", text)
 
 
 def rate_limited(message: str, retry_after_s: float, limit_type: str = "requests",

@@ -10,12 +10,17 @@
   is how the gateway learns output and cached tokens); the client sees that chunk
   only if it asked for it.
 - Retry once elsewhere when an instance fails before the first byte reached the
-  client (connection refused/reset, 5xx, stream closed before any event); the
-  failed instance is excluded and marked unready.
+  client (connection refused/reset, 5xx, stream closed before any event, nothing
+  within the first-byte deadline); the failed instance is excluded and marked unready
+  until a health check started after the failure passes. All stalled: 504; else 502.
+- Every wait on an engine has a deadline (`gateway.deadlines`: connect, first byte,
+  idle between reads); client-facing errors name the instance and what happened, never
+  its address (the log keeps the detail).
 - Cancellation: a client that goes away closes the upstream response, which is
   how OpenAI-compatible engines learn to abort (vLLM, SGLang, the sim worker).
-- After a stream started, an upstream failure ends it with an SSE error event
-  and `[DONE]`, never a silent truncation.
+- After a stream started, an upstream failure or stall ends it with an SSE error event
+  and `[DONE]`, never a silent truncation; so does the end of graceful shutdown's grace
+  (`gateway.shutdown`).
 """
 
 from __future__ import annotations
@@ -39,10 +44,13 @@ from engine_adapters.base import Instance
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.types import Candidate, FleetView, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from gateway.admission import AdmissionGate
-from gateway.errors import GatewayError, no_ready_instance, sse_error_event, upstream_failed
+from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
+from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
+                            sse_error_event, upstream_failed, upstream_timeout)
 from gateway.fleet_state import FleetState
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
+from gateway.shutdown import Shutdown
 from tokenpilot.policy import InstanceRouter
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -63,12 +71,17 @@ class ClientGone(Exception):
 
 
 class RetryableFailure(Exception):
-    """The instance failed before the client saw a byte: try another one."""
+    """The instance failed before the client saw a byte: try another one.
 
-    def __init__(self, kind: str, detail: str) -> None:
+    `detail` is for the log (it may name internal addresses); `public` is what a client may
+    read. `timed_out`: the instance stalled rather than failed."""
+
+    def __init__(self, kind: str, detail: str, public: str, timed_out: bool = False) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
         self.detail = detail
+        self.public = public
+        self.timed_out = timed_out
 
 
 # --- SSE parsing (pure) ---
@@ -283,6 +296,9 @@ class Dispatch:
     relay: Relay
     parsed: ParsedRequest
     target: Target
+    watch: UpstreamWatch  # every wait on the engine goes through it (deadlines, shutdown)
+    first_byte_at: float  # loop time by which the first byte must have come
+    started: float  # relay clock when it was sent: a failure mark older than this is old news
     resp: aiohttp.ClientResponse | None = None
     stats: StreamStats = field(default_factory=StreamStats)
     finished: bool = False
@@ -290,6 +306,11 @@ class Dispatch:
     @property
     def iid(self) -> str:
         return self.target.instance.instance_id
+
+    def engine_alive(self) -> bool:
+        """Health checks still pass and nothing failed on it since this dispatch began."""
+        st = self.relay.state.get(self.iid)
+        return st is not None and st.ready and st.failed_at < self.started
 
     def close_upstream(self, abort: bool) -> None:
         if self.resp is None:
@@ -308,6 +329,8 @@ class Dispatch:
         self.finished = True
         self.close_upstream(abort or cancelled or not ok)
         r = self.relay
+        self.watch.close()
+        r.shutdown.untrack(self.watch)
         r.metrics.set_inflight(self.iid, r.state.end(self.iid))
         profile = self.parsed.profile
         if status is not None:
@@ -351,9 +374,10 @@ class RelayStream:
         self._pending = b""
         self._saw_done = False
 
-    async def _read(self) -> bytes:
+    async def _read(self, deadline: float | None = None) -> bytes:
         assert self.d.resp is not None
-        return await self.d.resp.content.readany()
+        phase = "idle" if deadline is None else "first_byte"
+        return await self.d.watch.wait(self.d.resp.content.readany(), deadline=deadline, phase=phase)
 
     def _process(self, events: list[bytes]) -> bytes:
         out: list[bytes] = []
@@ -374,17 +398,22 @@ class RelayStream:
 
     async def prefetch(self) -> None:
         """Read until the first whole event; failing here is still retryable."""
+        iid = self.d.iid
         try:
             while not self._pending and not self._saw_done:
-                data = await self._read()
+                data = await self._read(self.d.first_byte_at)
                 if not data:
                     self._pending = self._process(self._splitter.flush())
                     if not self._pending:
-                        raise RetryableFailure("empty_stream", "upstream closed the stream before any event")
+                        raise RetryableFailure("empty_stream", "upstream closed the stream before any event",
+                                               f"engine instance {iid} closed the stream before any event")
                     return
                 self._pending = self._process(self._splitter.feed(data))
+        except UpstreamStalled as e:
+            raise _first_byte_timeout(iid, e) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise RetryableFailure("stream_start", _describe(e)) from None
+            raise RetryableFailure("stream_start", _describe(e),
+                                   f"engine instance {iid} connection broke before the first event") from None
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         if self._pending:
@@ -402,14 +431,26 @@ class RelayStream:
                 tail = self._process(self._splitter.flush())
                 if tail:
                     yield tail
+        except Interrupted as i:  # graceful shutdown's grace is over
+            yield self._fail(None, i.code, i.message, i.message)
+            return
+        except UpstreamStalled as e:
+            # a stalled engine (stopped, hung, partitioned) gets no new work until it proves healthy
+            self.d.relay.state.mark_failed(self.d.iid, f"stalled mid-stream: {e}")
+            yield self._fail("stream_idle_timeout", "upstream_timeout",
+                             f"engine instance {self.d.iid} stalled mid-stream: no tokens for {e.waited_s:.1f} s",
+                             str(e))
+            return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            message = f"upstream stream broke: {_describe(e)}"
+            detail = f"upstream stream broke: {_describe(e)}"
             # a dropped connection mid-stream is an engine that died: stop sending it work now
-            self.d.relay.state.mark_failed(self.d.iid, message)
-            yield self._fail("stream_broken", message)
+            self.d.relay.state.mark_failed(self.d.iid, detail)
+            yield self._fail("stream_broken", "upstream_error",
+                             f"engine instance {self.d.iid} connection broke mid-stream", detail)
             return
         if not self._saw_done:
-            yield self._fail("stream_truncated", "upstream ended the stream without [DONE]")
+            message = f"engine instance {self.d.iid} ended the stream without [DONE]"
+            yield self._fail("stream_truncated", "upstream_error", message, message)
 
     def _checked(self, chunk: bytes) -> bytes:
         """Finish the dispatch as soon as [DONE] passes by, before handing the last bytes on."""
@@ -418,11 +459,14 @@ class RelayStream:
             self.d.finish(ok=error is None, status="200" if error is None else "stream_error", error=error)
         return chunk
 
-    def _fail(self, kind: str, message: str) -> bytes:
-        log.warning("request %s on %s: %s", self.d.parsed.profile.request_id, self.d.iid, message)
-        self.d.relay.metrics.upstream_errors.labels(self.d.iid, kind).inc()
-        self.d.finish(ok=False, status="stream_error", error=message, abort=True)
-        return sse_error_event(message)
+    def _fail(self, kind: str | None, code: str, public: str, detail: str) -> bytes:
+        """End the stream: the client reads `public` (no addresses), the log `detail`; `kind` is the
+        upstream error counted (None: not the engine's fault)."""
+        log.warning("request %s on %s ended mid-stream: %s", self.d.parsed.profile.request_id, self.d.iid, detail)
+        if kind is not None:
+            self.d.relay.metrics.upstream_errors.labels(self.d.iid, kind).inc()
+        self.d.finish(ok=False, status="stream_error", error=public, abort=True)
+        return sse_error_event(public, code)
 
     async def close(self) -> None:
         """The response is over; if the stream did not finish, the client left: abort upstream."""
@@ -460,8 +504,23 @@ class RelayStreamingResponse(StreamingResponse):
 
 
 def _describe(e: BaseException) -> str:
+    """For the log only: aiohttp's texts name hosts and ports."""
     text = str(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _first_byte_timeout(iid: str, e: UpstreamStalled) -> RetryableFailure:
+    return RetryableFailure("first_byte_timeout", str(e),
+                            f"engine instance {iid} sent nothing within {e.waited_s:.1f} s", timed_out=True)
+
+
+def _connect_failure(iid: str, e: BaseException) -> RetryableFailure:
+    if isinstance(e, asyncio.TimeoutError):
+        return RetryableFailure("connect_timeout", _describe(e),
+                                f"engine instance {iid} did not accept the connection in time", timed_out=True)
+    os_error = getattr(e, "os_error", e)
+    what = "refused the connection" if isinstance(os_error, ConnectionRefusedError) else "connection failed"
+    return RetryableFailure("connect", _describe(e), f"engine instance {iid} {what}")
 
 
 # --- the relay ---
@@ -481,6 +540,8 @@ class Relay:
         self.clock = clock
         self.retry_after_s = retry_after_s
         self.session: aiohttp.ClientSession | None = None  # set by the app's lifespan
+        self.deadlines = Deadlines.from_settings(config.gateway)
+        self.shutdown = Shutdown(config.gateway.shutdown_grace_s)  # SIGTERM: drain, then end what is left
         # Others that learn from traffic (FleetMind's placement loop): `arrived(profile)` for
         # every parsed request, before admission; `observe(outcome)` like the policies.
         self.listeners: list[Any] = []
@@ -520,6 +581,10 @@ class Relay:
 
     async def handle(self, request: Request, parsed: ParsedRequest, path: str) -> Response:
         rid = parsed.profile.request_id
+        if self.shutdown.draining:
+            self.metrics.answered(parsed.profile.model, "", "", "503")
+            raise gateway_shutting_down("The gateway is shutting down; send the request to another replica.",
+                                        self.retry_after_s)
         for listener in self.listeners:
             try:
                 listener.arrived(parsed.profile)
@@ -559,7 +624,7 @@ class Relay:
     async def _attempts(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
                         avoid: Collection[str] = ()) -> Response:
         excluded: list[str] = []
-        last_error = "no instance answered"
+        last: RetryableFailure | None = None
         for attempt in range(MAX_ATTEMPTS):
             target = self.choose(parsed.profile, [*excluded, *avoid], attempt) if avoid else None
             if target is None:  # admission's hint to avoid busy instances gives way when it leaves none
@@ -582,18 +647,25 @@ class Relay:
                             "retrying elsewhere" if attempt + 1 < MAX_ATTEMPTS else "giving up")
                 self.state.mark_failed(target.instance.instance_id, str(f))
                 excluded.append(target.instance.instance_id)
-                last_error = str(f)
-        raise upstream_failed(last_error)
+                last = f
+        if last is None:
+            raise upstream_failed("no instance answered")
+        raise upstream_timeout(last.public) if last.timed_out else upstream_failed(last.public)
 
     async def _dispatch(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
                         target: Target) -> Response:
-        d = Dispatch(self, parsed, target)
+        up = UpstreamWatch(self.deadlines.idle_s)
+        predicted = target.route.predicted_ttft_s if target.route is not None else None
+        d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
         self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
+        self.shutdown.track(up)
         handed_over = False
         try:
-            d.resp = await watch.race(self._send(parsed, path, target.instance))
+            d.resp = await watch.race(self._head(d, path))
             if d.resp.status >= 500:
-                raise RetryableFailure(f"http_{d.resp.status}", await self._error_text(d.resp))
+                status, text = d.resp.status, await self._error_text(d.resp)
+                raise RetryableFailure(f"http_{status}", text,
+                                       f"engine instance {d.iid} answered {redact_addresses(text)}")
             if d.resp.status >= 400 or not parsed.stream:
                 return await self._whole_body(watch, d)
             stream = RelayStream(d, parsed.include_usage)
@@ -604,6 +676,9 @@ class Relay:
             self.metrics.upstream_errors.labels(d.iid, f.kind).inc()
             d.finish(ok=False, status=None, error=str(f), abort=True)
             raise
+        except Interrupted as i:  # shutdown's grace ran out before the answer came: nothing was sent yet
+            d.finish(ok=False, status=None, error=i.message, abort=True)
+            raise gateway_shutting_down(i.message, self.retry_after_s) from None
         except ClientGone:
             d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
             return Response(status_code=CLIENT_CLOSED)  # nobody is listening any more
@@ -611,6 +686,17 @@ class Relay:
             if not handed_over:
                 # covers cancellation and bugs too: never leak a connection or an in-flight count
                 d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
+
+    async def _head(self, d: Dispatch, path: str) -> aiohttp.ClientResponse:
+        """Send and wait for the response head within the first-byte deadline. A non-streaming
+        answer only comes once the whole generation is done, so past the deadline it may wait on
+        while the engine keeps passing its health checks (rechecked each poll)."""
+        alive = None if d.parsed.stream else d.engine_alive
+        try:
+            return await d.watch.wait(self._send(d.parsed, path, d.target.instance), deadline=d.first_byte_at,
+                                      keep_waiting=alive, recheck_s=self.state.poll_interval_s, phase="first_byte")
+        except UpstreamStalled as e:
+            raise _first_byte_timeout(d.iid, e) from None
 
     async def _send(self, parsed: ParsedRequest, path: str, instance: Instance) -> aiohttp.ClientResponse:
         if self.session is None:
@@ -621,7 +707,7 @@ class Relay:
             return await self.session.post(instance.url + path, data=upstream_body(parsed, instance.model),
                                            headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise RetryableFailure("connect", _describe(e)) from None
+            raise _connect_failure(instance.instance_id, e) from None
 
     @staticmethod
     async def _error_text(resp: aiohttp.ClientResponse) -> str:
@@ -632,15 +718,29 @@ class Relay:
         text = body.decode("utf-8", errors="replace").strip()[:_ERROR_SNIPPET]
         return f"HTTP {resp.status}" + (f": {text}" if text else "")
 
+    @staticmethod
+    async def _read_body(d: Dispatch) -> bytes:
+        """The whole body, each read within the idle deadline (an engine may stall half-way)."""
+        assert d.resp is not None
+        parts: list[bytes] = []
+        while chunk := await d.watch.wait(d.resp.content.readany()):
+            parts.append(chunk)
+        return b"".join(parts)
+
     async def _whole_body(self, watch: DisconnectWatch, d: Dispatch) -> Response:
         """Non-stream answers and upstream 4xx: read it all, pass it through unchanged."""
         assert d.resp is not None
         status = d.resp.status
         content_type = d.resp.headers.get("Content-Type", "application/json")
         try:
-            body = await watch.race(d.resp.read())
+            body = await watch.race(self._read_body(d))
+        except UpstreamStalled as e:
+            raise RetryableFailure("body_idle_timeout", str(e),
+                                   f"engine instance {d.iid} stalled sending its answer: nothing for "
+                                   f"{e.waited_s:.1f} s", timed_out=True) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise RetryableFailure("body", _describe(e)) from None
+            raise RetryableFailure("body", _describe(e),
+                                   f"engine instance {d.iid} connection broke while sending its answer") from None
         if status < 400:
             d.stats.usage = _usage_of(body)
         d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")

@@ -1,0 +1,336 @@
+"""Chaos against the relay with real processes: `tokenfleet up` over simulated workers, an engine
+frozen with SIGSTOP before its first byte, mid-stream, and everywhere at once; then SIGCONT and
+the instance comes back. Small deadlines come from the fleet file's `gateway:` block."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "llama-3.1-8b"
+KEY = "sk-test-acme"
+FIRST_BYTE_S = 2.0  # the floor; predicted TTFTs here are milliseconds, so this is the deadline
+IDLE_S = 2.0
+
+FLEET = """
+regions: [us-east]
+default_region: us-east
+sites:
+  - {{name: east, region: us-east, jurisdiction: us, rtt_ms: {{us-east: 1}}}}
+models:
+  - name: llama-3.1-8b
+    versions: ["v1"]
+    engine: {{spec: llama-3.1-8b, max_model_len: 8192, block_size: 16}}
+deployments:
+  - {{site: east, model: llama-3.1-8b, instances: 2, gpu: H100, adapter: sim, options: {{time_scale: {scale}}}}}
+tenants:
+  - {{name: acme, api_keys: [{key}], region: us-east}}
+gateway:
+  first_byte_timeout_floor_s: {first_byte}
+  first_byte_timeout_factor: 2
+  stream_idle_timeout_s: {idle}
+  shutdown_grace_s: {grace}
+"""
+
+
+def fleet_file(tmp: Path, *, scale: float = 1.0, grace: float = 120.0) -> Path:
+    path = tmp / "fleet.yaml"
+    path.write_text(FLEET.format(scale=scale, key=KEY, first_byte=FIRST_BYTE_S, idle=IDLE_S, grace=grace))
+    return path
+
+
+# --- processes ---
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def workers_of(pid: int) -> dict[str, int]:
+    """instance id -> pid of the sim workers `tokenfleet up` launched."""
+    out: dict[str, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        st = _stat(int(entry))
+        if st is None or int(st[1]) != pid:
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--instance-id" in argv:
+            out[argv[argv.index(b"--instance-id") + 1].decode()] = int(entry)
+    return out
+
+
+def read_until(proc: subprocess.Popen[str], pattern: str, timeout_s: float) -> re.Match[str]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    seen: list[str] = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"tokenfleet exited early; output so far: {seen}")
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r} in {seen}")
+
+
+def poll(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[str]
+    url: str
+    workers: dict[str, int]
+    stopped: set[int] = field(default_factory=set)
+    output: list[str] = field(default_factory=list)
+
+    def client(self, timeout: float = 30.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=timeout)
+
+    def stop(self, iid: str) -> None:
+        os.kill(self.workers[iid], signal.SIGSTOP)
+        self.stopped.add(self.workers[iid])
+
+    def cont(self, iid: str) -> None:
+        os.kill(self.workers[iid], signal.SIGCONT)
+        self.stopped.discard(self.workers[iid])
+
+    def health(self) -> dict[str, Any]:
+        with self.client(5) as c:
+            return c.get("/health").json()
+
+    def wait_ready(self, n: int, timeout_s: float = 15) -> None:
+        poll(lambda: self.health()["ready_instances"] == n, timeout_s, f"{n} ready instance(s)")
+
+    def metric(self, name: str, **labels: str) -> float:
+        with self.client(5) as c:
+            text = c.get("/metrics").text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def _drain_output(proc: subprocess.Popen[str], into: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        into.append(line)
+
+
+@pytest.fixture
+def start_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
+    started: list[Gateway] = []
+
+    def start(**fleet: Any) -> Gateway:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet_file(tmp_path, **fleet)),
+             "--port", "0", "--router", "round_robin", "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        url = read_until(proc, r"gateway\s+(http://\S+)/v1", 90).group(1)
+        gw = Gateway(proc, url, workers_of(proc.pid))
+        assert len(gw.workers) == 2, gw.workers
+        threading.Thread(target=_drain_output, args=(proc, gw.output), daemon=True).start()
+        started.append(gw)
+        gw.wait_ready(2)
+        return gw
+
+    yield start
+    for gw in started:
+        for pid in list(gw.stopped):
+            with_suppress(lambda: os.kill(pid, signal.SIGCONT))
+        if gw.proc.poll() is None:
+            gw.proc.send_signal(signal.SIGTERM)
+            try:
+                gw.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                gw.proc.kill()
+                gw.proc.wait()
+        for pid in gw.workers.values():
+            if alive(pid):
+                with_suppress(lambda: os.kill(pid, signal.SIGKILL))
+
+
+def with_suppress(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except ProcessLookupError:
+        pass
+
+
+# --- streams ---
+
+def chat(content: str, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+
+
+@dataclass
+class StreamResult:
+    status: int = 0
+    instance: str = ""
+    tokens: int = 0
+    events: list[Any] = field(default_factory=list)
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [e["error"] for e in self.events if isinstance(e, dict) and "error" in e]
+
+
+def read_stream(gw: Gateway, body: dict[str, Any], result: StreamResult,
+                on_token: Callable[[int], None] | None = None, timeout: float = 30.0) -> None:
+    """Consume one SSE stream into `result` (run it in a thread for concurrency)."""
+    try:
+        with gw.client(timeout) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            result.status = r.status_code
+            result.instance = r.headers.get("x-tokenfleet-instance", "")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                ev: Any = data if data == "[DONE]" else json.loads(data)
+                result.events.append(ev)
+                if isinstance(ev, dict) and any(ch.get("delta", {}).get("content") for ch in ev.get("choices", [])):
+                    result.tokens += 1
+                    if result.first_token_at is None:
+                        result.first_token_at = time.monotonic()
+                    if on_token is not None:
+                        on_token(result.tokens)
+    except BaseException as e:  # kept for the assertion message
+        result.error = e
+    finally:
+        result.ended_at = time.monotonic()
+
+
+def no_address(text: str) -> bool:
+    return "127.0.0.1" not in text and "localhost" not in text and not re.search(r":\d{4,5}\b", text)
+
+
+# --- the chaos ---
+
+def test_engine_stopped_before_first_byte_retried_elsewhere(start_gateway: Callable[..., Gateway]) -> None:
+    gw = start_gateway()
+    frozen, other = sorted(gw.workers)
+    gw.stop(frozen)
+    # Round robin sends one of two concurrent requests to each instance: one lands on the frozen
+    # engine before any health check can notice it (that takes a timed-out check).
+    results = [StreamResult(), StreamResult()]
+    threads = [threading.Thread(target=read_stream, args=(gw, chat(f"question {i}", 20), results[i]))
+               for i in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in results:
+        assert r.error is None and r.status == 200, (r.error, r.status)
+        assert r.instance == other and r.done and not r.errors and r.tokens == 20
+    retried = max(r.first_token_at or 0 for r in results) - t0
+    assert FIRST_BYTE_S - 0.2 < retried < FIRST_BYTE_S + 5, f"retry came after {retried:.2f} s"
+    assert gw.metric("tokenfleet_upstream_errors_total", instance=frozen, kind="first_byte_timeout") == 1
+    assert gw.metric("tokenfleet_retries_total") == 1
+    assert gw.metric("tokenfleet_inflight", instance=frozen) == 0
+    assert gw.health()["ready_instances"] == 1
+
+    gw.cont(frozen)
+    gw.wait_ready(2)
+    # back in rotation: round robin gives it one of the next two
+    served = set()
+    with gw.client() as c:
+        for i in range(2):
+            r = c.post("/v1/chat/completions", json=chat(f"again {i}", 4, stream=False))
+            assert r.status_code == 200, r.text
+            served.add(r.headers["x-tokenfleet-instance"])
+    assert served == {frozen, other}
+
+
+def test_engine_stopped_mid_stream_ends_with_error_event(start_gateway: Callable[..., Gateway]) -> None:
+    gw = start_gateway()
+    result = StreamResult()
+    stopped_at: list[float] = []
+
+    def freeze_after_five(n: int) -> None:
+        if n == 5:
+            gw.stop(result.instance)
+            stopped_at.append(time.monotonic())
+
+    read_stream(gw, chat("a long story", 4000), result, on_token=freeze_after_five)
+    assert result.error is None, f"stream did not end by itself: {result.error!r}"
+    assert result.status == 200 and stopped_at
+    waited = (result.ended_at or 0) - stopped_at[0]
+    assert IDLE_S - 0.5 < waited < IDLE_S + 4, f"stream ended {waited:.2f} s after the engine stopped"
+    assert result.done, "stream must end with [DONE]"
+    (err,) = result.errors
+    assert err["code"] == "upstream_timeout" and err["type"] == "server_error"
+    assert result.instance in err["message"] and no_address(err["message"]), err["message"]
+    assert result.events[-2] == {"error": err}
+    assert 5 <= result.tokens < 4000
+    assert gw.metric("tokenfleet_upstream_errors_total", instance=result.instance, kind="stream_idle_timeout") == 1
+    assert gw.metric("tokenfleet_inflight", instance=result.instance) == 0
+    assert gw.health()["ready_instances"] == 1, "a stalled engine must be taken out of routing"
+
+    gw.cont(result.instance)
+    gw.wait_ready(2)
+
+
+def test_every_engine_stopped_non_stream_gets_504(start_gateway: Callable[..., Gateway]) -> None:
+    gw = start_gateway()
+    for iid in gw.workers:
+        gw.stop(iid)
+    t0 = time.monotonic()
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat("anyone there?", 8, stream=False))
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "upstream_timeout" and err["type"] == "server_error"
+    assert "engine instance" in err["message"] and no_address(err["message"]), err["message"]
+    # first-byte deadline, then at most a few health periods to see the engine is not alive
+    assert FIRST_BYTE_S - 0.2 < elapsed < 4 * FIRST_BYTE_S + 6, f"504 after {elapsed:.2f} s"
+    assert sum(gw.metric("tokenfleet_inflight", instance=i) for i in gw.workers) == 0
+
+    for iid in gw.workers:
+        gw.cont(iid)
+    gw.wait_ready(2)
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat("and now?", 4, stream=False))
+    assert r.status_code == 200, r.text
