@@ -67,7 +67,7 @@ class _Server(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, shutdown: Shutdown | None = None) -> None:
         super().__init__(config)
-        self.shutdown = shutdown
+        self.drain = shutdown  # not `shutdown`: uvicorn.Server has a method of that name
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -83,10 +83,10 @@ class _Server(uvicorn.Server):
     def _on_signal(self) -> None:
         if self.should_exit:
             self.force_exit = True
-            if self.shutdown is not None:
-                self.shutdown.expire()
-        elif self.shutdown is not None:
-            self.shutdown.begin()
+            if self.drain is not None:
+                self.drain.expire()
+        elif self.drain is not None:
+            self.drain.begin()
         self.should_exit = True
 
 

@@ -334,3 +334,108 @@ def test_every_engine_stopped_non_stream_gets_504(start_gateway: Callable[..., G
     with gw.client() as c:
         r = c.post("/v1/chat/completions", json=chat("and now?", 4, stream=False))
     assert r.status_code == 200, r.text
+
+
+# --- graceful shutdown ---
+
+def test_sigterm_lets_short_streams_finish_and_ends_long_ones(start_gateway: Callable[..., Gateway]) -> None:
+    grace = 3.0
+    gw = start_gateway(grace=grace)
+    long_r, short_r = StreamResult(), StreamResult()
+    long_on, short_on = threading.Event(), threading.Event()
+    # ~6 ms a token on the simulated H100: the long stream needs ~25 s, the short one ~1 s
+    tl = threading.Thread(target=read_stream, args=(gw, chat("a long story", 4000), long_r),
+                          kwargs={"on_token": lambda n: long_on.set()})
+    ts = threading.Thread(target=read_stream, args=(gw, chat("a short one", 150), short_r),
+                          kwargs={"on_token": lambda n: short_on.set()})
+    tl.start()
+    assert long_on.wait(30)
+    ts.start()
+    assert short_on.wait(30)
+    sigterm_at = time.monotonic()
+    gw.proc.send_signal(signal.SIGTERM)
+    ts.join(30)
+    tl.join(30)
+
+    assert short_r.error is None, short_r.error
+    assert short_r.done and not short_r.errors and short_r.tokens == 150, "a stream within the grace finishes whole"
+    assert long_r.error is None, f"the long stream was cut without an error event: {long_r.error!r}"
+    assert long_r.done, "the long stream must end with [DONE]"
+    (err,) = long_r.errors
+    assert err["code"] == "gateway_shutdown" and err["type"] == "server_error"
+    assert long_r.events[-2] == {"error": err}
+    ended = (long_r.ended_at or 0) - sigterm_at
+    assert grace - 0.5 < ended < grace + 3, f"long stream ended {ended:.2f} s after SIGTERM"
+    assert 0 < long_r.tokens < 4000
+    assert gw.proc.wait(30) == 0
+    poll(lambda: not any(alive(p) for p in gw.workers.values()), 10, "engines to stop")
+
+
+def test_second_signal_ends_streams_at_once(start_gateway: Callable[..., Gateway]) -> None:
+    gw = start_gateway(grace=60.0)
+    result = StreamResult()
+    on = threading.Event()
+    t = threading.Thread(target=read_stream, args=(gw, chat("a long story", 4000), result),
+                         kwargs={"on_token": lambda n: on.set()})
+    t.start()
+    assert on.wait(30)
+    gw.proc.send_signal(signal.SIGTERM)
+    # the listener closes: readiness is off for any new connection
+    poll(lambda: _refused(gw.url), 10, "the listener to close")
+    assert t.is_alive(), "the stream must still be running within the grace"
+    forced_at = time.monotonic()
+    gw.proc.send_signal(signal.SIGINT)
+    t.join(30)
+    assert result.error is None, f"cut without an error event: {result.error!r}"
+    assert result.done and [e["code"] for e in result.errors] == ["gateway_shutdown"]
+    assert (result.ended_at or 0) - forced_at < 5
+    gw.proc.wait(30)
+    poll(lambda: not any(alive(p) for p in gw.workers.values()), 10, "engines to stop")
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+# --- in-process, over real sockets: readiness while draining, errors without addresses ---
+
+async def test_draining_gateway_reports_shutting_down_and_refuses_new_work(
+        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
+        config_factory: Any) -> None:
+    from gateway.app import create_app
+
+    stub = await stub_upstream(chunks=2, delay_s=0.01)
+    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
+    url = await gateway_server(app)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        assert (await c.get("/health")).status_code == 200
+        app.state.tokenfleet.relay.shutdown.begin()
+        health = await c.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json()["error"]["code"] == "gateway_shutdown"
+    assert stub.requests == [], "a draining gateway sends no new work to engines"
+
+
+async def test_refused_everywhere_502_names_instances_not_addresses(
+        gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
+        refused_url: str) -> None:
+    from gateway.app import create_app
+
+    app = create_app(config_factory(), [fake_adapter([instance_factory("a", refused_url),
+                                                      instance_factory("b", refused_url)])], poll_interval_s=60)
+    url = await gateway_server(app)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["code"] == "upstream_error"
+    assert re.fullmatch(r"Upstream engine failed: engine instance [ab] refused the connection", err["message"]), err
+    assert no_address(r.text), r.text
