@@ -4,6 +4,7 @@ the instance comes back. Small deadlines come from the fleet file's `gateway:` b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -439,3 +440,75 @@ async def test_refused_everywhere_502_names_instances_not_addresses(
     assert err["code"] == "upstream_error"
     assert re.fullmatch(r"Upstream engine failed: engine instance [ab] refused the connection", err["message"]), err
     assert no_address(r.text), r.text
+
+
+class _PredictingRouter:
+    """Lowest instance id first, with a fixed TTFT prediction (what the first-byte deadline scales)."""
+
+    name = "predicting"
+
+    def __init__(self, predicted_ttft_s: float) -> None:
+        self.predicted_ttft_s = predicted_ttft_s
+
+    def route(self, profile: Any, candidates: Any, now: float) -> Any:
+        from fleetcore.types import RouteDecision
+
+        best = min(c.instance_id for c in candidates)
+        return RouteDecision(best, "lowest id", (), predicted_ttft_s=self.predicted_ttft_s)
+
+    def observe(self, outcome: Any) -> None:
+        pass
+
+
+async def _gateway_with(stubs: dict[str, Any], predicted_ttft_s: float, gateway_server: Any, fake_adapter: Any,
+                        instance_factory: Any, config_factory: Any) -> str:
+    from fleetcore.fleet_config import GatewaySettings
+    from gateway.app import create_app
+
+    config = config_factory()
+    config = config.model_copy(update={"gateway": GatewaySettings(
+        first_byte_timeout_floor_s=0.3, first_byte_timeout_factor=4, stream_idle_timeout_s=5)})
+    adapter = fake_adapter([instance_factory(iid, stub.url) for iid, stub in stubs.items()])
+    app = create_app(config, [adapter], router=_PredictingRouter(predicted_ttft_s), poll_interval_s=60)
+    return await gateway_server(app)
+
+
+async def test_first_byte_deadline_is_the_larger_of_floor_and_factor_times_prediction(
+        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
+        config_factory: Any) -> None:
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    slow = await stub_upstream(chunks=2, delay_s=0.01, first_delay_s=0.6)
+    fast = await stub_upstream(chunks=2, delay_s=0.01)
+    # predicted 0.25 s x 4 = 1.0 s > the 0.3 s floor: a first byte at 0.6 s is in time
+    url = await _gateway_with({"a": slow, "b": fast}, 0.25, gateway_server, fake_adapter, instance_factory,
+                              config_factory)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-tokenfleet-instance"] == "a"
+    assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+    # predicted 0.05 s x 4 = 0.2 s < floor: 0.3 s; a first byte at 0.6 s is a stall, retried on b
+    slow2 = await stub_upstream(chunks=2, delay_s=0.01, first_delay_s=0.6)
+    url = await _gateway_with({"a": slow2, "b": fast}, 0.05, gateway_server, fake_adapter, instance_factory,
+                              config_factory)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+        metrics = (await c.get("/metrics")).text
+    assert r.status_code == 200 and r.headers["x-tokenfleet-instance"] == "b"
+    assert 0.3 <= time.monotonic() - t0 < 0.6
+    assert 'tokenfleet_upstream_errors_total{instance="a",kind="first_byte_timeout"} 1.0' in metrics
+    await asyncio.wait_for(slow2.aborted.wait(), 2)  # the stalled request is aborted on the engine
+
+
+async def test_non_stream_answer_from_a_live_engine_may_outlast_the_first_byte_deadline(
+        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
+        config_factory: Any) -> None:
+    # an engine sends a non-streaming answer only when the generation is done; while it passes
+    # its health checks, the gateway waits past the first-byte deadline
+    stub = await stub_upstream(chunks=4, delay_s=0.2)  # answers after 0.8 s; deadline 0.3 s
+    url = await _gateway_with({"a": stub}, 0.0, gateway_server, fake_adapter, instance_factory, config_factory)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == " tok0 tok1 tok2 tok3"
+    assert len(stub.requests) == 1 and stub.completed == 1
