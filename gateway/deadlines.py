@@ -66,6 +66,9 @@ class Deadlines:
 class UpstreamWatch:
     """Bounds each wait of a dispatch on its engine; one at a time, from whichever task waits."""
 
+    __slots__ = ("idle_s", "_loop", "_task", "_started", "_due", "_keep_waiting", "_recheck_s", "_phase",
+                 "_cancelling", "_cause", "_interrupt", "_timer", "_timer_at")
+
     def __init__(self, idle_s: float) -> None:
         self.idle_s = idle_s
         self._loop = asyncio.get_running_loop()
@@ -90,19 +93,24 @@ class UpstreamWatch:
         """`aw`'s result, or UpstreamStalled once `deadline` (default: now + idle) has passed, or the
         Interrupted given to `interrupt`. Past the deadline, `keep_waiting()` returning True grants
         another `recheck_s` (the engine shows it is alive some other way)."""
+        # On the relay's hot path (one call per token event): plain attribute writes, no timer
+        # unless none is pending or this deadline is earlier than the pending one.
         if self._interrupt is not None:
             if asyncio.iscoroutine(aw):
                 aw.close()
             raise self._interrupt
         task = asyncio.current_task()
         assert task is not None
-        self._task, self._cancelling = task, task.cancelling()
-        self._started = self.now()
-        self._due = deadline if deadline is not None else self._started + self.idle_s
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._started = now = self._loop.time()
+        self._due = due = deadline if deadline is not None else now + self.idle_s
         self._keep_waiting = keep_waiting
         self._phase = phase
-        self._recheck_s = recheck_s if recheck_s is not None else self.idle_s
-        self._arm(self._due)
+        if recheck_s is not None:
+            self._recheck_s = recheck_s
+        if self._timer is None or due < self._timer_at:
+            self._arm(due)
         try:
             result = await aw
         except asyncio.CancelledError:
@@ -113,7 +121,8 @@ class UpstreamWatch:
         finally:
             self._due = None
             self._task = None
-        self._take_cause(task)  # cancelled too late to matter: the result won
+        if self._cause is not None:
+            self._take_cause(task)  # cancelled too late to matter: the result won
         return result
 
     def interrupt(self, reason: Interrupted) -> None:
@@ -135,8 +144,8 @@ class UpstreamWatch:
         return cause if task.uncancel() <= self._cancelling else None
 
     def _arm(self, due: float) -> None:
-        if self._timer is not None and self._timer_at <= due:
-            return  # it fires first and re-arms for the pending wait: no timer per read
+        """`wait` arms only when no timer is pending or the pending one is later than `due`; an
+        earlier one fires first and re-arms for the wait then pending: one timer per idle period."""
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = due
