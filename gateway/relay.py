@@ -438,7 +438,7 @@ class RelayStream:
             # a stalled engine (stopped, hung, partitioned) gets no new work until it proves healthy
             self.d.relay.state.mark_failed(self.d.iid, f"stalled mid-stream: {e}")
             yield self._fail("stream_idle_timeout", "upstream_timeout",
-                             f"engine instance {self.d.iid} stalled mid-stream: no tokens for {e.waited_s:.1f} s",
+                             f"engine instance {self.d.iid} stalled mid-stream: nothing for {e.waited_s:.1f} s",
                              str(e))
             return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
