@@ -53,7 +53,9 @@ def encode_upto(text: str, limit: int) -> list[int]:
 
 
 def token_id(piece: str) -> int:
-    return xxhash.xxh32_intdigest(piece.encode("utf-8")) % VOCAB_SIZE
+    # surrogatepass: total on any str (a lone surrogate is an id like any other, not a crash);
+    # valid text encodes exactly as with plain UTF-8
+    return xxhash.xxh32_intdigest(piece.encode("utf-8", "surrogatepass")) % VOCAB_SIZE
 
 
 def encode(text: str) -> list[int]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from gateway.errors import overloaded
@@ -27,29 +28,37 @@ class TokenizePool:
     def __init__(self, workers: int, queue: int, timeout_s: float) -> None:
         self.capacity = workers + queue
         self.timeout_s = timeout_s
-        self.pending = 0  # bodies accepted and not finished (running or waiting)
+        self._pending = 0  # bodies accepted and not finished (running or waiting)
+        self._lock = threading.Lock()  # work ends on pool threads
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize")
 
+    @property
+    def pending(self) -> int:
+        return self._pending
+
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` on a pool thread; 503 when the pool is full or it runs too long."""
-        if self.pending >= self.capacity:
-            raise overloaded(f"The gateway's tokenizer pool is full ({self.capacity} requests)",
-                             "tokenizer_busy", 1)
-        loop = asyncio.get_running_loop()
-        self.pending += 1
-        future = loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
-        future.add_done_callback(self._finished)
+        """`fn(*args, **kwargs)` on a pool thread; 503 when the pool is full or it runs too long.
+
+        The deadline covers the wait for a thread too: work still waiting when it passes is
+        dropped (never started); work already running keeps its slot until it returns."""
+        with self._lock:
+            if self._pending >= self.capacity:
+                raise overloaded(f"The gateway's tokenizer pool is full ({self.capacity} requests)",
+                                 "tokenizer_busy", 1)
+            self._pending += 1
+        work = self._executor.submit(fn, *args, **kwargs)
+        work.add_done_callback(self._finished)
         try:
-            # shield: a timed-out (or cancelled) waiter must not mark the work done early
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            # shield: a timed-out (or cancelled) waiter must not mark running work as done
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(work)), self.timeout_s)
         except TimeoutError:
+            work.cancel()  # succeeds only while it waits for a thread
             raise overloaded(f"Tokenizing the prompt took longer than {self.timeout_s:g}s",
                              "tokenize_timeout", max(1, math.ceil(self.timeout_s))) from None
 
-    def _finished(self, future: asyncio.Future[Any]) -> None:
-        self.pending -= 1
-        if not future.cancelled():
-            future.exception()  # retrieved: an abandoned future's error is not "never retrieved"
+    def _finished(self, work: Future[Any]) -> None:
+        with self._lock:
+            self._pending -= 1
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
