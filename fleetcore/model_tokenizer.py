@@ -120,9 +120,17 @@ class HFTokenizer:
         if limit is not None and (at_least := self.min_tokens(len(text))) > limit:
             raise PromptTooLong(at_least, exact=False)
 
-    def text_ids(self, text: str, limit: int | None = None) -> list[int]:
+    def _encode(self, text: str, special: bool, limit: int | None) -> list[int]:
         self._check(text, limit)
-        return self._tok.encode(text, add_special_tokens=True).ids
+        # encode_batch releases the GIL while it works (encode does not: a long prompt
+        # on a pool thread would still stall the event loop for seconds)
+        enc = self._tok.encode_batch([text], add_special_tokens=special)[0]
+        if limit is not None and len(enc) > limit:
+            raise PromptTooLong(len(enc), exact=True)  # without building a list of every id
+        return enc.ids
+
+    def text_ids(self, text: str, limit: int | None = None) -> list[int]:
+        return self._encode(text, True, limit)
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], limit: int | None = None) -> list[int]:
         if self._template is None:
@@ -131,8 +139,7 @@ class HFTokenizer:
         text = self._template.render(messages=conv, add_generation_prompt=True, tools=None,
                                      documents=None, **self.special_tokens)
         # the bound holds for the rendered text (a template may drop or repeat content)
-        self._check(text, limit)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encode(text, False, limit)
 
 
 # --- a lower bound on tokens from characters ---

@@ -84,7 +84,3 @@ def _lone_surrogate(where: str | None) -> None:
     raise bad_request(f"`{where or 'the request body'}` contains an unpaired UTF-16 surrogate "
                       "(such as \\ud83d): not valid Unicode text.", param=where, code="invalid_unicode")
 
-
-def json_safe(value: str) -> bool:
-    """True when `value` encodes as UTF-8 (no lone surrogates)."""
-    return value.isascii() or not _SURROGATE.search(value)

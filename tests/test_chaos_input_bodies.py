@@ -61,7 +61,7 @@ async def test_lone_surrogates_are_a_400_naming_where(gateway: Any, body: str, p
 
 async def test_surrogates_as_raw_utf8_bytes_are_a_400(gateway: Any) -> None:
     client, _ = gateway
-    err = await _error(client, _chat().replace("hello", "hi ").encode() .replace(b"hi ", b"hi \xed\xa0\xbd"))
+    err = await _error(client, _chat(content="hi ").encode().replace(b"hi ", b"hi \xed\xa0\xbd"))
     assert err["code"] in ("invalid_unicode", "invalid_json")
 
 

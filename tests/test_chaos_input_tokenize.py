@@ -93,8 +93,9 @@ def test_tokenizers_that_drop_text_have_no_bound(tmp_path: Path) -> None:
 def test_a_huge_prompt_is_refused_without_running_the_tokenizer(bpe: HFTokenizer, config_factory: Any,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = bpe._tok.encode
-    monkeypatch.setattr(bpe, "_tok", type("Spy", (), {"encode": lambda self, *a, **k: calls.append(1) or real(*a, **k)})())
+    real = bpe._tok
+    monkeypatch.setattr(bpe, "_tok", type("Spy", (), {
+        "encode_batch": lambda self, *a, **k: calls.append(1) or real.encode_batch(*a, **k)})())
     config = config_factory()
     args: dict[str, Any] = dict(config=config, caller=Caller("t"), headers={}, request_id="r", now=0.0,
                                 tokenizers={"m1": bpe})
@@ -105,7 +106,7 @@ def test_a_huge_prompt_is_refused_without_running_the_tokenizer(bpe: HFTokenizer
         assert e.value.code == "context_length_exceeded" and "at least" in e.value.message
     assert calls == []
     ok = parse_request("completion", json.dumps({"model": "m1", "prompt": "hello world"}).encode(), **args)
-    assert ok.profile.prompt_tokens == len(real("hello world").ids) and calls == [1]
+    assert ok.profile.prompt_tokens == len(real.encode("hello world").ids) and calls == [1]
 
 
 # --- the pool ---
