@@ -30,16 +30,23 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.tokens import PromptTooLong
 
 log = logging.getLogger("tokenfleet.tokenizer")
 
 
 class PromptTokenizer(Protocol):
-    def text_ids(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, special tokens included."""
+    def text_ids(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of a completion prompt, special tokens included. With `limit`, raises
+        `fleetcore.tokens.PromptTooLong` instead of tokenizing a text that provably has more
+        tokens than that (from its length alone)."""
 
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of a chat conversation as the engine renders it for a new assistant turn."""
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], limit: int | None = None) -> list[int]:
+        """Token ids of a chat conversation as the engine renders it for a new assistant turn
+        (`limit` as for `text_ids`)."""
+
+    def min_tokens(self, chars: int) -> int:
+        """A lower bound on the tokens of any text of `chars` characters (0: no bound known)."""
 
 
 class TokenizerUnavailable(RuntimeError):
@@ -104,17 +111,106 @@ class HFTokenizer:
                 self.special_tokens[name] = text
         source = _chat_template(directory, config)
         self._template = _compile(source) if source else None
+        self.max_chars_per_token = max_chars_per_token(json.loads(self._tok.to_str()))
 
-    def text_ids(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def min_tokens(self, chars: int) -> int:
+        return 0 if self.max_chars_per_token is None else -(-chars // self.max_chars_per_token)
 
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def _check(self, text: str, limit: int | None) -> None:
+        if limit is not None and (at_least := self.min_tokens(len(text))) > limit:
+            raise PromptTooLong(at_least, exact=False)
+
+    def _encode(self, text: str, special: bool, limit: int | None) -> list[int]:
+        self._check(text, limit)
+        # encode_batch releases the GIL while it works (encode does not: a long prompt
+        # on a pool thread would still stall the event loop for seconds)
+        enc = self._tok.encode_batch([text], add_special_tokens=special)[0]
+        if limit is not None and len(enc) > limit:
+            raise PromptTooLong(len(enc), exact=True)  # without building a list of every id
+        return enc.ids
+
+    def text_ids(self, text: str, limit: int | None = None) -> list[int]:
+        return self._encode(text, True, limit)
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], limit: int | None = None) -> list[int]:
         if self._template is None:
             raise TokenizerUnavailable(f"{self.directory} has no chat template")
         conv = [{**m, "content": _content_text(m.get("content"))} for m in messages]
         text = self._template.render(messages=conv, add_generation_prompt=True, tools=None,
                                      documents=None, **self.special_tokens)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # the bound holds for the rendered text (a template may drop or repeat content)
+        return self._encode(text, False, limit)
+
+
+# --- a lower bound on tokens from characters ---
+#
+# Each token of an encoding stands for a piece of the (normalized, pre-tokenized) text, and
+# its vocabulary string is at least as long in UTF-8 bytes as the characters it covers: byte-
+# level BPE writes one character per input byte, SentencePiece writes "▁" (3 bytes) for a
+# space, byte-fallback tokens are "<0xNN>", an unknown character's <unk> stands for one
+# character. So tokens >= chars / (longest vocabulary entry in bytes x the most a normalizer
+# can shrink text). That holds only where nothing drops text: a pre-tokenizer that removes
+# whitespace, a normalizer that strips or lowercases, fused <unk> runs, a BPE without byte
+# fallback or <unk> (unknown characters vanish), a WordPiece/WordLevel <unk> for a whole word,
+# or truncation. For those there is no bound (None) and the prompt is tokenized in full,
+# in the gateway's bounded tokenizer pool.
+
+# Normalizers that never shorten text by more than this factor (NFC composes at most
+# three code points, Hangul L+V+T, into one).
+_SHRINK = {"NFC": 3, "Prepend": 1}
+_SAFE_PRE = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _normalizer_shrink(spec: Mapping[str, Any] | None) -> int | None:
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}), spec.get("content", "")
+        ok = isinstance(pattern, Mapping) and "String" in pattern and len(content) >= len(pattern["String"])
+        return 1 if ok else None
+    return _SHRINK.get(kind)  # type: ignore[arg-type]
+
+
+def _pre_tokenizer_keeps_text(spec: Mapping[str, Any] | None) -> bool:
+    if spec is None:
+        return True
+    if spec.get("type") == "Sequence":
+        return all(_pre_tokenizer_keeps_text(p) for p in spec.get("pretokenizers", []))
+    return spec.get("type") in _SAFE_PRE and spec.get("behavior") != "Removed"
+
+
+def _has_byte_level(spec: Mapping[str, Any] | None) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in spec.get("pretokenizers", []))
+    return spec.get("type") == "ByteLevel"
+
+
+def max_chars_per_token(spec: Mapping[str, Any]) -> int | None:
+    """The most input characters one token can stand for under the `tokenizer.json` `spec`,
+    or None when the tokenizer may drop text and no such bound exists (see above)."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or spec.get("truncation"):
+        return None
+    if not (_has_byte_level(spec.get("pre_tokenizer")) or model.get("byte_fallback")
+            or (model.get("unk_token") and not model.get("fuse_unk"))):
+        return None
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or not _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")):
+        return None
+    pieces = list(model.get("vocab") or {}) + [t.get("content", "") for t in spec.get("added_tokens") or []]
+    longest = max((len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=0)
+    return max(1, longest) * shrink
 
 
 def _compile(source: str) -> Any:

@@ -8,6 +8,7 @@ their own tokenizer; the gateway uses this one only as an estimate for them.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -17,16 +18,44 @@ import xxhash
 VOCAB_SIZE = 1 << 17
 
 # Words, numbers, single punctuation marks, and runs of whitespace that carry a newline.
-# Roughly 1.3 tokens per English word, close to what BPE tokenizers give.
-_PIECE = re.compile(r"\s*[A-Za-z]+|\s*\d{1,3}|\s*[^\sA-Za-z\d]|\s+")
+# Roughly 1.3 tokens per English word, close to what BPE tokenizers give. Every piece is
+# at most MAX_PIECE_CHARS long (a longer word or whitespace run splits, as a BPE vocabulary
+# would), and the pieces cover the text exactly, so a text of n characters has at least
+# n / MAX_PIECE_CHARS tokens: the gateway rejects a prompt that cannot fit a context from
+# its length alone, before tokenizing it (`min_tokens`).
+MAX_PIECE_CHARS = 32
+_PIECE = re.compile(r"\s{0,15}[A-Za-z]{1,16}|\s{0,15}\d{1,3}|\s{0,15}[^\sA-Za-z\d]|\s{1,32}")
 
 
 def split_pieces(text: str) -> list[str]:
     return _PIECE.findall(text)
 
 
+def min_tokens(chars: int) -> int:
+    """A lower bound on the tokens of any text of `chars` characters."""
+    return -(-chars // MAX_PIECE_CHARS)
+
+
+class PromptTooLong(ValueError):
+    """A prompt has more tokens than the caller's limit: `tokens` of them, or at least that
+    many when `exact` is False (counting stopped early, or only a bound was computed)."""
+
+    def __init__(self, tokens: int, exact: bool) -> None:
+        super().__init__(f"{'' if exact else 'at least '}{tokens} tokens")
+        self.tokens = tokens
+        self.exact = exact
+
+
+def encode_upto(text: str, limit: int) -> list[int]:
+    """The ids of `text`, but at most `limit + 1` of them: a caller that only needs to know
+    whether the text exceeds `limit` tokens stops paying after that many."""
+    return [token_id(m.group()) for m in itertools.islice(_PIECE.finditer(text), max(0, limit) + 1)]
+
+
 def token_id(piece: str) -> int:
-    return xxhash.xxh32_intdigest(piece.encode("utf-8")) % VOCAB_SIZE
+    # surrogatepass: total on any str (a lone surrogate is an id like any other, not a crash);
+    # valid text encodes exactly as with plain UTF-8
+    return xxhash.xxh32_intdigest(piece.encode("utf-8", "surrogatepass")) % VOCAB_SIZE
 
 
 def encode(text: str) -> list[int]:

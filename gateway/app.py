@@ -30,7 +30,7 @@ from gateway.auth import Authenticator, Caller
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
-from gateway.goodput_report import install_report_routes
+from gateway.goodput_report import ReportAccess, install_report_routes
 from gateway.kv_feed import KVEventFeed
 from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
@@ -38,14 +38,17 @@ from gateway.policy_store import MemoryPolicyStore, PolicyStore, watch
 from gateway.relay import DecisionLog, Relay, SiteChooser
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
+from gateway.openapi import chat_body, completion_body
+from gateway.tokenize_pool import TokenizePool
 from fleetmind.demand import DemandModel
 from fleetmind.planner import planner_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
 from tokenpilot.policy import InstanceRouter
 
-# Tokenizing a prompt of this many bytes takes long enough to stall other requests' relays.
-_THREAD_PARSE_BYTES = 256 * 1024
+# Bodies up to this size parse and tokenize inline (well under a millisecond per KB);
+# larger ones go to the bounded tokenizer pool, so no request stalls the loop for long.
+_INLINE_PARSE_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class GatewayContext:
     tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
     admission: AdmissionGate | None = None  # SLOMax (or FCFS), its ledger and live state
     placement: PlacementLoop | None = None  # FleetMind's replica planner, when the fleet file enables it
+    tokenize_pool: TokenizePool | None = None  # parses large bodies off the event loop (bounded)
 
 
 class BodySizeLimit:
@@ -151,6 +155,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
     `max_body_bytes` defaults to the fleet file's `gateway.max_body_bytes`.
     """
+    if max_body_bytes is None:
+        max_body_bytes = config.gateway.max_body_bytes
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
     decisions = DecisionLog(decision_log_size)
@@ -172,8 +178,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                                   ready_timeout_s=p.ready_timeout_s, mode=p.mode)
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
+    g = config.gateway
+    pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
-                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement)
+                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
     store = policy_store if policy_store is not None else MemoryPolicyStore(config.region_policies)
@@ -201,13 +209,15 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             relay.shutdown.close()
             await relay.session.close()
             relay.session = None
+            pool.close()
 
-    app = FastAPI(title="TokenFleet gateway", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    # The contract for clients and fuzzers: /openapi.json, /docs (Swagger UI), /redoc.
+    app = FastAPI(title="TokenFleet gateway", lifespan=lifespan, version="1",
+                  description="OpenAI-compatible gateway: /v1 for tenants (API key), /admin/v1 for "
+                              "operators (admin key); errors are OpenAI-shaped `{\"error\": {...}}`.")
     app.state.tokenfleet = ctx
     install_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_body_bytes if max_body_bytes is None
-                       else max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, placement)
@@ -218,11 +228,13 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
 def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
     created = int(time.time())
 
-    @app.post("/v1/chat/completions")
+    # The bodies are parsed by `gateway.requests` (raw, forwarded with unknown fields intact);
+    # their schemas are declared for the OpenAPI document only.
+    @app.post("/v1/chat/completions", openapi_extra=chat_body(ctx.config.models[0].name))
     async def chat_completions(request: Request) -> Response:
         return await _serve(ctx, request, "chat", "/v1/chat/completions")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=completion_body(ctx.config.models[0].name))
     async def completions(request: Request) -> Response:
         return await _serve(ctx, request, "completion", "/v1/completions")
 
@@ -240,6 +252,8 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
 
 
 def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
+    access = ReportAccess(ctx.config)  # tenant or admin, as for the goodput report
+
     @app.get("/health")
     async def health() -> JSONResponse:
         c = ctx.state.counts()
@@ -249,13 +263,16 @@ def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
                             status_code=503 if draining else 200)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+    async def metrics(request: Request) -> Response:
+        # Without a key (scrapers): no per-tenant series. An admin key: all of them.
+        admin = access.open or ("authorization" in request.headers and access.principal(request.headers)[1])
+        return Response(ctx.metrics.render(per_tenant=admin), media_type=ctx.metrics.content_type)
 
     @app.get("/debug/decisions")
     async def debug_decisions(request: Request, limit: int = 50) -> JSONResponse:
-        ctx.auth.authenticate(request.headers)
-        return JSONResponse({"decisions": ctx.decisions.last(max(0, min(limit, 1000)))})
+        tenant, admin = access.principal(request.headers)  # a tenant sees only its own requests
+        n = max(0, min(limit, 1000))
+        return JSONResponse({"decisions": ctx.decisions.last(n, None if admin else tenant)})
 
 
 async def _serve(ctx: GatewayContext, request: Request, kind: Kind, path: str) -> Response:
@@ -275,6 +292,6 @@ async def _parse(ctx: GatewayContext, request: Request, kind: Kind, caller: Call
     raw = await request.body()
     args: dict[str, Any] = dict(config=ctx.config, caller=caller, headers=request.headers,
                                 request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers)
-    if len(raw) > _THREAD_PARSE_BYTES:
-        return await asyncio.to_thread(parse_request, kind, raw, **args)
+    if len(raw) > _INLINE_PARSE_BYTES and ctx.tokenize_pool is not None:
+        return await ctx.tokenize_pool.run(parse_request, kind, raw, **args)
     return parse_request(kind, raw, **args)

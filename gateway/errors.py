@@ -74,11 +74,14 @@ def model_not_found(model: str) -> GatewayError:
                         param="model", code="model_not_found")
 
 
-def context_length_exceeded(param: str, max_len: int, prompt: int, output: int) -> GatewayError:
+def context_length_exceeded(param: str, max_len: int, prompt: int, output: int,
+                            at_least: bool = False) -> GatewayError:
+    """`at_least`: counting stopped early (`prompt` is a lower bound, not the exact count)."""
+    more = "at least " if at_least else ""
     return GatewayError(
         400,
         f"This model's maximum context length is {max_len} tokens. However, you requested "
-        f"{prompt + output} tokens ({prompt} in the prompt, {output} for the completion). "
+        f"{more}{prompt + output} tokens ({more}{prompt} in the prompt, {output} for the completion). "
         "Please reduce the prompt or max_tokens.",
         param=param, code="context_length_exceeded")
 

@@ -2,11 +2,19 @@
 
 One registry per app (not the process-global default) so that several gateways
 in one process (tests, benchmarks) do not collide on metric names.
+
+Tenants must not see each other, and /metrics is scraped without a key: `render()` (the
+public view) sums every counter over its `tenant` label and leaves out per-tenant gauges
+(an attainment ratio has no sum); `render(per_tenant=True)` is the full registry, for
+the admin (`/metrics` with an admin key).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 from fleetcore.types import RequestOutcome
 
@@ -41,8 +49,8 @@ class GatewayMetrics:
         self.inflight = Gauge("tokenfleet_inflight", "Requests the gateway has in flight per instance",
                               ["instance"], registry=r)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, per_tenant: bool = False) -> bytes:
+        return generate_latest(self.registry if per_tenant else _WithoutTenants(self.registry))
 
     def answered(self, model: str, site: str, instance: str, status: str) -> None:
         self.requests.labels(model, site, instance, status).inc()
@@ -59,3 +67,35 @@ class GatewayMetrics:
 
     def set_inflight(self, instance: str, value: int) -> None:
         self.inflight.labels(instance).set(value)
+
+
+TENANT_LABEL = "tenant"
+
+
+class _WithoutTenants:
+    """A registry view with the tenant label aggregated away (what generate_latest needs: collect())."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if not any(TENANT_LABEL in s.labels for s in family.samples):
+                yield family
+            elif family.type in ("counter", "histogram"):
+                yield _summed(family)
+            # per-tenant gauges are ratios or levels of one tenant: no sum, left out
+
+
+
+def _summed(family: Metric) -> Metric:
+    totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for s in family.samples:
+        if s.name.endswith("_created"):
+            continue  # a creation time does not add up
+        labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != TENANT_LABEL))
+        totals[(s.name, labels)] = totals.get((s.name, labels), 0.0) + s.value
+    out = Metric(family.name, family.documentation, family.type, family.unit)
+    for (name, labels), value in totals.items():
+        out.add_sample(name, dict(labels), value)
+    return out

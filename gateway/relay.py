@@ -218,8 +218,10 @@ class DecisionLog:
             site: SiteDecision, route: RouteDecision | None) -> None:
         self._entries.append((time.time(), profile, attempt, tuple(excluded), site, route))
 
-    def last(self, n: int) -> list[dict[str, Any]]:
-        return [_format_decision(*e) for e in list(self._entries)[-n:]] if n > 0 else []
+    def last(self, n: int, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The last `n` decisions, of `tenant` only when given (a tenant sees only its own)."""
+        entries = [e for e in self._entries if tenant is None or e[1].tenant == tenant]
+        return [_format_decision(*e) for e in entries[-n:]] if n > 0 else []
 
 
 def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded: tuple[str, ...],

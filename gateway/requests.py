@@ -8,7 +8,6 @@ left in the body and forwarded untouched (engines take extras such as
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import uuid
@@ -19,10 +18,11 @@ from typing import Any, Literal
 from fleetcore.fleet_config import FleetConfig, ModelConfig
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.prefix import block_hashes
-from fleetcore.tokens import encode, render_chat
+from fleetcore.tokens import PromptTooLong, encode_upto, min_tokens, render_chat
 from fleetcore.types import RequestProfile
 from gateway.auth import Caller
 from gateway.errors import bad_request, context_length_exceeded, model_not_found
+from gateway.json_body import parse_json_object
 
 Kind = Literal["chat", "completion"]
 
@@ -53,14 +53,10 @@ def new_request_id(headers: Mapping[str, str]) -> str:
     return given if _REQUEST_ID.match(given) else f"req-{uuid.uuid4().hex}"
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    return body
+def json_value_cap(config: FleetConfig) -> int:
+    """The most JSON values a valid request body can need: a prompt of token ids fits the
+    largest context (a batch counts as one prompt), twice over, plus room for tools and the like."""
+    return 2 * max(m.engine.max_model_len for m in config.models) + 65536
 
 
 def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller,
@@ -71,16 +67,25 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
     `tokenizers` (model name -> the model's own tokenizer) makes prompt token counts and
     block hashes exact for real engines (KV-event cache keys match); models without one
     use the built-in estimate (`fleetcore.tokens`).
+
+    A prompt is never tokenized further than the context allows: one that provably cannot
+    fit (from its length in characters, or counting stopped at the limit) is rejected with
+    "at least N tokens", so a huge prompt costs no more than a fitting one.
     """
-    body = parse_json_object(raw)
+    body = parse_json_object(raw, max_depth=config.gateway.max_json_depth, max_values=json_value_cap(config))
     model_cfg, version = resolve_model(body.get("model"), config)
     stream, include_usage = _stream_flags(body)
     _check_sampling(body)
     max_tokens = _output_budget(body, kind)
     tok = tokenizers.get(model_cfg.name) if tokenizers else None
-    ids, param = (_chat_prompt_ids(body, tok) if kind == "chat" else _completion_prompt_ids(body, tok))
     output = max_tokens if max_tokens is not None else 1  # the engine needs room for >= 1 token
     max_len = model_cfg.engine.max_model_len
+    param = "messages" if kind == "chat" else "prompt"
+    limit = max_len - output  # the most prompt tokens that fit
+    try:
+        ids = _chat_prompt_ids(body, tok, limit) if kind == "chat" else _completion_prompt_ids(body, tok, limit)
+    except PromptTooLong as e:
+        raise context_length_exceeded(param, max_len, e.tokens, output, at_least=not e.exact) from None
     if len(ids) + output > max_len:
         raise context_length_exceeded(param, max_len, len(ids), output)
     block_size = model_cfg.engine.block_size
@@ -223,7 +228,17 @@ def _output_budget(body: Mapping[str, Any], kind: Kind) -> int | None:
 
 # --- prompts ---
 
-def _chat_prompt_ids(body: Mapping[str, Any], tok: PromptTokenizer | None = None) -> tuple[list[int], str]:
+def builtin_ids(text: str, limit: int) -> list[int]:
+    """`fleetcore.tokens` ids of `text`; PromptTooLong as soon as they provably exceed `limit`."""
+    if (at_least := min_tokens(len(text))) > limit:
+        raise PromptTooLong(at_least, exact=False)
+    ids = encode_upto(text, limit)
+    if len(ids) > limit:
+        raise PromptTooLong(len(ids), exact=False)
+    return ids
+
+
+def _chat_prompt_ids(body: Mapping[str, Any], tok: PromptTokenizer | None, limit: int) -> list[int]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("`messages` is required.", "messages")
@@ -233,12 +248,14 @@ def _chat_prompt_ids(body: Mapping[str, Any], tok: PromptTokenizer | None = None
         _check_message(i, m)
     if tok is not None:
         try:
-            return tok.chat_ids(messages), "messages"
+            return tok.chat_ids(messages, limit)
+        except PromptTooLong:
+            raise
         except Exception:
             # The engine is the judge of what its template accepts; routing falls back
             # to the estimate rather than rejecting a request the engine may take.
             pass
-    return encode(render_chat(messages)), "messages"
+    return builtin_ids(render_chat(messages), limit)
 
 
 def _check_message(i: int, m: Any) -> None:
@@ -263,29 +280,34 @@ def _check_message(i: int, m: Any) -> None:
                           "with a `type`.", f"{where}.content")
 
 
-def _completion_prompt_ids(body: Mapping[str, Any],
-                           tok: PromptTokenizer | None = None) -> tuple[list[int], str]:
-    """`prompt` as text, token ids, or a batch of either; the profile covers the whole batch."""
-    text_ids = tok.text_ids if tok is not None else encode
+def _completion_prompt_ids(body: Mapping[str, Any], tok: PromptTokenizer | None, limit: int) -> list[int]:
+    """`prompt` as text, token ids, or a batch of either; the profile covers the whole batch,
+    so the batch shares one limit and counting stops where the sum exceeds it."""
+    text_ids: Callable[[str, int], list[int]] = tok.text_ids if tok is not None else builtin_ids
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("`prompt` is required.", "prompt")
     if isinstance(prompt, str):
-        return text_ids(prompt), "prompt"
+        return text_ids(prompt, limit)
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("`prompt` must be a string, a list of strings, or a list of token ids.",
                           "prompt")
     if all(_is_int(t) for t in prompt):
-        return _checked_ids(prompt), "prompt"
+        return _checked_ids(prompt)
     ids: list[int] = []
     for item in prompt:
-        ids.extend(_one_prompt(item, text_ids))
-    return ids, "prompt"
+        try:
+            ids.extend(_one_prompt(item, text_ids, limit - len(ids)))
+        except PromptTooLong as e:
+            raise PromptTooLong(len(ids) + e.tokens, exact=False) from None
+        if len(ids) > limit:
+            raise PromptTooLong(len(ids), exact=False)
+    return ids
 
 
-def _one_prompt(item: Any, text_ids: Callable[[str], list[int]] = encode) -> list[int]:
+def _one_prompt(item: Any, text_ids: Callable[[str, int], list[int]], limit: int) -> list[int]:
     if isinstance(item, str):
-        return text_ids(item)
+        return text_ids(item, limit)
     if isinstance(item, list) and item and all(_is_int(t) for t in item):
         return _checked_ids(item)
     raise bad_request("Each element of `prompt` must be a string or a non-empty list of token ids.",

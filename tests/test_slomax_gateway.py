@@ -200,7 +200,7 @@ async def test_admission_figures_on_metrics(start) -> None:
     gw = await start(fleet({"budgets": {"requests_per_minute": 1}}))
     await gw.post(KEY_A)
     await gw.post(KEY_A)
-    _, _, text = await gw.get("/metrics", None)
+    _, _, text = await gw.get("/metrics", ADMIN)  # per-tenant series: for the admin only
     assert 'tokenfleet_goodput_requests_total{class="interactive",result="met_slo",tenant="a"} 1.0' in text
     assert 'tokenfleet_admission_rejected_total{class="interactive",reason="budget_requests",tenant="a"} 1.0' in text
     assert 'tokenfleet_goodput_tokens_total{class="interactive",tenant="a"} 4.0' in text
