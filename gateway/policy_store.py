@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
@@ -136,7 +137,7 @@ class RedisPolicyStore:
     """Keys: `{prefix}:version`, `{prefix}:policies` (JSON), `{prefix}:audit` (list, newest first)."""
 
     def __init__(self, url: str, initial: Sequence[RegionPolicy] = (), prefix: str = "tokenfleet:region-policies",
-                 *, timeout_s: float = 1.0, known: KnownState | None = None, actor: str = "gateway") -> None:
+                 *, timeout_s: float = 1.0, known: KnownState | None = None, actor: str | None = None) -> None:
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
@@ -150,7 +151,7 @@ class RedisPolicyStore:
         self._initial = tuple(initial)
         self._k = prefix
         self._known = known
-        self._actor = actor
+        self._actor = actor or f"gateway:{socket.gethostname()}"  # who restored, in the audit log
         parts = urlsplit(url)  # never the password
         self.identity = f"redis://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}#{prefix}"
 
