@@ -26,7 +26,7 @@ from tests.test_cli_smoke import read_until
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
 EU_TEAM = {"Authorization": "Bearer sk-eu", "x-tokenfleet-region": "us-east"}
-STORE_TIMEOUT_S = 0.3  # under the 1 s default: the admin timing below shows the CLI passes it on
+STORE_TIMEOUT_S = 0.2  # well under the 1 s default: the admin timing below shows the CLI passes it on
 MODEL = "llama-3.1-8b"
 
 
@@ -100,7 +100,7 @@ def test_tokenfleet_up_keeps_eu_team_in_the_eu_through_redis_failures(tmp_path: 
         r = c.get(f"{gw.url}/admin/v1/region-policies", headers=ADMIN)
         took = time.monotonic() - t0
         assert r.status_code == 503 and r.json()["error"]["code"] == "policy_store_unavailable"
-        assert r.headers["retry-after"] and took < STORE_TIMEOUT_S + 0.6, took
+        assert r.headers["retry-after"] and took < 0.9, took  # 1 s (the default) would fail
         assert eu_sites(c, gw.url, 20) == {(200, "west"): 20}
         gw.stop()
 
