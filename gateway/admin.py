@@ -17,28 +17,88 @@
 
 Writes take `If-Match: <version>` for optimistic concurrency (412 when stale) and take
 effect on the next request, in every gateway replica sharing the store, without a
-restart. A tenant key gets 403, no key 401.
+restart. A tenant key gets 403, no key 401. Bodies are pydantic models (`RegionPolicy`,
+`DryRunBody`, `PlannerModeBody`, also in the OpenAPI document): a wrong field is a 400
+naming it. Calls that need the policy store answer 503 `policy_store_unavailable` with
+`Retry-After` within `gateway.store_timeout_s` when it is down or hung.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.region_policy import RegionPolicy, check_policy
 from fleetcore.types import RequestProfile
-from fleetmind.residency import PolicySet
 from gateway.auth import bearer_token
 from gateway.errors import GatewayError, bad_request, invalid_api_key
-from gateway.placement import MODES
-from gateway.policy_store import AuditEntry, PolicyStore, Snapshot, VersionConflict, now_unix
+from gateway.placement import Mode
+from gateway.policy_store import AuditEntry, Snapshot, StoreUnavailable, VersionConflict, now_unix
+from gateway.policy_sync import PolicySync, policy_store_unavailable
+
+_T = TypeVar("_T")
+_B = TypeVar("_B", bound=BaseModel)
+
+
+# --- request bodies: validated here (a wrong type is a 400 naming the field) and described in
+# the OpenAPI document. The region policy body is `fleetcore.region_policy.RegionPolicy`.
+
+class DryRunBody(BaseModel):
+    """A sample request for `POST /admin/v1/dry-run`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="model name, or `name@version`")
+    tenant: str = Field(default="anonymous", min_length=1)
+    region: str | None = Field(default=None, description="client entry region (default: the fleet's entry region)")
+    prompt_tokens: int = Field(default=1000, ge=0, le=100_000_000)
+    request_class: str | None = Field(default=None, description="SLO class (default: by prompt length)")
+
+
+class PlannerModeBody(BaseModel):
+    """`PUT /admin/v1/planner`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode = Field(description="auto: carry plans out; advise: only log them; off: stop planning")
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` declaring a JSON body of `model` (the handler validates it: `read_body`)."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def read_body(request: Request, model: type[_B]) -> _B:
+    """The body as `model`; a 400 naming the first bad field otherwise (invalid JSON included)."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise bad_request(f"The body is not valid JSON: {first['msg']}.") from None
+        loc = ".".join(str(p) for p in first["loc"]) or None
+        if loc is None and first["type"] in ("model_type", "model_attributes_type"):
+            raise bad_request("The body must be a JSON object.") from None
+        raise bad_request(f"{loc}: {first['msg'].removeprefix('Value error, ')}" if loc else first["msg"],
+                          param=loc) from None
+
+
+async def _bounded(op: Awaitable[_T], retry_after_s: int) -> _T:
+    """A policy-store call: 503 with Retry-After when the store is down (never a 500 or a hang:
+    the store bounds every call by `gateway.store_timeout_s`)."""
+    try:
+        return await op
+    except StoreUnavailable as e:
+        raise policy_store_unavailable(str(e), retry_after_s) from None
 
 
 def _forbidden() -> GatewayError:
@@ -64,39 +124,32 @@ class AdminAuth:
 
 
 class RegionPolicyAdmin:
-    """Validates and commits policy changes, and pushes each new version to the site chooser."""
+    """Validates and commits policy changes; each new version reaches the site chooser (and the
+    durable snapshot) through the gateway's `PolicySync` before the call answers."""
 
-    def __init__(self, config: FleetConfig, store: PolicyStore, site_chooser: Any) -> None:
+    def __init__(self, config: FleetConfig, sync: PolicySync) -> None:
         self.config = config
-        self.store = store
-        self.chooser = site_chooser
+        self.sync = sync
+        self.store = sync.store
 
-    def apply(self, snap: Snapshot) -> None:
-        set_policies = getattr(self.chooser, "set_policies", None)
-        if set_policies is not None:
-            set_policies(PolicySet(snap.policies, snap.version))
-
-    def validate(self, tenant: str, model: str, body: Any) -> RegionPolicy:
-        if not isinstance(body, dict):
-            raise bad_request("The body must be a JSON object with the policy's fields.")
-        extra = {k for k in ("tenant", "model") if k in body and body[k] != {"tenant": tenant, "model": model}[k]}
+    def validate(self, tenant: str, model: str, body: RegionPolicy) -> RegionPolicy:
+        extra = [k for k in ("tenant", "model") if k in body.model_fields_set
+                 and getattr(body, k) != {"tenant": tenant, "model": model}[k]]
         if extra:
-            raise bad_request(f"{sorted(extra)} in the body disagree with the URL", param=sorted(extra)[0])
-        try:
-            policy = RegionPolicy.model_validate({**body, "tenant": tenant, "model": model})
-        except ValidationError as e:
-            first = e.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"]) or None
-            raise bad_request(f"{loc}: {first['msg'].removeprefix('Value error, ')}", param=loc) from None
+            raise bad_request(f"{extra} in the body disagree with the URL", param=extra[0])
+        policy = body.model_copy(update={"tenant": tenant, "model": model})
         errors = check_policy(policy, self.config.sites, {m.name for m in self.config.models},
                               {t.name for t in self.config.tenants})
         if errors:
             raise bad_request("; ".join(errors), param=errors[0].split(":")[0])
         return policy
 
+    async def load(self) -> Snapshot:
+        return await _bounded(self.store.load(), self.sync.retry_after_s)
+
     async def change(self, actor: str, tenant: str, model: str, new: RegionPolicy | None,
                      if_match: int | None) -> tuple[int, RegionPolicy | None]:
-        snap = await self.store.load()
+        snap = await self.load()
         expected = snap.version if if_match is None else if_match
         before = next((p for p in snap.policies if p.key == (tenant, model)), None)
         if new is None and before is None:
@@ -107,10 +160,10 @@ class RegionPolicyAdmin:
         entry = AuditEntry(expected + 1, now_unix(), actor, action, tenant, model,
                            before.model_dump() if before else None, new.model_dump() if new else None)
         try:
-            version = await self.store.commit(policies, entry, expected)
+            version = await _bounded(self.store.commit(policies, entry, expected), self.sync.retry_after_s)
         except VersionConflict as e:
             raise GatewayError(412, f"{e}; re-read and retry.", code="version_conflict") from None
-        self.apply(Snapshot(version, tuple(policies)))
+        await self.sync.accept(Snapshot(version, tuple(policies)))
         return version, before
 
 
@@ -128,23 +181,17 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
         except ValueError:
             raise bad_request("If-Match must be a policy version number.", param="If-Match") from None
 
-    async def body_of(request: Request) -> Any:
-        try:
-            return await request.json()
-        except ValueError:
-            raise bad_request("The body is not valid JSON.") from None
-
     @app.get("/admin/v1/region-policies")
     async def list_policies(request: Request) -> JSONResponse:
         auth.require(request.headers)
-        snap = await admin.store.load()
+        snap = await admin.load()
         return JSONResponse({"version": snap.version, "policies": [p.model_dump() for p in snap.policies]},
                             headers={"ETag": str(snap.version)})
 
     @app.get("/admin/v1/region-policies/{tenant}/{model}")
     async def get_policy(tenant: str, model: str, request: Request) -> JSONResponse:
         auth.require(request.headers)
-        snap = await admin.store.load()
+        snap = await admin.load()
         for p in snap.policies:
             if p.key == (tenant, model):
                 return JSONResponse({"version": snap.version, "policy": p.model_dump()},
@@ -152,10 +199,10 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
         raise GatewayError(404, f"No region policy for tenant {tenant!r} and model {model!r}.",
                            code="policy_not_found")
 
-    @app.put("/admin/v1/region-policies/{tenant}/{model}")
+    @app.put("/admin/v1/region-policies/{tenant}/{model}", openapi_extra=openapi_body(RegionPolicy))
     async def put_policy(tenant: str, model: str, request: Request) -> JSONResponse:
         actor = auth.require(request.headers)
-        policy = admin.validate(tenant, model, await body_of(request))
+        policy = admin.validate(tenant, model, await read_body(request, RegionPolicy))
         version, before = await admin.change(actor, tenant, model, policy, if_match(request))
         return JSONResponse({"version": version, "policy": policy.model_dump()},
                             status_code=200 if before else 201, headers={"ETag": str(version)})
@@ -170,21 +217,18 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
     @app.get("/admin/v1/audit")
     async def audit(request: Request, limit: int = 100) -> JSONResponse:
         auth.require(request.headers)
-        entries = await admin.store.audit(max(1, min(limit, 1000)))
+        entries = await _bounded(admin.store.audit(max(1, min(limit, 1000))), admin.sync.retry_after_s)
         return JSONResponse({"entries": [asdict(e) for e in entries]})
 
-    @app.post("/admin/v1/dry-run")
+    @app.post("/admin/v1/dry-run", openapi_extra=openapi_body(DryRunBody))
     async def dry_run(request: Request) -> JSONResponse:
         auth.require(request.headers)
-        body = await body_of(request)
-        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            raise bad_request("Give at least {\"model\": ...}; optional tenant, region, prompt_tokens, "
-                              "request_class.", param="model")
-        model, _, version = body["model"].partition("@")
+        body = await read_body(request, DryRunBody)
+        model, _, version = body.model.partition("@")
         profile = RequestProfile(
             request_id="dry-run", model=model, model_version=version or None,
-            prompt_tokens=int(body.get("prompt_tokens", 1000)), tenant=str(body.get("tenant", "anonymous")),
-            request_class=body.get("request_class"), client_region=body.get("region") or config.entry_region)
+            prompt_tokens=body.prompt_tokens, tenant=body.tenant,
+            request_class=body.request_class, client_region=body.region or config.entry_region)
         view = relay.state.view()
         decision = relay.site_chooser.choose(profile, view, relay.clock())
         residency = getattr(relay.site_chooser, "residency", None)
@@ -204,16 +248,14 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
             return JSONResponse({"enabled": False, "placement": [], "entries": [], "actions": []})
         return JSONResponse(placement.report(max(1, min(limit, 1000))))
 
-    @app.put("/admin/v1/planner")
+    @app.put("/admin/v1/planner", openapi_extra=openapi_body(PlannerModeBody))
     async def set_planner(request: Request) -> JSONResponse:
         actor = auth.require(request.headers)
-        body = await body_of(request)
-        if not isinstance(body, dict) or body.get("mode") not in MODES:
-            raise bad_request(f"Give {{\"mode\": ...}}, one of {', '.join(MODES)}.", param="mode")
+        body = await read_body(request, PlannerModeBody)
         if placement is None:
             raise GatewayError(409, "The placement planner is not enabled in this gateway (fleet file "
                                     "`planner.enabled`, or `tokenfleet up --planner`).", code="planner_disabled")
-        placement.set_mode(body["mode"], actor)
+        placement.set_mode(body.mode, actor)
         return JSONResponse({"mode": placement.mode})
 
     @app.get("/admin/v1/fleet")

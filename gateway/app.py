@@ -34,7 +34,8 @@ from gateway.goodput_report import ReportAccess, install_report_routes
 from gateway.kv_feed import KVEventFeed
 from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
-from gateway.policy_store import MemoryPolicyStore, PolicyStore, watch
+from gateway.policy_store import PolicyStore
+from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
 from gateway.relay import DecisionLog, Relay, SiteChooser
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
@@ -166,8 +167,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         admission = make_admission(config.admission.policy, slomax_config(config))
     gate = AdmissionGate(admission, state, clock)
     metrics.registry.register(AdmissionCollector(admission, clock))
-    relay = Relay(config, state, router,
-                  site_chooser if site_chooser is not None else build_site_chooser(config, router),
+    chooser = site_chooser if site_chooser is not None else build_site_chooser(config, router)
+    # Region policies: newest version from the store, durable on disk; no known policies, no routing.
+    policy_sync = build_policy_sync(config, policy_store, chooser)
+    relay = Relay(config, state, router, GuardedSiteChooser(chooser, policy_sync),
                   metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)),
                   admission=gate)
     placement = None
@@ -184,13 +187,12 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
-    store = policy_store if policy_store is not None else MemoryPolicyStore(config.region_policies)
-    policy_admin = RegionPolicyAdmin(config, store, relay.site_chooser)
+    policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         relay.session = _client_session(config.gateway)
-        policy_watch = asyncio.create_task(watch(store, policy_admin.apply), name="region-policies")
+        await policy_sync.start()
         try:
             await state.start()
             if kv_feed is not None:
@@ -202,7 +204,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 await placement.stop()
             gate.close()
-            policy_watch.cancel()
+            await policy_sync.stop()
             if kv_feed is not None:
                 await kv_feed.stop()
             await state.stop()

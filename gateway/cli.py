@@ -144,7 +144,8 @@ async def _up(args: argparse.Namespace) -> int:
         if args.redis_url:
             # Several gateway replicas serving one fleet share region policies through Redis.
             from gateway.policy_store import RedisPolicyStore
-            store = RedisPolicyStore(args.redis_url, config.region_policies)
+            store = RedisPolicyStore(args.redis_url, config.region_policies,
+                                     timeout_s=config.gateway.store_timeout_s)
         app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store,
                          planner=args.planner)
         app.state.tokenfleet.metrics.registry.register(ListenerCollector(listeners))

@@ -24,6 +24,21 @@ from engine_adapters.base import EngineAdapter, Instance, LoadSnapshot
 from fleetcore.fleet_config import FleetConfig, parse_fleet
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Gateways under test (in process or `tokenfleet up` subprocesses) keep durable state, such
+    as region policy snapshots, in this session's own directory, never in ~/.local/state."""
+    import os
+
+    old = os.environ.get("TOKENFLEET_STATE_DIR")
+    os.environ["TOKENFLEET_STATE_DIR"] = str(tmp_path_factory.mktemp("tokenfleet-state"))
+    yield
+    if old is None:
+        os.environ.pop("TOKENFLEET_STATE_DIR", None)
+    else:
+        os.environ["TOKENFLEET_STATE_DIR"] = old
+
+
 # --- stub upstream ---
 
 @dataclass

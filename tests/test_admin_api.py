@@ -134,3 +134,52 @@ async def test_residency_holds_under_region_hints(gateway: str) -> None:
         for _ in range(5):
             assert await served_site(c, gateway, {"Authorization": "Bearer sk-globex"}, "eu-west") in {"use1", "usw2"}
         assert await served_site(c, gateway, ACME, "eu-west") == "euw1"
+
+
+async def test_admin_bodies_with_wrong_types_are_400_naming_the_field(gateway: str) -> None:
+    """Admin bodies are pydantic models: a wrong type is an OpenAI-style 400 naming the field, never a
+    500 (before: `{"prompt_tokens": "abc"}` crashed the dry-run with a 500)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        for path, method, body, param in [
+            ("/admin/v1/dry-run", "POST", {"model": MODEL, "prompt_tokens": "abc"}, "prompt_tokens"),
+            ("/admin/v1/dry-run", "POST", {"model": MODEL, "prompt_tokens": -5}, "prompt_tokens"),
+            ("/admin/v1/dry-run", "POST", {"model": 5}, "model"),
+            ("/admin/v1/dry-run", "POST", {"model": MODEL, "tenant": ["acme"]}, "tenant"),
+            ("/admin/v1/dry-run", "POST", {"model": MODEL, "region": {"x": 1}}, "region"),
+            ("/admin/v1/dry-run", "POST", {"model": MODEL, "request_class": 3}, "request_class"),
+            ("/admin/v1/dry-run", "POST", {"tenant": "acme"}, "model"),
+            ("/admin/v1/dry-run", "POST", {"model": MODEL, "promt_tokens": 5}, "promt_tokens"),
+            ("/admin/v1/dry-run", "POST", [1, 2], None),
+            ("/admin/v1/planner", "PUT", {"mode": 3}, "mode"),
+            ("/admin/v1/region-policies/acme/*", "PUT", {"allowed_sites": "euw1"}, "allowed_sites"),
+            ("/admin/v1/region-policies/acme/*", "PUT", {"tenant": "globex"}, "tenant"),
+        ]:
+            r = await c.request(method, f"{gateway}{path}", headers=ADMIN, json=body)
+            assert r.status_code == 400, (path, body, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+        for raw in (b"{", b'{"model": "\\ud83d"}', b"\xff\xfe"):
+            r = await c.post(f"{gateway}/admin/v1/dry-run", headers={**ADMIN, "content-type": "application/json"},
+                             content=raw)
+            assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+        # the fields it always took still work, a numeric string included (lax, as before)
+        r = await c.post(f"{gateway}/admin/v1/dry-run", headers=ADMIN,
+                         json={"model": f"{MODEL}@v1", "tenant": "acme", "region": "eu-west", "prompt_tokens": "2000",
+                               "request_class": "batch"})
+        assert r.status_code == 200 and r.json()["site"] == "euw1", r.text
+        # auth comes before the body: no key, no validation detail
+        r = await c.post(f"{gateway}/admin/v1/dry-run", json={"prompt_tokens": "abc"})
+        assert r.status_code == 401
+
+
+async def test_admin_bodies_are_in_the_openapi_document() -> None:
+    from gateway.app import create_app
+
+    app = create_app(load_fleet_file(FLEET_FILE), [])
+    paths = app.openapi()["paths"]
+    dry = paths["/admin/v1/dry-run"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert dry["properties"]["prompt_tokens"]["type"] == "integer" and dry["required"] == ["model"]
+    put = paths["/admin/v1/region-policies/{tenant}/{model}"]["put"]["requestBody"]["content"]["application/json"]
+    assert put["schema"]["properties"]["spill"]["type"] == "boolean"
+    mode = paths["/admin/v1/planner"]["put"]["requestBody"]["content"]["application/json"]["schema"]
+    assert mode["properties"]["mode"]["enum"] == ["auto", "advise", "off"]

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from fleetcore.region_policy import RegionPolicy
-from gateway.policy_store import AuditEntry, MemoryPolicyStore, RedisPolicyStore, Snapshot, VersionConflict, watch
+from gateway.policy_snapshot import SnapshotFile
+from gateway.policy_store import (AuditEntry, KnownState, MemoryPolicyStore, RedisPolicyStore, Snapshot,
+                                  StoreUnavailable, VersionConflict, watch)
+from tests.redis_control import RedisProc
 from tests.redis_server import redis_url
 
 
@@ -70,3 +76,132 @@ async def test_watch_applies_changes_made_by_another_replica(redis: str) -> None
         task.cancel()
         await a.close()
         await b.close()
+
+
+# --- failing closed: versions only go forward, a lost store is restored, every call is bounded ---
+
+EU = RegionPolicy(tenant="eu-team", allowed_jurisdictions=["eu"])
+
+
+class ScriptedStore:
+    """Answers `load()` with the given versions in turn (the last one repeats)."""
+
+    def __init__(self, versions: list[int]) -> None:
+        self.versions = versions
+        self.loads = 0
+
+    async def load(self) -> Snapshot:
+        v = self.versions[min(self.loads, len(self.versions) - 1)]
+        self.loads += 1
+        return Snapshot(v, (EU,) if v >= 2 else ())
+
+
+async def test_watch_never_applies_an_older_version() -> None:
+    store = ScriptedStore([2, 1, 1, 3])
+    applied: list[int] = []
+    task = asyncio.create_task(watch(store, lambda s: applied.append(s.version), interval_s=0.001))  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 5
+        while store.loads < 6:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+    finally:
+        task.cancel()
+    assert applied == [2, 3]
+
+
+async def test_redis_store_restores_its_known_state_when_the_store_comes_back_empty_or_older(redis: str) -> None:
+    import redis.asyncio as aioredis
+
+    prefix = f"test:{uuid.uuid4().hex}"
+    raw = aioredis.from_url(redis, decode_responses=True)
+    a = RedisPolicyStore(redis, [RegionPolicy(tenant="seed")], prefix=prefix)
+    try:
+        assert (await a.load()).version == 1  # a new store: seeded from the fleet file
+        await a.commit([EU], entry(2), expected_version=1)
+        await raw.delete(f"{prefix}:version", f"{prefix}:policies", f"{prefix}:audit")  # Redis lost everything
+        snap = await a.load()
+        assert snap.version == 2 and snap.policies == (EU,)
+        assert await raw.get(f"{prefix}:version") == "2"
+        audit = await a.audit()
+        assert [e.action for e in audit] == ["restore", "create"] and audit[0].before is None
+        await raw.mset({f"{prefix}:version": 1, f"{prefix}:policies": "[]"})  # an older state comes back
+        assert (await a.load()).policies == (EU,)
+        assert await raw.get(f"{prefix}:version") == "2"
+        assert (await a.audit())[0].before == {"version": 1}
+        with pytest.raises(VersionConflict):  # nothing is built on a version older than one seen
+            await a.commit([], entry(2), expected_version=1)
+        # a replica that starts with only a disk snapshot restores it too, and adopts newer ones
+        b = RedisPolicyStore(redis, [], prefix=prefix)
+        b.remember(KnownState(Snapshot(5, (EU,)), ()))
+        assert (await b.load()).version == 5 and await raw.get(f"{prefix}:version") == "5"
+        await b.close()
+        assert (await a.load()).version == 5  # newer: adopted
+    finally:
+        await a.close()
+        await raw.aclose()
+
+
+async def test_redis_store_calls_are_bounded_when_redis_hangs_or_is_down(tmp_path: Path) -> None:
+    proc = RedisProc(tmp_path)
+    proc.start()
+    store = RedisPolicyStore(proc.url, [], timeout_s=0.3)
+    try:
+        assert (await store.load()).version == 1
+        for broken in ("hung", "down"):
+            if broken == "hung":
+                proc.pause()
+            else:
+                proc.resume()
+                proc.stop()
+            for call in (store.load, lambda: store.commit([EU], entry(2), 1), store.audit):
+                t0 = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await call()  # type: ignore[operator]
+                assert time.monotonic() - t0 < 0.3 + 0.5, broken
+        proc.start()  # back, empty: restored from what the store saw
+        assert (await store.load()).version == 1
+    finally:
+        await store.close()
+        proc.stop()
+
+
+async def test_redis_store_with_unreadable_data_is_unavailable_not_a_crash(redis: str) -> None:
+    import redis.asyncio as aioredis
+
+    prefix = f"test:{uuid.uuid4().hex}"
+    raw = aioredis.from_url(redis, decode_responses=True)
+    store = RedisPolicyStore(redis, [], prefix=prefix)
+    try:
+        await raw.mset({f"{prefix}:version": 3, f"{prefix}:policies": "{not json"})
+        with pytest.raises(StoreUnavailable):
+            await store.load()
+        await raw.mset({f"{prefix}:policies": json.dumps([{"tenant": "t", "colour": "red"}])})
+        with pytest.raises(StoreUnavailable):
+            await store.load()
+    finally:
+        await store.close()
+        await raw.aclose()
+
+
+def test_snapshot_file_round_trip_and_unreadable_files(tmp_path: Path) -> None:
+    f = SnapshotFile(tmp_path / "state", "redis://h:1/0#p")
+    assert f.read() is None
+    state = KnownState(Snapshot(7, (EU,)), (entry(7),))
+    f.write(state)
+    assert f.read() == state
+    assert [p.name for p in (tmp_path / "state").iterdir()] == [f.path.name]  # no temp files left
+    assert SnapshotFile(tmp_path / "state", "redis://other:1/0#p").read() is None  # another store's lineage
+    other = SnapshotFile(tmp_path / "state", "memory#x")
+    other.path.write_text(json.dumps({"format": 1, "store": "memory#x", "version": 2,
+                                      "policies": [{"tenant": "t", "colour": "red"}]}))
+    assert other.read() is None
+    other.path.write_text("{half")
+    assert other.read() is None
+
+
+async def test_memory_store_starts_from_its_known_state() -> None:
+    store = MemoryPolicyStore([RegionPolicy(tenant="seed")], known=KnownState(Snapshot(4, (EU,)), (entry(4),)))
+    assert (await store.load()).version == 4 and [e.version for e in await store.audit()] == [4]
+    assert await store.commit([], entry(5, "delete"), expected_version=4) == 5
+    assert store.known().version == 5 and [e.action for e in store.known().audit] == ["delete", "create"]
