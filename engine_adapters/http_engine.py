@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 from collections.abc import AsyncIterator
 
 import aiohttp
 
-from engine_adapters.base import EngineAdapter, Instance, KVEventBatch, LoadSnapshot
+from engine_adapters.base import EngineAdapter, EngineDown, Instance, KVEventBatch, LoadSnapshot
 from engine_adapters.metrics_scrape import parse_metrics
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -32,8 +33,21 @@ class HttpEngineAdapter(EngineAdapter):
 
     async def health(self, instance: Instance) -> bool:
         try:
+            return await self.check(instance)
+        except EngineDown:
+            return False
+
+    async def check(self, instance: Instance) -> bool:
+        if self.down(instance):
+            raise EngineDown(f"{instance.instance_id}: engine process is down")
+        try:
             async with self._http().get(f"{instance.url}/health") as r:
                 return r.status == 200
+        except aiohttp.ClientConnectorError as e:
+            # Refused: nothing listens on the port, the engine is gone (not merely slow).
+            if isinstance(e.os_error, ConnectionRefusedError) or e.os_error.errno == errno.ECONNREFUSED:
+                raise EngineDown(f"{instance.instance_id}: connection refused") from None
+            return False
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 

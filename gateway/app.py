@@ -36,7 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
 from gateway.policy_store import MemoryPolicyStore, PolicyStore, watch
 from gateway.relay import DecisionLog, Relay, SiteChooser
-from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
+from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from fleetmind.demand import DemandModel
 from fleetmind.planner import planner_for
@@ -138,7 +138,7 @@ def _client_session() -> aiohttp.ClientSession:
 
 def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                router: InstanceRouter | None = None, site_chooser: SiteChooser | None = None,
-               poll_interval_s: float = 0.5, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               poll_interval_s: float | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
@@ -162,8 +162,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     metrics.registry.register(AdmissionCollector(admission, clock))
     relay = Relay(config, state, router,
                   site_chooser if site_chooser is not None else build_site_chooser(config, router),
-                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)),
+                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * state.poll_interval_s)),
                   admission=gate)
+    # A restarted engine's cache is cold: the router forgets what it indexed there.
+    state.on_restart.append(lambda inst: reset_instances(relay.router, [inst]))
     placement = None
     if config.planner.enabled if planner is None else planner:
         p = config.planner
@@ -240,9 +242,12 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
 def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        # "degraded" (still 200: the gateway serves its other models; see README) when a model
+        # has no serving instance; `models` counts serving instances per model.
         c = ctx.state.counts()
-        return JSONResponse({"status": "ok", "ready_instances": c.ready, "instances": c.total,
-                             "models": c.by_model, "sites": c.by_site})
+        return JSONResponse({"status": "degraded" if c.degraded else "ok", "ready_instances": c.ready,
+                             "instances": c.total, "models": c.by_model, "sites": c.by_site,
+                             "unserved_models": c.unserved_models})
 
     @app.get("/metrics")
     async def metrics() -> Response:
