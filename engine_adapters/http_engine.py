@@ -13,6 +13,10 @@ from engine_adapters.base import EngineAdapter, EngineDown, Instance, KVEventBat
 from engine_adapters.metrics_scrape import parse_metrics
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+# `check` and `snapshot` serve the gateway's poller, which sets the real deadline (in time its
+# event loop could run, see gateway.fleet_state); a wall-clock timeout of their own would
+# fire during a stalled loop and blame the engine. This only bounds a forgotten caller.
+POLL_BACKSTOP_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
 
 
 class HttpEngineAdapter(EngineAdapter):
@@ -33,15 +37,18 @@ class HttpEngineAdapter(EngineAdapter):
 
     async def health(self, instance: Instance) -> bool:
         try:
-            return await self.check(instance)
+            return await self._health(instance, PROBE_TIMEOUT)
         except EngineDown:
             return False
 
     async def check(self, instance: Instance) -> bool:
+        return await self._health(instance, POLL_BACKSTOP_TIMEOUT)
+
+    async def _health(self, instance: Instance, timeout: aiohttp.ClientTimeout) -> bool:
         if self.down(instance):
             raise EngineDown(f"{instance.instance_id}: engine process is down")
         try:
-            async with self._http().get(f"{instance.url}/health") as r:
+            async with self._http().get(f"{instance.url}/health", timeout=timeout) as r:
                 return r.status == 200
         except aiohttp.ClientConnectorError as e:
             # Refused: nothing listens on the port, the engine is gone (not merely slow).
@@ -53,7 +60,7 @@ class HttpEngineAdapter(EngineAdapter):
 
     async def snapshot(self, instance: Instance) -> LoadSnapshot:
         try:
-            async with self._http().get(f"{instance.url}/metrics") as r:
+            async with self._http().get(f"{instance.url}/metrics", timeout=POLL_BACKSTOP_TIMEOUT) as r:
                 if r.status != 200:
                     return LoadSnapshot(ready=False)
                 return parse_metrics(await r.text())

@@ -301,7 +301,7 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         """Start a dead engine again on its port; it loads while the poller waits for its health."""
         old = next((i for i in self._instances if i.instance_id == instance_id), None)
         if old is None:
-            raise AdapterError(f"{instance_id} is no longer part of the deployment")
+            raise LookupError(f"{instance_id} is no longer part of the deployment")
         index = int(instance_id.rsplit("/", 1)[1])
         port = int(old.url.rsplit(":", 1)[1])
         dead = self._procs.get(instance_id)

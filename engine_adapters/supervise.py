@@ -46,7 +46,8 @@ class RestartPolicy:
 
 class Supervisor:
     """One per launching adapter. `respawn(instance_id)` starts a replacement process (and
-    returns once it is started, or raises); the supervisor does the waiting and counting."""
+    returns once it is started, or raises: LookupError when the instance is no longer the
+    adapter's, anything else when the replacement failed); the supervisor waits and counts."""
 
     def __init__(self, owner: str, policy: RestartPolicy,
                  respawn: Callable[[str], Awaitable[asyncio.subprocess.Process]]) -> None:
@@ -107,6 +108,10 @@ class Supervisor:
                     proc = await self._respawn(instance_id)
                 except asyncio.CancelledError:
                     raise
+                except LookupError as e:  # the adapter no longer has it: nothing to keep alive
+                    log.info("%s: not restarting %s: %s", self.owner, instance_id, e)
+                    self._down.discard(instance_id)
+                    return
                 except Exception as e:  # the replacement died too: wait longer, try again
                     log.warning("%s: restart %d of %s failed after a %.1f s wait (%s); next try in %.1f s",
                                 self.owner, self.restarts[instance_id], instance_id, waited, e, delay)

@@ -41,7 +41,7 @@ log = logging.getLogger("tokenfleet.gateway")
 
 # A check stretched by loop stalls gives up (neither a hit nor a miss) after this many timeouts
 # of wall time: a loop that busy cannot judge anyone.
-_MAX_STRETCH = 4.0
+_MAX_STRETCH = 10.0
 
 
 @dataclass(slots=True)
@@ -319,6 +319,7 @@ class FleetState:
                 cap = _MAX_STRETCH * self.call_timeout_s - wall
                 if cap <= 0:
                     return None
+                # After a stall the engine still gets the rest of its responsive time.
                 await asyncio.wait({task}, timeout=min(left, cap))
                 if task.done():
                     return task.result()

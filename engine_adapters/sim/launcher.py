@@ -125,7 +125,7 @@ class SimAdapter(HttpEngineAdapter):
         loading for `startup_s` like any engine that starts."""
         old = next((i for i in self._instances if i.instance_id == instance_id), None)
         if old is None:
-            raise AdapterError(f"{instance_id} is no longer part of the deployment")
+            raise LookupError(f"{instance_id} is no longer part of the deployment")
         port = int(old.url.rsplit(":", 1)[1])
         try:
             await self._launch_one(instance_id, ["--startup-s", str(self.startup_s)], port=port)
