@@ -1,10 +1,10 @@
 """Supervision of the engine processes an adapter launched: restart one that dies, with backoff.
 
-An engine that exits on its own (crash, OOM kill, SIGKILL) is started again on the same
-instance id and port, after a wait that starts at `backoff_s` and doubles with every death
+An engine that dies (a non-zero status or a signal: crash, OOM kill, SIGKILL) is started again
+on the same instance id and port, after a wait that starts at `backoff_s` and doubles with every death
 up to `backoff_max_s`; a process that stayed up for `stable_s` (default: `backoff_max_s`)
-earns the short wait again. Restarts are counted per instance and logged. Stops the adapter
-asked for itself (the planner's `remove_instance`, the gateway's shutdown) are `release`d
+earns the short wait again. Restarts are counted per instance and logged. An engine that exits
+cleanly (status 0) was told to stop by someone and stays down. Stops the adapter asked for itself (the planner's `remove_instance`, the gateway's shutdown) are `release`d
 first, so they are never taken for a crash. Attached engines (static URLs, attach mode)
 belong to someone else and are never supervised.
 
@@ -93,6 +93,13 @@ class Supervisor:
         delay = p.backoff_s
         while True:
             code = await proc.wait()
+            if code == 0:
+                # A clean exit is an engine that was told to stop (an operator's SIGTERM, a Ctrl-C
+                # that reached the whole process group): not a crash, and not ours to undo.
+                self._down.add(instance_id)
+                log.warning("%s: engine %s exited cleanly (status 0): it was told to stop; not restarting",
+                            self.owner, instance_id)
+                return
             up = loop.time() - started
             if up >= p.stable_after_s:
                 delay = p.backoff_s

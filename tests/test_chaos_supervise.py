@@ -2,7 +2,8 @@
 after a backoff, counted in /metrics, and comes back cold (the gateway forgets the cache it
 believed it held); /health says "degraded" while a model has no ready instance and the
 planner does not count the dead replica; a worker that keeps dying waits longer each time
-(bounded); workers stopped on purpose (remove_instance, stop) are not restarted."""
+(bounded); workers stopped on purpose (remove_instance, a clean exit on SIGTERM, stop) are
+not restarted."""
 
 from __future__ import annotations
 
@@ -198,13 +199,15 @@ async def test_worker_that_keeps_dying_backs_off_up_to_the_bound() -> None:
 
 
 async def test_planned_stops_are_not_restarted() -> None:
-    """remove_instance (the planner) and stop (shutdown) are not crashes; a crash next door is."""
-    adapter = _sim(2, RestartPolicy(0.1, 0.2))
+    """remove_instance (the planner), a clean exit (an operator's SIGTERM) and stop (shutdown) are
+    not crashes; a crash next door is."""
+    adapter = _sim(3, RestartPolicy(0.1, 0.2))
     try:
-        first, second = await adapter.launch()
-        crashed = adapter.process(second)
-        assert crashed is not None
+        first, second, third = await adapter.launch()
+        crashed, told = adapter.process(second), adapter.process(third)
+        assert crashed is not None and told is not None
         os.kill(crashed.pid, signal.SIGKILL)
+        os.kill(told.pid, signal.SIGTERM)
         removed = adapter.process(first)
         await adapter.remove_instance(first)
         assert removed is not None and removed.returncode is not None
@@ -214,10 +217,11 @@ async def test_planned_stops_are_not_restarted() -> None:
             return p is not None and p.pid != crashed.pid and await adapter.health(second)
 
         await until(second_back, 30, "the crashed worker's restart")
-        # The removed one had many backoffs' time to be (wrongly) restarted; it was not.
+        # The others had many backoffs' time to be (wrongly) restarted; they were not.
         assert adapter.restart_counts() == {second.instance_id: 1}
+        assert await told.wait() == 0 and adapter.process(third) is told and adapter.down(third)
         assert adapter.process(first) is None and not await adapter.health(first)
-        assert [i.instance_id for i in adapter.instances] == [second.instance_id]
+        assert [i.instance_id for i in adapter.instances] == [second.instance_id, third.instance_id]
         last = adapter.process(second)
     finally:
         await adapter.stop()
