@@ -73,6 +73,21 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     async def health(self, instance: Instance) -> bool: ...
 
+    async def check(self, instance: Instance) -> bool:
+        """`health` for the gateway's poller, which needs to tell a miss from a certain death:
+        raise `EngineDown` when the engine is certainly not serving (connection refused,
+        process gone); return False for a failed or slow answer (it may recover)."""
+        return await self.health(instance)
+
+    # -- supervision (adapters that launch their engines) ------------------------------
+    def down(self, instance: Instance) -> bool:
+        """True while the engine's process is known dead or being restarted."""
+        return False
+
+    def restart_counts(self) -> dict[str, int]:
+        """Replacement processes started so far, per instance id (empty where nothing is supervised)."""
+        return {}
+
     @abc.abstractmethod
     async def snapshot(self, instance: Instance) -> LoadSnapshot: ...
 
@@ -102,3 +117,7 @@ class EngineAdapter(abc.ABC):
 
 class AdapterError(RuntimeError):
     """An engine could not be launched or reached."""
+
+
+class EngineDown(AdapterError):
+    """The engine is certainly not serving: its connection was refused or its process is gone."""

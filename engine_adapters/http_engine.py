@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 from collections.abc import AsyncIterator
 
 import aiohttp
 
-from engine_adapters.base import EngineAdapter, Instance, KVEventBatch, LoadSnapshot
+from engine_adapters.base import EngineAdapter, EngineDown, Instance, KVEventBatch, LoadSnapshot
 from engine_adapters.metrics_scrape import parse_metrics
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+# `check` and `snapshot` serve the gateway's poller, which sets the real deadline (in time its
+# event loop could run, see gateway.fleet_state); a wall-clock timeout of their own would
+# fire during a stalled loop and blame the engine. This only bounds a forgotten caller.
+POLL_BACKSTOP_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
 
 
 class HttpEngineAdapter(EngineAdapter):
@@ -32,14 +37,30 @@ class HttpEngineAdapter(EngineAdapter):
 
     async def health(self, instance: Instance) -> bool:
         try:
-            async with self._http().get(f"{instance.url}/health") as r:
+            return await self._health(instance, PROBE_TIMEOUT)
+        except EngineDown:
+            return False
+
+    async def check(self, instance: Instance) -> bool:
+        return await self._health(instance, POLL_BACKSTOP_TIMEOUT)
+
+    async def _health(self, instance: Instance, timeout: aiohttp.ClientTimeout) -> bool:
+        if self.down(instance):
+            raise EngineDown(f"{instance.instance_id}: engine process is down")
+        try:
+            async with self._http().get(f"{instance.url}/health", timeout=timeout) as r:
                 return r.status == 200
+        except aiohttp.ClientConnectorError as e:
+            # Refused: nothing listens on the port, the engine is gone (not merely slow).
+            if isinstance(e.os_error, ConnectionRefusedError) or e.os_error.errno == errno.ECONNREFUSED:
+                raise EngineDown(f"{instance.instance_id}: connection refused") from None
+            return False
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
     async def snapshot(self, instance: Instance) -> LoadSnapshot:
         try:
-            async with self._http().get(f"{instance.url}/metrics") as r:
+            async with self._http().get(f"{instance.url}/metrics", timeout=POLL_BACKSTOP_TIMEOUT) as r:
                 if r.status != 200:
                     return LoadSnapshot(ready=False)
                 return parse_metrics(await r.text())

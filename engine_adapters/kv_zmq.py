@@ -171,6 +171,14 @@ class KVEventSubscriber:
         self._by_topic[topic] = ch
         self._by_instance[instance_id] = ch
 
+    def reset(self, instance_id: str) -> None:
+        """The instance's engine restarted: forget its hash map and undelivered batches, keep the
+        channel (a reader following `stream` stays attached to it)."""
+        ch = self._by_instance.get(instance_id)
+        if ch is not None:
+            ch.translator = BlockHashTranslator(ch.translator.block_size)
+            ch.buffer.clear()
+
     def translator(self, instance_id: str) -> BlockHashTranslator | None:
         ch = self._by_instance.get(instance_id)
         return ch.translator if ch else None

@@ -10,6 +10,10 @@ Launch mode (`options.model`): the adapter starts the engines; the gateway's
 stop stops them. Attach mode (`options.urls`): someone else runs the engines;
 the adapter only watches them, and hears their KV events when each engine was
 told to publish to `options.kv_events_bind` with the topic in `options.kv_topics`.
+
+In launch mode the engines are supervised (`engine_adapters.supervise`): one that exits
+is started again on its port with backoff; the gateway's poller admits it once it has
+loaded. Attached engines are never restarted: they are someone else's.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from engine_adapters.base import AdapterError, Instance, KVEventBatch
 from engine_adapters.http_engine import HttpEngineAdapter
 from engine_adapters.kv_translate import BlockHashTranslator
 from engine_adapters.kv_zmq import KVEventSubscriber
-from engine_adapters.process import exit_code_soon, spawn, terminate
+from engine_adapters.process import exit_code_soon, kill_group, spawn, terminate
+from engine_adapters.supervise import RestartPolicy, Supervisor
 from fleetcore.fleet_config import EngineConfigSpec, FleetConfigError
 from fleetcore.model_tokenizer import expand_path
 
@@ -118,7 +123,7 @@ class ManagedEngineAdapter(HttpEngineAdapter):
 
     def __init__(self, *, id_prefix: str, site: str, model: str, version: str, instances: int | None,
                  engine: EngineConfigSpec, gpu: str | None, tp: int, options: EngineOptions,
-                 exact_kv: bool = True) -> None:
+                 exact_kv: bool = True, restart: RestartPolicy | None = None) -> None:
         super().__init__()
         self.id_prefix, self.site, self.model, self.version = id_prefix, site, model, version
         self.engine, self.gpu, self.tp = engine, gpu, tp
@@ -139,6 +144,7 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         self._logs: dict[str, Path] = {}
         self._instances: list[Instance] = []
         self._next_index = count  # ids of instances added later never repeat a removed one's
+        self.supervisor = Supervisor(id_prefix, restart or RestartPolicy(), self._respawn)
 
     # -- what subclasses say -------------------------------------------------
     @abc.abstractmethod
@@ -193,6 +199,8 @@ class ManagedEngineAdapter(HttpEngineAdapter):
             first = errors[0]
             raise first if isinstance(first, AdapterError) else AdapterError(f"{self.id_prefix}: {first}")
         self._instances = [r for r in results if isinstance(r, Instance)]
+        for inst in self._instances:
+            self.supervisor.watch(inst.instance_id, self._procs[inst.instance_id])
         return self.instances
 
     async def _attach(self) -> list[Instance]:
@@ -217,7 +225,10 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         kv_config = None
         if sub is not None:
             topic = TOPIC_PREFIX + inst.instance_id
-            sub.register(topic, inst.instance_id, self.engine.block_size)
+            if sub.has(inst.instance_id):  # a restart: same channel (its reader follows it), cold map
+                sub.reset(inst.instance_id)
+            else:
+                sub.register(topic, inst.instance_id, self.engine.block_size)
             kv_config = self.kv_events_config(sub.endpoint, topic)
         argv = [str(expand_path(self.options.python)), *self.engine_argv(port, kv_config)]
         log_path = self._log_dir() / f"{_safe(inst.instance_id)}.log"
@@ -246,11 +257,13 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         if not self.scalable:
             raise AdapterError(f"{self.id_prefix}: attached engines or fixed ports cannot be scaled")
         index, self._next_index = self._next_index, self._next_index + 1
-        inst, _, _ = await self._spawn_one(index, free_ports(1, self.options.host)[0], self.subscriber)
+        inst, proc, _ = await self._spawn_one(index, free_ports(1, self.options.host)[0], self.subscriber)
         self._instances.append(inst)
+        self.supervisor.watch(inst.instance_id, proc)
         return inst
 
     async def remove_instance(self, instance: Instance) -> None:
+        await self.supervisor.release(instance.instance_id)  # a planned stop, not a crash
         self._instances = [i for i in self._instances if i.instance_id != instance.instance_id]
         proc = self._procs.pop(instance.instance_id, None)
         if proc is not None:
@@ -277,7 +290,28 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         raise AdapterError(f"{inst.instance_id}: not ready after {self.options.ready_timeout_s:.0f} s; "
                            f"log {log_path}:\n{log_tail(log_path)}")
 
+    # -- supervision -------------------------------------------------------------
+    def down(self, instance: Instance) -> bool:
+        return self.supervisor.down(instance.instance_id)
+
+    def restart_counts(self) -> dict[str, int]:
+        return dict(self.supervisor.restarts)
+
+    async def _respawn(self, instance_id: str) -> asyncio.subprocess.Process:
+        """Start a dead engine again on its port; it loads while the poller waits for its health."""
+        old = next((i for i in self._instances if i.instance_id == instance_id), None)
+        if old is None:
+            raise LookupError(f"{instance_id} is no longer part of the deployment")
+        index = int(instance_id.rsplit("/", 1)[1])
+        port = int(old.url.rsplit(":", 1)[1])
+        dead = self._procs.get(instance_id)
+        if dead is not None:
+            kill_group(dead)  # helpers of the dead leader may still hold the GPU or the port
+        _, proc, _ = await self._spawn_one(index, port, self.subscriber)
+        return proc
+
     async def stop(self) -> None:
+        await self.supervisor.close()  # first: the stops below are not crashes
         procs = list(self._procs.values())
         if procs:
             await terminate(procs, self.options.stop_grace_s, groups=True)

@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 
 from engine_adapters.base import AdapterError, EngineAdapter, Instance
+from engine_adapters.supervise import RestartPolicy
 from fleetcore.fleet_config import DeploymentConfig, FleetConfig, FleetConfigError
 
 
@@ -27,7 +28,8 @@ def build_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str) -> E
                           block_size=eng.block_size, max_model_len=eng.max_model_len,
                           max_num_batched_tokens=eng.max_num_batched_tokens,
                           max_num_seqs=eng.max_num_seqs,
-                          gpu_memory_utilization=eng.gpu_memory_utilization, options=d.options)
+                          gpu_memory_utilization=eng.gpu_memory_utilization, options=d.options,
+                          restart=restart_policy(config))
     if d.adapter in ("vllm", "sglang"):
         return _build_engine_adapter(config, d, id_prefix, version)
     raise FleetConfigError(f"deployment {id_prefix}: adapter {d.adapter!r} is not available yet")
@@ -48,7 +50,13 @@ def _build_engine_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: s
     exact = src is not None and load_tokenizer(src) is not None
     return cls(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
                instances=d.instances, engine=config.model(d.model).engine, gpu=d.gpu, tp=d.tp,
-               options=options, exact_kv=exact)
+               options=options, exact_kv=exact, restart=restart_policy(config))
+
+
+def restart_policy(config: FleetConfig) -> RestartPolicy:
+    """How launched engines are restarted when they die (the fleet file's `gateway:` block)."""
+    g = config.gateway
+    return RestartPolicy(g.engine_restart_backoff_s, max(g.engine_restart_backoff_max_s, g.engine_restart_backoff_s))
 
 
 def _check_sim_hardware(spec: str, gpu: str, tp: int, where: str) -> None:

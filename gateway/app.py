@@ -37,7 +37,7 @@ from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
 from gateway.relay import DecisionLog, Relay, SiteChooser
-from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser
+from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from gateway.openapi import chat_body, completion_body
 from gateway.tokenize_pool import TokenizePool
@@ -142,7 +142,7 @@ def _client_session(settings: GatewaySettings) -> aiohttp.ClientSession:
 
 def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                router: InstanceRouter | None = None, site_chooser: SiteChooser | None = None,
-               poll_interval_s: float = 0.5, *, max_body_bytes: int | None = None,
+               poll_interval_s: float | None = None, *, max_body_bytes: int | None = None,
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
@@ -171,8 +171,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     # Region policies: newest version from the store, durable on disk; no known policies, no routing.
     policy_sync = build_policy_sync(config, policy_store, chooser)
     relay = Relay(config, state, router, GuardedSiteChooser(chooser, policy_sync),
-                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * poll_interval_s)),
+                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * state.poll_interval_s)),
                   admission=gate)
+    # A restarted engine's cache is cold: the router forgets what it indexed there.
+    state.on_restart.append(lambda inst: reset_instances(relay.router, [inst]))
     placement = None
     if config.planner.enabled if planner is None else planner:
         p = config.planner
@@ -258,10 +260,16 @@ def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        # "degraded" (still 200: the gateway serves its other models; see README) when a model
+        # has no serving instance; `models` counts serving instances per model.
         c = ctx.state.counts()
         draining = ctx.relay.shutdown.draining  # SIGTERM: readiness off while streams finish
-        return JSONResponse({"status": "shutting_down" if draining else "ok", "ready_instances": c.ready,
-                             "instances": c.total, "models": c.by_model, "sites": c.by_site},
+        # "degraded" (a configured model has no serving instance) stays HTTP 200: every replica sees
+        # the same fleet, so failing readiness would pull all of them out of the load balancer.
+        status = "shutting_down" if draining else ("degraded" if c.degraded else "ok")
+        return JSONResponse({"status": status, "ready_instances": c.ready,
+                             "instances": c.total, "models": c.by_model, "sites": c.by_site,
+                             "unserved_models": c.unserved_models},
                             status_code=503 if draining else 200)
 
     @app.get("/metrics")

@@ -10,6 +10,15 @@ gateway sees to that instance's site (an engine's own work adds to every probe, 
 minimum, not the mean). A failed connection marks an instance
 unready at once; only a health check that *started after* the failure may
 bring it back (an older, slower check must not undo fresh evidence).
+
+Health checks have hysteresis: a ready instance is taken out only after
+`health_misses_to_unready` consecutive missed checks (no answer within
+`health_timeout_s`, or an answer that is not healthy); certain death — a refused
+connection, an engine process its adapter reports dead or restarting, a failure the relay
+saw — takes it out at once. A check's deadline counts only time in which the event loop
+could run (`gateway.loop_lag`): a gateway stalled by its own load does not blame its
+engines and empty the fleet. An engine its adapter restarted comes back cold: listeners
+(`on_restart`, the router's cache index) forget what it held.
 """
 
 from __future__ import annotations
@@ -22,12 +31,17 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine_adapters.base import EngineAdapter, Instance, LoadSnapshot
+from engine_adapters.base import EngineAdapter, EngineDown, Instance, LoadSnapshot
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.types import FleetView, InstanceSnapshot, SiteSnapshot
 from gateway.background import cancel_and_wait
+from gateway.loop_lag import LoopLagMonitor
 
 log = logging.getLogger("tokenfleet.gateway")
+
+# A check stretched by loop stalls gives up (neither a hit nor a miss) after this many timeouts
+# of wall time: a loop that busy cannot judge anyone.
+_MAX_STRETCH = 10.0
 
 
 @dataclass(slots=True)
@@ -44,10 +58,22 @@ class InstanceState:
     added_at: float = 0.0  # clock time the gateway first saw it
     ready_at: float | None = None  # clock time of its first ready health check
     probe_s: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    misses: int = 0  # consecutive missed health checks
+    restarts: int = 0  # its adapter's restart count, as last seen
 
     @property
     def probe_rtt_ms(self) -> float | None:
         return 1000 * min(self.probe_s) if self.probe_s else None
+
+    @property
+    def up(self) -> bool:
+        """Ready, and its process not known dead (the adapter knows before the next check)."""
+        return self.ready and not self.adapter.down(self.instance)
+
+    @property
+    def serving(self) -> bool:
+        """Up and taking new work (not draining)."""
+        return self.up and not self.draining
 
 
 # --- pure helpers ---
@@ -56,7 +82,7 @@ def instance_snapshot(st: InstanceState) -> InstanceSnapshot:
     inst, load = st.instance, st.load
     return InstanceSnapshot(
         instance_id=inst.instance_id, site=inst.site, model=inst.model, version=inst.version,
-        url=inst.url, ready=st.ready, draining=st.draining, inflight=st.inflight,
+        url=inst.url, ready=st.up, draining=st.draining, inflight=st.inflight,
         num_running=load.num_running if load else 0,
         num_waiting=load.num_waiting if load else 0,
         kv_usage=load.kv_usage if load else 0.0,
@@ -98,7 +124,7 @@ def pool_counts(states: Iterable[InstanceState]) -> dict[tuple[str, str, str], P
         c = out.setdefault((inst.site, inst.model, inst.version), PoolCounts())
         if st.draining:
             c.draining += 1
-        elif st.ready:
+        elif st.up:
             c.ready += 1
         elif st.ready_at is None:
             c.starting += 1
@@ -112,11 +138,12 @@ def pool_counts(states: Iterable[InstanceState]) -> dict[tuple[str, str, str], P
 
 
 def placement(pools: dict[tuple[str, str, str], PoolCounts]) -> dict[tuple[str, str], int]:
-    """Replicas per (site, model), all versions, that serve or are starting; draining ones are on
-    their way out."""
+    """Replicas per (site, model), all versions, that serve or are starting (loading for the first
+    time, as a move's new replica does). Not counted: draining ones (on their way out) and
+    unready ones — a crashed engine being restarted serves nothing until it is back."""
     out: dict[tuple[str, str], int] = {}
     for (site, model, _), c in pools.items():
-        out[(site, model)] = out.get((site, model), 0) + c.ready + c.starting + c.unready
+        out[(site, model)] = out.get((site, model), 0) + c.ready + c.starting
     return out
 
 
@@ -132,21 +159,33 @@ def site_probe_rtt_ms(states: Iterable[InstanceState]) -> dict[str, float]:
 
 @dataclass(frozen=True, slots=True)
 class ReadyCounts:
+    """Instances serving (ready, process up, not draining), by model and site."""
+
     ready: int
     total: int
     by_model: dict[str, int] = field(default_factory=dict)
     by_site: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def unserved_models(self) -> list[str]:
+        return sorted(m for m, n in self.by_model.items() if n == 0)
 
-def ready_counts(states: Iterable[InstanceState]) -> ReadyCounts:
-    by_model: dict[str, int] = {}
+    @property
+    def degraded(self) -> bool:
+        """A model the fleet should serve has no ready instance."""
+        return any(n == 0 for n in self.by_model.values())
+
+
+def ready_counts(states: Iterable[InstanceState], models: Iterable[str] = ()) -> ReadyCounts:
+    """`models`: those expected to be served even when no instance of theirs is known."""
+    by_model: dict[str, int] = dict.fromkeys(models, 0)
     by_site: dict[str, int] = {}
     ready = total = 0
     for st in states:
         total += 1
         by_model.setdefault(st.instance.model, 0)
         by_site.setdefault(st.instance.site, 0)
-        if st.ready:
+        if st.serving:
             ready += 1
             by_model[st.instance.model] += 1
             by_site[st.instance.site] += 1
@@ -156,22 +195,33 @@ def ready_counts(states: Iterable[InstanceState]) -> ReadyCounts:
 async def _probe(st: InstanceState) -> tuple[bool, LoadSnapshot]:
     # A coroutine, not a bare gather future, so that cancelling the poll (shutdown, timeout)
     # also collects the gather's result instead of leaving it "never retrieved".
-    healthy, load = await asyncio.gather(st.adapter.health(st.instance), st.adapter.snapshot(st.instance))
+    # `check`, not `health`: it raises EngineDown when the engine is certainly gone.
+    healthy, load = await asyncio.gather(st.adapter.check(st.instance), st.adapter.snapshot(st.instance))
     return healthy, load
 
 
 # --- the live state ---
 
 class FleetState:
+    """`poll_interval_s`, `call_timeout_s`, `misses_to_unready` default to the fleet file's
+    `gateway:` block (health_interval_s, health_timeout_s, health_misses_to_unready)."""
+
     def __init__(self, config: FleetConfig, adapters: Sequence[EngineAdapter],
-                 poll_interval_s: float = 0.5, call_timeout_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 poll_interval_s: float | None = None, call_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, *,
+                 misses_to_unready: int | None = None) -> None:
+        g = config.gateway
         self.config = config
         self.adapters = list(adapters)
-        self.poll_interval_s = poll_interval_s
-        # A check slower than this counts as a failed one.
-        self.call_timeout_s = call_timeout_s if call_timeout_s is not None else max(1.0, 2 * poll_interval_s)
+        self.poll_interval_s = g.health_interval_s if poll_interval_s is None else poll_interval_s
+        # A check that gets no answer in this much responsive loop time is a miss.
+        self.call_timeout_s = g.health_timeout_s if call_timeout_s is None else call_timeout_s
+        self.misses_to_unready = g.health_misses_to_unready if misses_to_unready is None else misses_to_unready
         self.clock = clock
+        self.lag = LoopLagMonitor()
+        # Called with an instance whose engine its adapter restarted (its cache is cold now).
+        self.on_restart: list[Callable[[Instance], None]] = []
+        self._models = sorted({d.model for d in config.deployments})
         self._states: dict[str, InstanceState] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._supervisor: asyncio.Task[None] | None = None
@@ -180,12 +230,14 @@ class FleetState:
 
     async def start(self) -> None:
         """First poll of everything (so the gateway starts with a real view), then poll forever."""
+        self.lag.start()
         self.sync_instances()
         await self.refresh()
         self._supervisor = asyncio.create_task(self._supervise(), name="fleet-state")
 
     async def stop(self) -> None:
         await cancel_and_wait([self._supervisor, *self._pollers.values()])
+        await self.lag.stop()
         self._supervisor = None
         self._pollers.clear()
 
@@ -197,7 +249,9 @@ class FleetState:
                 seen.add(inst.instance_id)
                 st = self._states.get(inst.instance_id)
                 if st is None or st.instance != inst:
-                    self._states[inst.instance_id] = InstanceState(adapter, inst, added_at=self.clock())
+                    self._states[inst.instance_id] = InstanceState(
+                        adapter, inst, added_at=self.clock(),
+                        restarts=adapter.restart_counts().get(inst.instance_id, 0))
         for gone in set(self._states) - seen:
             del self._states[gone]
             task = self._pollers.pop(gone, None)
@@ -224,16 +278,80 @@ class FleetState:
         st = self._states.get(instance_id)
         if st is None:
             return
+        self._follow_restart(st)
         started = self.clock()
+        if st.adapter.down(st.instance):
+            self._taken_out(st, started, "engine process down (being restarted)")
+            return
+        t0 = self.clock()
         try:
-            healthy, load = await asyncio.wait_for(_probe(st), self.call_timeout_s)
+            result = await self._timed_probe(st)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a broken adapter or engine is an unready instance, not a crash
+        except EngineDown as e:
+            self._taken_out(st, started, str(e))
+            return
+        except Exception as e:  # a broken adapter or engine is a missed check, not a crash
             self._apply(instance_id, started, False, None, f"{type(e).__name__}: {e}")
             return
-        st.probe_s.append(self.clock() - started)
-        self._apply(instance_id, started, bool(healthy) and load.ready, load, None)
+        if result is None:
+            st.last_error = "check stretched by a stalled event loop: not counted"
+            log.info("health check of %s not counted: the gateway's event loop was stalled", instance_id)
+            return
+        healthy, load = result
+        st.probe_s.append(self.clock() - t0)
+        self._apply(instance_id, started, bool(healthy) and load.ready, load,
+                    None if healthy and load.ready else "health check failed")
+
+    async def _timed_probe(self, st: InstanceState) -> tuple[bool, LoadSnapshot] | None:
+        """Health + load within `call_timeout_s` of *responsive* loop time. Raises TimeoutError
+        when the engine had that long and did not answer; None when the loop was stalled so
+        long the check proves nothing."""
+        loop = asyncio.get_running_loop()
+        t0, s0 = loop.time(), self.lag.stalled_s()
+        task = loop.create_task(_probe(st))
+        try:
+            while True:
+                wall = loop.time() - t0
+                left = self.call_timeout_s - (wall - (self.lag.stalled_s() - s0))
+                if left <= 0:
+                    raise asyncio.TimeoutError(f"no answer in {self.call_timeout_s:g} s")
+                cap = _MAX_STRETCH * self.call_timeout_s - wall
+                if cap <= 0:
+                    return None
+                # After a stall the engine still gets the rest of its responsive time.
+                await asyncio.wait({task}, timeout=min(left, cap))
+                if task.done():
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a late failure of an abandoned check is not news
+
+    def _follow_restart(self, st: InstanceState) -> None:
+        n = st.adapter.restart_counts().get(st.instance.instance_id, 0)
+        if n == st.restarts:
+            return
+        st.restarts = n
+        # A new process: nothing the old one held or said is true of it.
+        self._taken_out(st, self.clock(), f"engine restarted (restart {n})")
+        for listener in self.on_restart:
+            try:
+                listener(st.instance)
+            except Exception:
+                log.exception("restart listener failed for %s", st.instance.instance_id)
+
+    def _taken_out(self, st: InstanceState, now: float, reason: str) -> None:
+        """Certain death: unready at once; only a check started after now brings it back."""
+        st.last_poll = now
+        st.last_error = reason
+        st.failed_at = now
+        st.misses = max(st.misses, self.misses_to_unready)
+        if st.ready:
+            log.warning("instance %s is now unready (%s)", st.instance.instance_id, reason)
+        st.ready = False
 
     def _apply(self, instance_id: str, started: float, ready: bool, load: LoadSnapshot | None,
                error: str | None) -> None:
@@ -244,14 +362,26 @@ class FleetState:
         st.last_error = error
         if load is not None:
             st.load = load
-        if ready and started < st.failed_at:
+        if not ready:
+            st.misses += 1
+            if st.ready and st.misses < self.misses_to_unready:
+                log.info("instance %s missed a health check (%d of %d before it is taken out): %s",
+                         instance_id, st.misses, self.misses_to_unready, error)
+                return
+            if st.ready:
+                st.failed_at = self.clock()
+                log.warning("instance %s is now unready after %d missed checks (%s)",
+                            instance_id, st.misses, error)
+            st.ready = False
+            return
+        if started < st.failed_at:
             return  # this check began before the failure we saw; wait for a newer one
-        if st.ready != ready:
-            log.info("instance %s is now %s%s", instance_id, "ready" if ready else "unready",
-                     f" ({error})" if error else "")
-        if ready and st.ready_at is None:
+        st.misses = 0
+        if not st.ready:
+            log.info("instance %s is now ready", instance_id)
+        if st.ready_at is None:
             st.ready_at = started
-        st.ready = ready
+        st.ready = True
 
     # used by the relay
 
@@ -261,6 +391,7 @@ class FleetState:
             return
         st.failed_at = self.clock()
         st.last_error = reason
+        st.misses = max(st.misses, self.misses_to_unready)
         if st.ready:
             log.warning("instance %s marked unready: %s", instance_id, reason)
         st.ready = False
@@ -311,7 +442,8 @@ class FleetState:
         return build_view(self.config, self._states.values())
 
     def counts(self) -> ReadyCounts:
-        return ready_counts(self._states.values())
+        """Serving instances; models the fleet file deploys count even when none is known."""
+        return ready_counts(self._states.values(), self._models)
 
     def placement(self) -> dict[tuple[str, str], int]:
         return placement(self.pools())

@@ -8,7 +8,8 @@ Every `cycle_s` the loop gives the pure planner (`fleetmind.planner`) what it ne
 - goodput normalised by demand: of the requests that ended since the last cycle, the
   share that met its class SLO, from admission's goodput ledger (rejected, cancelled and
   failed requests count as misses, so refusing work cannot look like success);
-- the placement: replicas per (site, model), starting ones included, draining ones not.
+- the placement: replicas per (site, model) that serve or are starting; draining ones and
+  unready ones (a crashed engine its adapter is restarting) are not counted.
 It then lets the planner judge the move it is watching (a rollback is a move too) and
 propose at most one new move.
 
@@ -194,7 +195,7 @@ class PlacementLoop:
         t0 = self.clock()
         while self.clock() - t0 < self.ready_timeout_s:
             st = self.state.get(inst.instance_id)
-            if st is not None and st.ready:
+            if st is not None and st.up:
                 self._act("ready", what, inst.site, inst.instance_id, f"ready after {self.clock() - t0:.1f} s")
                 if move.from_site is not None:
                     self._retire(move, what, after=inst.instance_id)
@@ -214,7 +215,7 @@ class PlacementLoop:
             self._act("skipped", what, move.from_site, None, f"no replica of {move.model} left to drain")
             return False
         # Prefer one that is not serving (still loading: a rollback of a fresh move), then the least busy.
-        st = min(victims, key=lambda s: (s.ready, s.inflight, s.instance.instance_id))
+        st = min(victims, key=lambda s: (s.up, s.inflight, s.instance.instance_id))
         self.state.drain(st.instance.instance_id)
         because = f" (replaced by {after})" if after else ""
         self._act("drain", what, st.instance.site, st.instance.instance_id,

@@ -50,6 +50,14 @@ def forget_instances(router: InstanceRouter, instance_ids: Iterable[str]) -> Non
         forget(iid)
 
 
+def reset_instances(router: InstanceRouter, instances: Iterable[Instance]) -> None:
+    """Instances whose engine restarted: same id, cold cache. The router forgets what it indexed
+    for them (routing history and KV events alike) and keeps their priors."""
+    insts = list(instances)
+    forget_instances(router, [i.instance_id for i in insts])
+    register_instances(router, insts)
+
+
 def build_router(name: str, instances: Iterable[Instance], seed: int = 0) -> InstanceRouter:
     router = make_router(name, seed=seed)
     register_instances(router, instances)

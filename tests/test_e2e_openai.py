@@ -173,6 +173,8 @@ async def test_killed_worker_requests_still_answered(fleet: Fleet) -> None:
     assert isinstance(adapter, SimAdapter)
     proc = adapter.process(victim)
     assert proc is not None
+    # A dead worker, not its restart (that is tests/test_chaos_supervise.py): unsupervised, it stays dead.
+    await adapter.supervisor.release(victim.instance_id)
     os.kill(proc.pid, signal.SIGKILL)
     await proc.wait()
     client = fleet.client()

@@ -5,6 +5,10 @@ Options (the deployment's `options:` in the fleet file): `time_scale`,
 FleetMind's planner — loads before it is ready; the fleet's first instances are ready when
 `launch` returns) and `network_rtt_ms` (an emulated network to the site: every request
 is served one round trip late).
+
+Workers are supervised (`engine_adapters.supervise`): one that dies is started again on its
+instance id and port, with an empty engine (a restarted engine has a cold cache), after a
+backoff; `remove_instance` and `stop` are never taken for a crash.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from engine_adapters.base import AdapterError, Instance, KVEventBatch
 from engine_adapters.http_engine import HttpEngineAdapter, ndjson_kv_events
 from engine_adapters.process import drain, exit_code_soon, spawn, terminate
+from engine_adapters.supervise import RestartPolicy, Supervisor
 
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
@@ -31,7 +36,7 @@ class SimAdapter(HttpEngineAdapter):
                  spec: str, gpu: str, tp: int = 1, block_size: int = 16, max_model_len: int = 32768,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.9, options: dict[str, Any] | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", restart: RestartPolicy | None = None) -> None:
         super().__init__()
         self.id_prefix, self.site, self.model, self.version = id_prefix, site, model, version
         self.count = instances
@@ -61,6 +66,7 @@ class SimAdapter(HttpEngineAdapter):
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._instances: list[Instance] = []
         self._next_index = instances
+        self.supervisor = Supervisor(id_prefix, restart or RestartPolicy(), self._respawn)
 
     @property
     def instances(self) -> list[Instance]:
@@ -78,6 +84,8 @@ class SimAdapter(HttpEngineAdapter):
             await self.stop()
             raise AdapterError(f"{self.id_prefix}: {errors[0]}")
         self._instances = [r for r in results if isinstance(r, Instance)]
+        for inst in self._instances:
+            self.supervisor.watch(inst.instance_id, self._procs[inst.instance_id])
         return self.instances
 
     @property
@@ -95,17 +103,42 @@ class SimAdapter(HttpEngineAdapter):
                 await terminate([proc], STOP_GRACE_S)
             raise
         self._instances.append(inst)
+        self.supervisor.watch(iid, self._procs[iid])
         return inst
 
     async def remove_instance(self, instance: Instance) -> None:
+        await self.supervisor.release(instance.instance_id)  # a planned stop, not a crash
         self._instances = [i for i in self._instances if i.instance_id != instance.instance_id]
         proc = self._procs.pop(instance.instance_id, None)
         if proc is not None:
             await terminate([proc], STOP_GRACE_S)
 
-    async def _launch_one(self, instance_id: str, extra: list[str] | None = None) -> Instance:
+    # -- supervision -------------------------------------------------------------
+    def down(self, instance: Instance) -> bool:
+        return self.supervisor.down(instance.instance_id)
+
+    def restart_counts(self) -> dict[str, int]:
+        return dict(self.supervisor.restarts)
+
+    async def _respawn(self, instance_id: str) -> asyncio.subprocess.Process:
+        """A new worker for a dead one: same id and port (the gateway's records stay valid),
+        loading for `startup_s` like any engine that starts."""
+        old = next((i for i in self._instances if i.instance_id == instance_id), None)
+        if old is None:
+            raise LookupError(f"{instance_id} is no longer part of the deployment")
+        port = int(old.url.rsplit(":", 1)[1])
+        try:
+            await self._launch_one(instance_id, ["--startup-s", str(self.startup_s)], port=port)
+        except Exception:
+            proc = self._procs.get(instance_id)
+            if proc is not None:  # e.g. started but never said it was ready: not left running
+                await terminate([proc], STOP_GRACE_S)
+            raise
+        return self._procs[instance_id]
+
+    async def _launch_one(self, instance_id: str, extra: list[str] | None = None, port: int = 0) -> Instance:
         proc = await spawn([sys.executable, "-m", "engine_adapters.sim.worker", *self._args, *(extra or []),
-                            "--host", self.host, "--port", "0", "--instance-id", instance_id])
+                            "--host", self.host, "--port", str(port), "--instance-id", instance_id])
         self._procs[instance_id] = proc
         assert proc.stdout is not None
         try:
@@ -126,6 +159,7 @@ class SimAdapter(HttpEngineAdapter):
                         tp=self.tp, max_batched_tokens=self.max_batched_tokens)
 
     async def stop(self) -> None:
+        await self.supervisor.close()  # first: the stops below are not crashes
         await terminate(self._procs.values(), STOP_GRACE_S)
         self._procs.clear()
         await self.close_http()
