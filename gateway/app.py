@@ -32,6 +32,7 @@ from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
 from gateway.goodput_report import install_report_routes
 from gateway.kv_feed import KVEventFeed
+from gateway.loop_monitor import LoopLagCollector, LoopMonitor
 from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
 from gateway.policy_store import MemoryPolicyStore, PolicyStore, watch
@@ -64,6 +65,7 @@ class GatewayContext:
     tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
     admission: AdmissionGate | None = None  # SLOMax (or FCFS), its ledger and live state
     placement: PlacementLoop | None = None  # FleetMind's replica planner, when the fleet file enables it
+    loop_monitor: LoopMonitor | None = None  # event-loop stalls (/metrics; `max_lag_since` for health hysteresis)
 
 
 class BodySizeLimit:
@@ -151,8 +153,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     `planner` turns FleetMind's replica planner on or off (default: the fleet file's
     `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
     """
+    loop_monitor = LoopMonitor()
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
+    metrics.registry.register(LoopLagCollector(loop_monitor))
     decisions = DecisionLog(decision_log_size)
     if router is None:
         router = build_router(DEFAULT_ROUTER, [i for a in adapters for i in a.instances])
@@ -173,7 +177,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
-                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement)
+                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement,
+                         loop_monitor)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
     store = policy_store if policy_store is not None else MemoryPolicyStore(config.region_policies)
@@ -181,6 +186,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop_monitor.start()
         relay.session = _client_session()
         policy_watch = asyncio.create_task(watch(store, policy_admin.apply), name="region-policies")
         try:
@@ -200,6 +206,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             await state.stop()
             await relay.session.close()
             relay.session = None
+            loop_monitor.stop()
 
     app = FastAPI(title="TokenFleet gateway", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
