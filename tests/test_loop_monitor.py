@@ -46,6 +46,8 @@ async def test_blocking_sleep_shows_up_as_a_stall_of_that_size() -> None:
         assert blocked - INTERVAL_S - 0.005 <= seen <= blocked + 0.1
         assert monitor.max_lag_s == pytest.approx(seen)
         assert monitor.recent_max_s() == pytest.approx(seen)
+        # time.sleep holds the loop without using the CPU: none of that lag is busy lag.
+        assert monitor.max_busy_lag_s < 0.05
         # After the stall, the loop is responsive again: nothing since.
         t1 = time.monotonic()
         await _wait_ticks(monitor, 5)
@@ -75,6 +77,27 @@ async def test_idle_loop_reports_no_stall() -> None:
     assert sum(monitor.bucket_counts) == monitor.ticks
     # Ticks are due every interval: 100 of them cannot fit in much less than 100 intervals.
     assert time.monotonic() - t0 >= 100 * INTERVAL_S * 0.9
+
+
+async def test_busy_lag_counts_a_loop_held_by_computation() -> None:
+    """A loop held by CPU work (as a long tokenization would) shows up as busy lag, as far as
+    the process really got the CPU (on a shared machine the OS may take some of it)."""
+    monitor = LoopMonitor(INTERVAL_S)
+    monitor.start()
+    try:
+        await _wait_ticks(monitor, 3)
+        t0, cpu0 = time.monotonic(), time.process_time()
+        while time.monotonic() - t0 < 0.25:
+            pass  # spin: the loop is held, and the process is on the CPU whenever the OS lets it
+        spun, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        await _wait_ticks(monitor, 1)
+    finally:
+        monitor.stop()
+    off_cpu = spun - cpu
+    assert monitor.max_lag_s >= spun - INTERVAL_S - 0.005
+    # Busy lag = lag less the time off the CPU: at least the spin's on-CPU share less a tick.
+    assert monitor.max_busy_lag_s >= spun - off_cpu - INTERVAL_S - 0.01
+    assert monitor.max_busy_lag_s <= monitor.max_lag_s
 
 
 def test_max_lag_since_answers_for_the_window_asked() -> None:
@@ -123,3 +146,4 @@ async def test_gateway_exports_loop_lag_and_stops_the_monitor(
     assert _metric(text, 'tokenfleet_event_loop_lag_seconds_bucket{le="+Inf"}') == count
     assert _metric(text, 'tokenfleet_event_loop_lag_seconds_bucket{le="0.1"}') <= count - 1  # the stall
     assert _metric(text, "tokenfleet_event_loop_lag_seconds_sum") >= 0.15 - INTERVAL_S - 0.005
+    assert _metric(text, "tokenfleet_event_loop_lag_busy_max_seconds") < 0.05  # a sleep, not work
