@@ -418,7 +418,7 @@ def build_report(args: argparse.Namespace, specs: Sequence[Spec], run: Run, end_
     n = len(specs)
     return {
         "command": shlex.join([sys.executable, *sys.argv]),
-        "commit": _git_commit(),
+        "commit": args.commit,
         "machine": _machine(),
         "when_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "fleet": str(args.fleet or DEFAULT_FLEET_FILE), "time_scale": args.time_scale,
@@ -575,6 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests < 1 or not args.rate > 0 or args.max_inflight < 1 or args.max_tokens < 1:
         raise SystemExit("soak: --requests, --rate, --max-inflight and --max-tokens must be positive")
+    args.commit = _git_commit()  # at the start: the code that runs, whatever changes meanwhile
     if args.warmup is None:
         args.warmup = min(5000, max(1, args.requests // 10))
     # One socket per request in flight on our side, two in the gateway (client + upstream): the
