@@ -126,7 +126,7 @@ def _lag_over(before: Mapping[str, float], after: Mapping[str, float], bound: st
     return int((after[total] - after[le]) - (before.get(total, 0) - before.get(le, 0)))
 
 
-def _lag_bound_after(before: Mapping[str, float], after: Mapping[str, float]) -> str | None:
+def _lag_bound_after(before: Mapping[str, float], after: Mapping[str, float]) -> str:
     """The smallest histogram bound no tick between the two scrapes exceeded ("<= 50 ms")."""
     for bound in LAG_BUCKETS:
         if _lag_over(before, after, repr(bound)) == 0:
@@ -364,16 +364,23 @@ async def drive(url: str, specs: Sequence[Spec], pid: int, admin_key: str | None
 
 
 async def settle(url: str, admin_key: str | None, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str, float]:
-    """Wait until the gateway reports nothing in flight (aborted relays wind down too); the scrape."""
+    """Wait until the gateway reports nothing in flight (aborted relays wind down too); the last
+    scrape, with `_inflight_left` (NaN when the gateway never answered: then it died)."""
     deadline = time.monotonic() + timeout_s
+    last: dict[str, float] = {"_inflight_left": float("nan")}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        while True:
-            m = await scrape(s, url, admin_key)
-            inflight = sum(v for k, v in m.items() if k.startswith("tokenfleet_inflight"))
-            if inflight <= 0 or time.monotonic() > deadline:
-                m["_inflight_left"] = inflight
-                return m
+        while time.monotonic() < deadline:
+            try:
+                m = await scrape(s, url, admin_key)
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                await asyncio.sleep(0.5)
+                continue
+            m["_inflight_left"] = sum(v for k, v in m.items() if k.startswith("tokenfleet_inflight"))
+            last = m
+            if m["_inflight_left"] <= 0:
+                break
             await asyncio.sleep(0.5)
+    return last
 
 
 # --- report -----------------------------------------------------------------------------
@@ -580,10 +587,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.warmup = min(5000, max(1, args.requests // 10))
     # One socket per request in flight on our side, two in the gateway (client + upstream): the
     # gateway inherits this soft limit.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    del soft
     with asyncio.Runner() as runner:
         return runner.run(amain(args))
 

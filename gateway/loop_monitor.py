@@ -122,7 +122,9 @@ class LoopMonitor:
             return
         while h and h[-1][1] <= lag:
             h.pop()
-        if len(h) >= _HISTORY_MAX:  # only a loop stalling for seconds, ever longer, gets here
+        # Kept entries form a strictly decreasing run of lags: ~ln(ticks) of them for lags in
+        # any random order; only a long run of ever-smaller stalls could reach the cap.
+        if len(h) >= _HISTORY_MAX:
             h.popleft()
         h.append((now, lag))
 
