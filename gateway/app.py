@@ -32,6 +32,7 @@ from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
 from gateway.goodput_report import ReportAccess, install_report_routes
 from gateway.kv_feed import KVEventFeed
+from gateway.loop_monitor import LoopLagCollector, LoopMonitor
 from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
@@ -67,6 +68,7 @@ class GatewayContext:
     admission: AdmissionGate | None = None  # SLOMax (or FCFS), its ledger and live state
     placement: PlacementLoop | None = None  # FleetMind's replica planner, when the fleet file enables it
     tokenize_pool: TokenizePool | None = None  # parses large bodies off the event loop (bounded)
+    loop_monitor: LoopMonitor | None = None  # event-loop stalls (/metrics; health checks count only responsive time)
 
 
 class BodySizeLimit:
@@ -158,8 +160,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     """
     if max_body_bytes is None:
         max_body_bytes = config.gateway.max_body_bytes
+    loop_monitor = LoopMonitor()
     state = FleetState(config, adapters, poll_interval_s, clock=clock)
     metrics = GatewayMetrics()
+    metrics.registry.register(LoopLagCollector(loop_monitor))
     decisions = DecisionLog(decision_log_size)
     if router is None:
         router = build_router(DEFAULT_ROUTER, [i for a in adapters for i in a.instances])
@@ -186,13 +190,15 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     g = config.gateway
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
-                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool)
+                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
+                         loop_monitor)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop_monitor.start()
         relay.session = _client_session(config.gateway)
         await policy_sync.start()
         try:
@@ -214,6 +220,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             await relay.session.close()
             relay.session = None
             pool.close()
+            loop_monitor.stop()
 
     # The contract for clients and fuzzers: /openapi.json, /docs (Swagger UI), /redoc.
     app = FastAPI(title="TokenFleet gateway", lifespan=lifespan, version="1",
