@@ -161,7 +161,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     if max_body_bytes is None:
         max_body_bytes = config.gateway.max_body_bytes
     loop_monitor = LoopMonitor()
-    state = FleetState(config, adapters, poll_interval_s, clock=clock)
+    state = FleetState(config, adapters, poll_interval_s, clock=clock, loop_monitor=loop_monitor)
     metrics = GatewayMetrics()
     metrics.registry.register(LoopLagCollector(loop_monitor))
     decisions = DecisionLog(decision_log_size)

@@ -3,8 +3,6 @@
     tokenfleet_replicas{site,model,version,state}    ready starting draining unready
     tokenfleet_site_probe_rtt_ms{site}                lowest recent health-probe round trip
     tokenfleet_engine_restarts_total{instance,site,model}  dead engines started again by their adapter
-    tokenfleet_event_loop_stall_seconds_total         time the gateway's event loop was blocked
-    tokenfleet_event_loop_max_stall_seconds           its longest single stall
     tokenfleet_planner_decisions_total{kind}          plan apply keep rollback
     tokenfleet_planner_actions_total{kind}            start ready drain stop failed skipped
 """
@@ -45,14 +43,7 @@ class FleetCollector(Collector):
             site, model = str(getattr(adapter, "site", "")), str(getattr(adapter, "model", ""))
             for iid, n in sorted(adapter.restart_counts().items()):
                 restarts.add_metric([iid, site, model], n)
-        lag = self.state.lag
-        stall = CounterMetricFamily("tokenfleet_event_loop_stall_seconds",
-                                    "Time the gateway's event loop could not run anything")
-        stall.add_metric([], lag.stalled_s())
-        worst = GaugeMetricFamily("tokenfleet_event_loop_max_stall_seconds",
-                                  "Longest single stall of the gateway's event loop")
-        worst.add_metric([], lag.max_stall_s)
-        yield from (replicas, rtt, restarts, stall, worst)
+        yield from (replicas, rtt, restarts)
         if self.placement is None:
             return
         decisions = CounterMetricFamily("tokenfleet_planner_decisions", "The placement planner's decisions",

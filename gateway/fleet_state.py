@@ -16,7 +16,7 @@ Health checks have hysteresis: a ready instance is taken out only after
 `health_timeout_s`, or an answer that is not healthy); certain death — a refused
 connection, an engine process its adapter reports dead or restarting, a failure the relay
 saw — takes it out at once. A check's deadline counts only time in which the event loop
-could run (`gateway.loop_lag`): a gateway stalled by its own load does not blame its
+could run (`gateway.loop_monitor`): a gateway stalled by its own load does not blame its
 engines and empty the fleet. An engine its adapter restarted comes back cold: listeners
 (`on_restart`, the router's cache index) forget what it held.
 """
@@ -35,7 +35,7 @@ from engine_adapters.base import EngineAdapter, EngineDown, Instance, LoadSnapsh
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.types import FleetView, InstanceSnapshot, SiteSnapshot
 from gateway.background import cancel_and_wait
-from gateway.loop_lag import LoopLagMonitor
+from gateway.loop_monitor import LoopMonitor
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -209,7 +209,7 @@ class FleetState:
     def __init__(self, config: FleetConfig, adapters: Sequence[EngineAdapter],
                  poll_interval_s: float | None = None, call_timeout_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
-                 misses_to_unready: int | None = None) -> None:
+                 misses_to_unready: int | None = None, loop_monitor: LoopMonitor | None = None) -> None:
         g = config.gateway
         self.config = config
         self.adapters = list(adapters)
@@ -218,7 +218,9 @@ class FleetState:
         self.call_timeout_s = g.health_timeout_s if call_timeout_s is None else call_timeout_s
         self.misses_to_unready = g.health_misses_to_unready if misses_to_unready is None else misses_to_unready
         self.clock = clock
-        self.lag = LoopLagMonitor()
+        # The app's monitor when given (it starts and stops it); else one of our own.
+        self.lag = loop_monitor if loop_monitor is not None else LoopMonitor()
+        self._own_lag = loop_monitor is None
         # Called with an instance whose engine its adapter restarted (its cache is cold now).
         self.on_restart: list[Callable[[Instance], None]] = []
         self._models = sorted({d.model for d in config.deployments})
@@ -230,14 +232,16 @@ class FleetState:
 
     async def start(self) -> None:
         """First poll of everything (so the gateway starts with a real view), then poll forever."""
-        self.lag.start()
+        if self._own_lag:
+            self.lag.start()
         self.sync_instances()
         await self.refresh()
         self._supervisor = asyncio.create_task(self._supervise(), name="fleet-state")
 
     async def stop(self) -> None:
         await cancel_and_wait([self._supervisor, *self._pollers.values()])
-        await self.lag.stop()
+        if self._own_lag:
+            self.lag.stop()
         self._supervisor = None
         self._pollers.clear()
 

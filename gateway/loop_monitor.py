@@ -135,6 +135,13 @@ class LoopMonitor:
             return 0.0
         return max(0.0, self.clock() - self._due)
 
+    def stalled_s(self) -> float:
+        """Blocked time so far (every tick's lag summed), counting the stall in progress: read
+        right after a block ends, before the monitor's own tick has run, it is already right.
+        The difference of two readings is how much of that interval the loop could not run
+        anything: health checks give engines their deadline in the rest (`gateway.fleet_state`)."""
+        return self.lag_sum_s + self.current_lag_s()
+
     def max_lag_since(self, t: float) -> float:
         """The largest loop lag (seconds) of any stall that ended at or after `t` (a `clock()`
         time), including one still in progress. A stall that began before `t` counts whole,
