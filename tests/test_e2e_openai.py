@@ -158,7 +158,11 @@ async def test_client_disconnect_aborts_on_worker(fleet: Fleet) -> None:
             lines = r.aiter_lines()
             for _ in range(3):
                 await lines.__anext__()
-            assert await metric(instance, "vllm:num_requests_running") == 1
+            # the worker's gauge follows its scheduler, not our read: wait for it to show the request
+            deadline = time.monotonic() + 5
+            while await metric(instance, "vllm:num_requests_running") != 1:
+                assert time.monotonic() < deadline, "the worker never showed the request running"
+                await asyncio.sleep(0.02)
     deadline = time.monotonic() + 5
     while await metric(instance, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "worker kept running the abandoned request"

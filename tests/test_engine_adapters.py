@@ -230,10 +230,11 @@ async def test_engine_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
 
 
 async def test_launch_timeout_names_the_instance_and_stops_it(tmp_path):
-    opts = fake_options(tmp_path, ready_timeout_s=1, env={"FAKE_ENGINE_MODE": "hang"})
+    # long enough for the fake engine to start and write its record on a loaded 2-core machine
+    opts = fake_options(tmp_path, ready_timeout_s=4, env={"FAKE_ENGINE_MODE": "hang"})
     opts["env"]["FAKE_ENGINE_RECORD"] = str(tmp_path / "record.json")
     (a,) = build_adapters(fleet(options=opts, instances=1))
-    with pytest.raises(AdapterError, match="s1/tiny/0: not ready after 1 s"):
+    with pytest.raises(AdapterError, match="s1/tiny/0: not ready after 4 s"):
         await a.launch()
     record = json.loads((tmp_path / "record.json").read_text())
     assert await gone(record["pid"], record["helper_pid"])
