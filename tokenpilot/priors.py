@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleetcore import hardware
+from fleetcore.roofline import StepTimer
+
 
 @dataclass(frozen=True, slots=True)
 class EnginePrior:
@@ -27,10 +30,7 @@ class EnginePrior:
 
 def prior_from_physics(spec: str, gpu: str, tp: int = 1, block_size: int = 16,
                        max_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9) -> EnginePrior:
-    """Prior for an engine whose model and GPU are in the simulated engine's tables."""
-    from engine_adapters.sim import hardware
-    from engine_adapters.sim.physics import StepTimer
-
+    """Prior for an engine whose model and GPU are in the roofline's tables (`fleetcore.hardware`)."""
     timer = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp)
     full = timer.step_time([(max_batched_tokens, 0)], [])
     one = timer.step_time([], [1])
