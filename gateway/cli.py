@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetsim.cli import add_simulate_parser, run_simulate
 from fleetsim.live import add_bench_parser, run_bench
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
-from gateway.listener import ListenerCollector, build_listeners, protocol_class, raise_fd_limit
+from gateway.listener import ListenerCollector, bind_socket, build_listeners, protocol_class, raise_fd_limit
 from gateway.routing import DEFAULT_ROUTER, build_router
 from gateway.shutdown import Shutdown
 from tokenpilot.registry import ROUTER_NAMES
@@ -38,18 +37,6 @@ def _load(path: str | None) -> tuple[FleetConfig, list[EngineAdapter]]:
     fleet_path = Path(path) if path else DEFAULT_FLEET_FILE
     config = load_fleet_file(fleet_path)
     return config, build_adapters(config)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
-    # without it Nagle holds each small SSE event behind the client's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 # uvicorn's own graceful timeout runs this much past the gateway's grace, so that it never cancels a
@@ -113,12 +100,12 @@ async def _up(args: argparse.Namespace) -> int:
     config, adapters = _load(args.fleet)
     ops_port = args.ops_port if args.ops_port is not None else config.gateway.ops_port
     try:
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port)
     except OSError as e:
         _say(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
         return 2
     try:
-        ops_sock = _bind(args.ops_host or args.host, ops_port) if ops_port is not None else None
+        ops_sock = bind_socket(args.ops_host or args.host, ops_port) if ops_port is not None else None
     except OSError as e:
         sock.close()
         _say(f"cannot listen on {args.ops_host or args.host}:{ops_port} (ops): {e.strerror}")

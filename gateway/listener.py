@@ -80,6 +80,23 @@ class ListenerLimits:
                    gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes, OPS_PATHS)
 
 
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A non-blocking listening TCP socket (IPv6 when `host` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it Nagle holds each small SSE event behind the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 def raise_fd_limit() -> int:
     """Raise this process's open-file soft limit to its hard limit; return the soft limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
