@@ -552,7 +552,7 @@ async def amain(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = soak_fleet(src, args.time_scale or None, workdir / "fleet.yaml")
     procs = Processes(workdir)
-    argv = [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet), "--port", "0"]
+    argv = [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet), "--port", "0"]
     if args.planner is not None:
         argv.append("--planner" if args.planner else "--no-planner")
     print(f"soak: starting {shlex.join(argv)} (log {workdir / 'gateway.log'})", file=sys.stderr, flush=True)

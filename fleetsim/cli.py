@@ -184,9 +184,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `simulate` on a `tokenfleet` subparsers object; it dispatches to `run_simulate`."""
+    # The one-line help is tokenfleet.cli's (it lists commands without importing them).
     p = subparsers.add_parser(
-        "simulate", help="replay a trace through routing policies on a simulated fleet",
-        description="Replay a request trace through each routing policy on a simulated fleet "
+        "simulate", description="Replay a request trace through each routing policy on a simulated fleet "
                     "(discrete-event, virtual time) and compare TTFT, TPOT, goodput and SLO attainment.")
     _add_arguments(p)
     p.set_defaults(func=run_simulate)

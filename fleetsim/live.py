@@ -488,8 +488,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` (with its `live` subcommand) on `tokenfleet`'s subparsers; dispatch with
     `run_bench(args)`."""
-    bench = subparsers.add_parser("bench", help="benchmark a running endpoint",
-                                  description="Benchmarks against running endpoints.")
+    # The one-line help is tokenfleet.cli's (it lists commands without importing them).
+    bench = subparsers.add_parser("bench", description="Benchmarks against running endpoints.")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     live = sub.add_parser("live", help="replay a trace against an OpenAI-compatible endpoint",
                           description=__doc__.split("\n\n")[0])
