@@ -99,11 +99,12 @@ def parse_sse_event(raw: bytes) -> SSEEvent:
         if b"\n" not in body and b"\r" not in body:
             # The usual event: a single data line (saves splitting into lines and joining).
             return _data_event(body.decode("utf-8", errors="replace"))
-    lines = raw.decode("utf-8", errors="replace").splitlines()
-    data = [ln[5:].removeprefix(" ") for ln in lines if ln.startswith("data:")]
+    # bytes.splitlines ends lines exactly where SSE does (LF, CRLF, CR); str.splitlines would
+    # also cut at U+2028, U+0085, form feeds... that engines send raw inside JSON strings.
+    data = [ln[5:].removeprefix(b" ") for ln in raw.splitlines() if ln.startswith(b"data:")]
     if not data:
         return _NO_DATA
-    return _data_event("\n".join(data))
+    return _data_event(b"\n".join(data).decode("utf-8", errors="replace"))
 
 
 def _data_event(text: str) -> SSEEvent:

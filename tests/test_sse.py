@@ -80,6 +80,16 @@ def test_parse_event_kinds() -> None:
     assert not parse_sse_event(b": c\n\n").malformed
 
 
+@pytest.mark.parametrize("terminator", [b"\n\n", b"\r\n\r\n"])
+def test_parse_event_lines_end_only_where_sse_says(terminator: bytes) -> None:
+    """Engines send raw UTF-8 in JSON strings (no ensure_ascii): U+2028, U+0085 or a form
+    feed inside a token is text, not a line end."""
+    text = "a\u2028b\x85c\x0cd\x1ee"
+    raw = b"event: message\r\ndata: " + json.dumps({"t": text}, ensure_ascii=False).encode() + terminator
+    assert parse_sse_event(raw).obj == {"t": text}
+    assert parse_sse_event(ev({"t": text}).replace(b"\\u2028", "\u2028".encode())).obj == {"t": text}
+
+
 def test_parse_event_survives_invalid_utf8() -> None:
     e = parse_sse_event(b'data: {"t": "\xff"}\n\n')
     assert e.obj == {"t": "\ufffd"}
