@@ -21,11 +21,13 @@ import argparse
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
+from fleetcore.policies import InstanceRouter
+from fleetcore.slo import ClassSLO
 from fleetmind.demand import DemandModel
 from fleetmind.planner import planner_for
 from fleetmind.residency import PolicySet
@@ -60,11 +62,11 @@ TRACE_FORMATS = ("mooncake", "azure", "auto", "canonical")
 # --- policies -------------------------------------------------------------------------
 
 
-def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
-    """A fresh, seeded router, told the fleet's engines when it keeps per-instance priors
-    (`register_instance`), as the gateway's composition root does."""
+def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> InstanceRouter:
+    """A fresh, seeded router, told the fleet's engines (`register_instance`: a no-op for a
+    router that keeps no per-instance priors), as the gateway's composition root does."""
     router = make_router(name, seed=seed)
-    if fleet is not None and hasattr(router, "register_instance"):
+    if fleet is not None:
         for s in fleet_instances(fleet):
             router.register_instance(s.instance_id, spec_prior(s))
     return router
@@ -75,14 +77,11 @@ def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
 PLACEMENTS = ("fleetmind", "home", "fleetmind+planner")
 
 
-def make_placement(name: str, fleet: FleetConfig, router: Any) -> FleetMind:
-    """The site chooser for a `--placement`: `fleetmind` spills when home would miss its SLO;
-    `home` never leaves the home site (same residency and readiness filters);
-    `fleetmind+planner` also moves replicas (`placement_controllers`)."""
-    predictor = router if hasattr(router, "predict") else None
-    return FleetMind(PolicySet(fleet.region_policies), predictor,
-                     config=FleetMindConfig(never_spill=name == "home"),
-                     egress_cost_per_gb={s.name: s.egress_cost_per_gb for s in fleet.sites})
+def make_placement(name: str, fleet: FleetConfig, router: InstanceRouter) -> FleetMind:
+    """The site chooser for a `--placement`: `fleetmind` spills when home would miss its SLO
+    (the fleet's own SLO map); `home` never leaves the home site (same residency and
+    readiness filters); `fleetmind+planner` also moves replicas (`placement_controllers`)."""
+    return FleetMind.from_fleet(fleet, router, config=FleetMindConfig(never_spill=name == "home"))
 
 
 def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, Any]]:
@@ -93,7 +92,8 @@ def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, An
         return []
     demand = DemandModel(fleet)
     planner = planner_for(fleet, demand, window_s=60, lead_s=60, cooldown_s=60, watch_s=120, rollback_drop=0.3)
-    loop = PlannerLoop(planner, demand, cycle_s=fleet.planner.cycle_s, startup_s=60.0)
+    loop = PlannerLoop(planner, demand, cycle_s=fleet.planner.cycle_s, startup_s=60.0,
+                       slos=fleet.admission.slos())  # its goodput judged by the fleet's SLOs
     return [(loop.cycle_s, loop)]
 
 
@@ -105,10 +105,11 @@ def residency_violations(records: Sequence[RequestRecord], policies: PolicySet, 
                if r.site and r.site not in policies.resolve(r.tenant, r.model or default_model, fleet.sites).allowed)
 
 
-def by_site(records: Sequence[RequestRecord], span_s: float) -> dict[str, dict[str, Any]]:
+def by_site(records: Sequence[RequestRecord], span_s: float,
+            slos: Mapping[str, ClassSLO]) -> dict[str, dict[str, Any]]:
     out = {}
     for site in sorted({r.site for r in records if r.site}):
-        part = summarize([r for r in records if r.site == site], span_s)
+        part = summarize([r for r in records if r.site == site], span_s, slos)
         out[site] = {k: part[k] for k in ("requests", "completed", "ttft_ms", "throughput_tok_s",
                                           "goodput_tok_s", "slo_attainment", "cache_hit_rate")}
     return out
@@ -307,6 +308,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     curves = []
     policies = PolicySet(fleet.region_policies)
+    slos = fleet.admission.slos()  # the fleet's SLO map: what admission, FleetMind and the report judge by
     for placement in placements:
         for name, admission in ((n, a) for n in names for a in admissions):
             random.seed(args.seed)  # for any policy that draws from the module RNG
@@ -325,13 +327,13 @@ def run_simulate(args: argparse.Namespace) -> int:
             res = sim.run(inputs)
             for w in res.warnings[:5]:
                 print(f"tokenfleet simulate: warning: {label}: {w}", file=sys.stderr)
-            summary = summarize_all(res.records)
+            summary = summarize_all(res.records, slos)
             row = result_row(name, summary, res.wall_s, {
                 "steps": res.steps, "preemptions": res.preemptions, "span_s": round(summary["span_s"], 3)})
             row["placement"] = placement
             row["admission"] = admission
             row["residency_violations"] = residency_violations(res.records, policies, fleet)
-            row["by_site"] = by_site(res.records, summary["span_s"])
+            row["by_site"] = by_site(res.records, summary["span_s"], slos)
             if controllers:
                 row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
                                        "reason": e.reason} for e in controllers[0][1].planner.log]
@@ -353,7 +355,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         _say(f"\nwrote {args.json}")
     if args.plot:
         try:
-            plot_ttft_cdf(curves, args.plot, title=f"{desc['name']} x{args.rate_scale:g} on {fleet_path.name}")
+            plot_ttft_cdf(curves, args.plot, slos, title=f"{desc['name']} x{args.rate_scale:g} on {fleet_path.name}")
         except PlotUnavailable as e:
             return _err(str(e))
         except OSError as e:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetcore.slo import DEFAULT_SLOS
+from fleetcore.slo import ClassSLO
 
 RESULT_KEYS = ("policy", "requests", "completed", "rejected", "cancelled", "ttft_ms", "tpot_ms", "e2e_ms",
                "queue_ms", "throughput_tok_s", "goodput_tok_s", "slo_attainment", "cache_hit_rate", "wall_s",
@@ -136,7 +136,8 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed (it is not a dependency of TokenFleet)."""
 
 
-def plot_ttft_cdf(curves: Sequence[tuple[str, np.ndarray]], path: str | Path, title: str = "") -> None:
+def plot_ttft_cdf(curves: Sequence[tuple[str, np.ndarray]], path: str | Path, slos: Mapping[str, ClassSLO],
+                  title: str = "") -> None:
     """One TTFT CDF per policy (log x axis), saved as PNG. matplotlib is imported only here."""
     try:
         import matplotlib
@@ -152,7 +153,7 @@ def plot_ttft_cdf(curves: Sequence[tuple[str, np.ndarray]], path: str | Path, ti
         y = np.arange(1, len(ttft_ms) + 1) / len(ttft_ms)
         ax.step(np.sort(ttft_ms), y, where="post", label=name)
     # Class TTFT targets as reference lines: where a curve crosses them is that class's attainment bound.
-    for name, slo in DEFAULT_SLOS.items():
+    for name, slo in sorted(slos.items()):
         if slo.ttft_s is not None:
             ax.axvline(slo.ttft_s * 1e3, color="grey", linestyle="--", linewidth=0.8)
             ax.text(slo.ttft_s * 1e3, 0.02, f" {name} SLO", rotation=90, fontsize=7, color="grey", va="bottom")

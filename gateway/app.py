@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig, GatewaySettings
+from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
@@ -38,7 +39,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
-from gateway.relay import DecisionLog, Relay, SiteChooser
+from gateway.relay import DecisionLog, Relay
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from gateway.openapi import chat_body, completion_body
@@ -47,7 +48,6 @@ from fleetmind.demand import DemandModel
 from fleetmind.planner import planner_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
-from tokenpilot.policy import InstanceRouter
 
 # Bodies up to this size parse and tokenize inline (well under a millisecond per KB);
 # larger ones go to the bounded tokenizer pool, so no request stalls the loop for long.
@@ -194,7 +194,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor)
 
-    kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
+    kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager

@@ -10,6 +10,7 @@ import pytest
 
 from engine_adapters.sim.engine import SimEngine, SimRequest
 from fleetcore.fleet_config import FleetConfig, parse_fleet
+from fleetcore.policies import Admission
 from fleetcore.types import FleetView, RequestProfile
 from fleetsim.cli import DEFAULT_SIM_FLEET, main, make_policy
 from fleetsim.simulator import AdmissionDecision, FleetSimulator, HashCache, fleet_instances, prepare
@@ -192,8 +193,8 @@ def test_too_long_prompt_is_rejected_not_crashed() -> None:
     assert res.records[1].status == "completed"
 
 
-class _OneAtATime:
-    """Admission stand-in: queue while anything is in flight, reject tenant 'bad'."""
+class _OneAtATime(Admission):
+    """Admission stand-in (the simulator's FIFO mode): queue while anything is in flight, reject tenant 'bad'."""
 
     def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision:
         if profile.tenant == "bad":
