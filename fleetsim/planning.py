@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetcore.slo import DEFAULT_SLOS, ClassSLO
+from fleetcore.slo import ClassSLO
 from fleetmind.demand import DemandModel
 from fleetmind.planner import Move, Planner
 
@@ -29,7 +29,7 @@ class PlannerLoop:
     cycle_s: float = 30.0
     startup_s: float = 60.0
     window_s: float = 60.0
-    slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+    slos: Mapping[str, ClassSLO] = field(kw_only=True)  # the fleet's SLO map (AdmissionConfig.slos)
     _seen: int = 0
     # (request, its work) arrived and not yet booked to the site that serves it
     _unrouted: list[tuple[Any, float]] = field(default_factory=list)

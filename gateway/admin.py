@@ -231,8 +231,7 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
             request_class=body.request_class, client_region=body.region or config.entry_region)
         view = relay.state.view()
         decision = relay.site_chooser.choose(profile, view, relay.clock())
-        residency = getattr(relay.site_chooser, "residency", None)
-        res = residency(profile, view) if residency else None
+        res = relay.site_chooser.residency(profile, view)  # None: the chooser applies no region policy
         return JSONResponse({
             "site": decision.site, "reason": decision.reason,
             "allowed_sites": sorted(res.allowed) if res else None,
@@ -276,8 +275,7 @@ def fleet_view(config: FleetConfig, relay: Any) -> list[dict[str, Any]]:
     probed = state.probe_rtt_ms()
     view = state.view()
     now = relay.clock()
-    predict = getattr(relay.router, "predict", None)
-    index = getattr(relay.router, "index", None)
+    router = relay.router
     counts = sorted(state.pools().items())
     out = []
     for s in config.sites:
@@ -288,15 +286,16 @@ def fleet_view(config: FleetConfig, relay: Any) -> list[dict[str, Any]]:
                 continue
             ready = snap.pool(model, version)
             row: dict[str, Any] = {"model": model, "version": version, **asdict(c)}
-            if predict is not None and ready:
+            if ready:
                 profile = RequestProfile(request_id="fleet-view", model=model, model_version=version,
                                          prompt_tokens=_PROBE_PROMPT_TOKENS)
-                guess = predict(profile, ready, now)
+                guess = router.predict(profile, ready, now)  # None: no cost model, or none eligible
                 row["predicted_ttft_s"] = round(guess[0], 4) if guess is not None else None
-            if index is not None:
-                ids = [i.instance_id for i in snap.instances if i.model == model and i.version == version]
-                row["cache_blocks"] = sum(index.entries(i) for i in ids)
-                row["cache_exact_instances"] = sum(1 for i in ids if index.is_exact(i, now))
+            ids = [i.instance_id for i in snap.instances if i.model == model and i.version == version]
+            blocks = [router.cache_blocks(i) for i in ids]
+            if all(b is not None for b in blocks):  # a router with an index it can report
+                row["cache_blocks"] = sum(b for b in blocks if b is not None)
+                row["cache_exact_instances"] = sum(1 for i in ids if router.cache_exact(i, now))
             pools.append(row)
         out.append({"site": s.name, "region": s.region, "jurisdiction": s.jurisdiction, "gpus": s.gpus,
                     "rtt_ms": dict(s.rtt_ms), "probe_rtt_ms": probed.get(s.name),

@@ -24,29 +24,20 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
-from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, RequestProfile
+from fleetcore.types import AdmissionDecision, RequestOutcome, RequestProfile
 from gateway.errors import GatewayError, bad_request, overloaded, rate_limited
 from gateway.fleet_state import FleetState
 from gateway.requests import CLASS_HEADER, ParsedRequest
+from slomax import LedgeredAdmission
 
 log = logging.getLogger("tokenfleet.gateway")
+R = TypeVar("R")
 
-
-class AdmissionPolicy(Protocol):
-    """What the gate needs of a policy (slomax.SLOMax, slomax.FCFS)."""
-
-    name: str
-    ledger: Any
-
-    def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision: ...
-    def poll(self, now: float, view: FleetView | None = None) -> list[AdmissionDecision]: ...
-    def observe(self, outcome: RequestOutcome) -> None: ...
-    def cancel(self, request_id: str, now: float) -> bool: ...
-    def next_wakeup(self, now: float) -> float | None: ...
-    def note_retry(self, request_id: str) -> None: ...
-    def snapshot(self, now: float) -> dict[str, Any]: ...
+# What the gate runs: the admission contract (`fleetcore.policies.Admission`, hook-owned
+# queues) with a goodput ledger the reports read (slomax.SLOMax, slomax.FCFS).
+AdmissionPolicy = LedgeredAdmission
 
 
 def decision_error(d: AdmissionDecision) -> GatewayError:
@@ -83,7 +74,7 @@ class AdmissionGate:
         """
         profile = parsed.profile
         rid = profile.request_id
-        d = self._call("admit", profile, self.state.view(), self.clock()) or AdmissionDecision("admit")
+        d = self._call(self.policy.admit, profile, self.state.view(), self.clock()) or AdmissionDecision("admit")
         if d.action == "queue":
             fut: asyncio.Future[AdmissionDecision] = asyncio.get_running_loop().create_future()
             self._waiting[rid] = fut
@@ -94,7 +85,7 @@ class AdmissionGate:
                 # The client left (or the handler was cancelled): leave the queue at once. Had
                 # the policy just let it go, `pump` already ended it (its future was done).
                 self._waiting.pop(rid, None)
-                self._call("cancel", rid, self.clock())
+                self._call(self.policy.cancel, rid, self.clock())
                 self.pump()
                 raise
         if d.action == "reject":
@@ -108,15 +99,15 @@ class AdmissionGate:
 
     def routed(self, request_id: str, instance_id: str) -> None:
         if request_id in self._admitted:
-            self._call("on_dispatched", request_id, instance_id, self.clock())
+            self._call(self.policy.on_dispatched, request_id, instance_id, self.clock())
 
     def first_token(self, request_id: str) -> None:
         if request_id in self._admitted:
-            self._call("on_first_token", request_id, self.clock())
+            self._call(self.policy.on_first_token, request_id, self.clock())
 
     def retried(self, request_id: str) -> None:
         if request_id in self._admitted:
-            self._call("note_retry", request_id)
+            self._call(self.policy.note_retry, request_id)
 
     def attempt_ended(self, outcome: RequestOutcome) -> None:
         if outcome.request_id in self._admitted:
@@ -132,7 +123,7 @@ class AdmissionGate:
             outcome = RequestOutcome(request_id=request_id, instance_id="", site="", ok=False,
                                      prompt_tokens=profile.prompt_tokens,
                                      e2e_s=max(0.0, self.clock() - profile.arrival), error="not dispatched")
-        self._call("observe", outcome)
+        self._call(self.policy.observe, outcome)
         self.pump()
 
     # -- the queue ------------------------------------------------------------------------
@@ -140,19 +131,19 @@ class AdmissionGate:
     def pump(self) -> None:
         """Let the policy decide about waiting requests, and book its next wake-up."""
         now = self.clock()
-        for d in self._call("poll", now, self.state.view()) or ():
+        for d in self._call(self.policy.poll, now, self.state.view()) or ():
             rid = d.request_id or ""
             fut = self._waiting.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(d)
             elif d.action == "admit":
                 # Let go after its client left: end it at once so its capacity comes back.
-                self._call("observe", RequestOutcome(request_id=rid, instance_id="", site="", ok=False,
+                self._call(self.policy.observe, RequestOutcome(request_id=rid, instance_id="", site="", ok=False,
                                                      cancelled=True, error="client gone before start"))
         self._schedule(now)
 
     def _schedule(self, now: float) -> None:
-        at = self._call("next_wakeup", now)
+        at = self._call(self.policy.next_wakeup, now)
         if at is None or not self._waiting:
             return
         if self._timer is not None and self._timer_at <= at and not self._timer.cancelled():
@@ -176,13 +167,10 @@ class AdmissionGate:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: Callable[..., R], *args: Any) -> R | None:
         """Call the policy; a policy bug must not fail requests (it admits, and is logged)."""
-        fn = getattr(self.policy, method, None)
-        if fn is None:
-            return None
         try:
-            return fn(*args)
+            return method(*args)
         except Exception:
-            log.exception("admission policy %s.%s failed", type(self.policy).__name__, method)
+            log.exception("admission policy %s.%s failed", type(self.policy).__name__, method.__name__)
             return None

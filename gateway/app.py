@@ -23,11 +23,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig, GatewaySettings
+from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
 from gateway.admission_metrics import AdmissionCollector
 from gateway.auth import Authenticator, Caller
+from gateway import dashboard
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
@@ -38,7 +40,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
-from gateway.relay import DecisionLog, Relay, SiteChooser
+from gateway.relay import DecisionLog, Relay
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from gateway.openapi import chat_body, completion_body
@@ -47,7 +49,6 @@ from fleetmind.demand import DemandModel
 from fleetmind.planner import planner_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
-from tokenpilot.policy import InstanceRouter
 
 # Bodies up to this size parse and tokenize inline (well under a millisecond per KB);
 # larger ones go to the bounded tokenizer pool, so no request stalls the loop for long.
@@ -149,7 +150,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
-               admission: AdmissionPolicy | None = None, planner: bool | None = None) -> FastAPI:
+               admission: AdmissionPolicy | None = None, planner: bool | None = None,
+               dashboard_sample_s: float | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them).
 
     `tokenizers` defaults to the models' own tokenizers found via the fleet file
@@ -158,6 +160,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     `planner` turns FleetMind's replica planner on or off (default: the fleet file's
     `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
     `max_body_bytes` defaults to the fleet file's `gateway.max_body_bytes`.
+    `dashboard_sample_s`: how often /dashboard's time series is sampled (`gateway.dashboard`, 5 s).
     """
     if max_body_bytes is None:
         max_body_bytes = config.gateway.max_body_bytes
@@ -188,13 +191,15 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                                   ready_timeout_s=p.ready_timeout_s, mode=p.mode)
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
+    dash_recorder, dash_sampler = dashboard.wire(admission.ledger, dashboard_sample_s)
+    relay.listeners.append(dash_recorder)
     g = config.gateway
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor)
 
-    kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
+    kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager
@@ -208,6 +213,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                 await kv_feed.start()
             if placement is not None:
                 placement.start()
+            dash_sampler.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").
@@ -215,6 +221,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             gc.freeze()
             yield
         finally:
+            await dash_sampler.stop()
             if placement is not None:
                 await placement.stop()
             gate.close()
@@ -239,6 +246,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, placement)
     install_report_routes(app, config, gate, clock)
+    dashboard.install_dashboard_routes(app, config, dash_sampler, admission, placement)
     return app
 
 

@@ -47,7 +47,8 @@ from gateway.errors import INVALID_REQUEST, SERVER_ERROR, error_body
 log = logging.getLogger("tokenfleet.listener")
 
 # What the ops listener serves (exact paths; a trailing slash means "and everything under it").
-OPS_PATHS = ("/health", "/metrics", "/admin/", "/debug/")
+# /dashboard too: the operators' page belongs where only they reach it (gateway/dashboard.py).
+OPS_PATHS = ("/health", "/metrics", "/admin/", "/debug/", "/dashboard", "/dashboard/")
 # The ops listener's own caps: a scraper, a load balancer's health checks, an operator's curl.
 OPS_MAX_CONNECTIONS = 64
 OPS_MAX_CONNECTIONS_PER_CLIENT = 16

@@ -1,10 +1,12 @@
 """A request's way through the gateway after validation: admission → site → instance → upstream → client.
 
 - Admission (`gateway.admission`, SLOMax by default): may queue or refuse the request
-  before anything is chosen; its hint `avoid_instances` is excluded from the first choice
+  before anything is chosen; its hint `avoid_instances` is excluded from the choice
   when that leaves a candidate. It hears where the request went, its first token, retries
   and each attempt's outcome, and gets its capacity back once the response is over.
-- Choice: the site chooser picks a site, the router an instance in that site's pool.
+- Choice: `fleetmind.place` (the simulator's too): the site chooser picks a site, the
+  router an instance in that site's pool; failed attempts are excluded, the avoid hint
+  gives way when it leaves nothing.
 - Forward: aiohttp to `instance.url + path`, with the model renamed to the served
   name and, for streams, `stream_options.include_usage` forced on (the usage chunk
   is how the gateway learns output and cached tokens); the client sees that chunk
@@ -33,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, TypeVar
+from typing import Any, AsyncIterator, TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -42,8 +44,10 @@ from starlette.types import Receive, Scope, Send
 
 from engine_adapters.base import Instance
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_body
-from fleetcore.types import Candidate, FleetView, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
+from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
+from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
@@ -52,7 +56,6 @@ from gateway.fleet_state import FleetState
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
 from gateway.shutdown import Shutdown
-from tokenpilot.policy import InstanceRouter
 
 log = logging.getLogger("tokenfleet.gateway")
 T = TypeVar("T")
@@ -60,11 +63,6 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 2  # the first try plus one retry elsewhere
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 _ERROR_SNIPPET = 300
-
-
-class SiteChooser(Protocol):
-    def choose(self, profile: RequestProfile, view: FleetView, now: float,
-               exclude_instances: Collection[str] = ()) -> SiteDecision: ...
 
 
 class ClientGone(Exception):
@@ -444,29 +442,22 @@ class Relay:
         if self.admission is not None:
             self.admission.attempt_ended(outcome)  # the policy hears the final one, at release
         for policy in (self.router, self.site_chooser, *self.listeners):
-            observe = getattr(policy, "observe", None)
-            if observe is None:
-                continue
             try:
-                observe(outcome)
+                policy.observe(outcome)
             except Exception:
                 log.exception("%s.observe failed", type(policy).__name__)
 
-    def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int) -> Target | None:
-        view = self.state.view()
-        now = self.clock()
-        site = self.site_chooser.choose(profile, view, now, exclude_instances=excluded)
-        if site.site is None:
-            self.decisions.add(profile, attempt, excluded, site, None)
+    def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int,
+               avoid: Collection[str] = ()) -> Target | None:
+        """Site and instance for this attempt (`fleetmind.place`); every try goes to the decision log."""
+        choice: Choice = place(profile, self.state.view(), self.clock(), self.site_chooser, self.router,
+                               exclude=excluded, avoid=avoid)
+        for t in choice.tries():
+            self.decisions.add(profile, attempt, t.excluded, t.site, t.route)
+        st = self.state.get(choice.instance.instance_id) if choice.instance is not None else None
+        if st is None or choice.site.site is None:
             return None
-        pool = tuple(i for i in view.site(site.site).pool(profile.model, profile.model_version)
-                     if i.instance_id not in excluded)
-        route = self.router.route(profile, pool, now)
-        self.decisions.add(profile, attempt, excluded, site, route)
-        st = self.state.get(route.instance_id) if route.instance_id else None
-        if st is None or route.instance_id not in {i.instance_id for i in pool}:
-            return None
-        return Target(site.site, st.instance, route)
+        return Target(choice.site.site, st.instance, choice.route)
 
     def first_token(self, request_id: str) -> None:
         if self.admission is not None:
@@ -519,9 +510,8 @@ class Relay:
         excluded: list[str] = []
         last: RetryableFailure | None = None
         for attempt in range(MAX_ATTEMPTS):
-            target = self.choose(parsed.profile, [*excluded, *avoid], attempt) if avoid else None
-            if target is None:  # admission's hint to avoid busy instances gives way when it leaves none
-                target = self.choose(parsed.profile, excluded, attempt)
+            # failed attempts are excluded; admission's hint to avoid busy instances gives way when it leaves none
+            target = self.choose(parsed.profile, excluded, attempt, avoid)
             if target is None:
                 if attempt == 0:
                     raise no_ready_instance(parsed.profile.model, self.retry_after_s)

@@ -52,7 +52,7 @@ from .budgets import BudgetBook, TenantBudget
 from .classify import Classification, UnknownClass, classify_profile
 from .config import SLOMaxConfig, from_fleet
 from .controller import Controller, ControllerConfig, Knob, Signals
-from .ledger import GoodputLedger
+from .ledger import GoodputLedger, LedgeredAdmission
 from .predict import Ewma
 from .queues import ClassQueues, Entry, PrefillBudget
 from .valve import EngineValve
@@ -126,10 +126,11 @@ class _Pool:
         return tokens / sp if sp else 0.0
 
 
-class SLOMax:
+class SLOMax(LedgeredAdmission):
     """Class-based admission with tenant budgets, early rejection and goodput feedback."""
 
     name = "slomax"
+    holds_queue = True  # its class queues: it says when each held request may start (`poll`)
 
     def __init__(self, config: SLOMaxConfig | None = None) -> None:
         self.config = config or SLOMaxConfig()

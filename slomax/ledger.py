@@ -19,6 +19,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetcore.policies import Admission
+
 COUNTERS = ("arrived", "admitted", "queued", "rejected", "completed", "met_slo", "cancelled", "failed",
             "retried", "output_tokens", "goodput_tokens")
 REJECT_REASONS = ("budget_tokens", "budget_requests", "budget_concurrency", "slo_unattainable",
@@ -174,3 +176,11 @@ def row(tenant: str, request_class: str, cell: Cell, start: float, end: float) -
 def totals_rows(ledger: GoodputLedger) -> Iterable[tuple[str, str, Cell]]:
     for (tenant, cls), cell in sorted(ledger.totals.items()):
         yield tenant, cls, cell
+
+
+class LedgeredAdmission(Admission):
+    """An admission policy (`fleetcore.policies.Admission`) that books every request it sees in
+    a goodput ledger — what the gateway's goodput report, metrics and placement planner read.
+    SLOMax and FCFS are both, so either serves the gateway and the reports read alike."""
+
+    ledger: GoodputLedger

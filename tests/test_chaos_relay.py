@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from fleetcore.policies import InstanceRouter
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"
 KEY = "sk-test-acme"
@@ -442,7 +444,7 @@ async def test_refused_everywhere_502_names_instances_not_addresses(
     assert no_address(r.text), r.text
 
 
-class _PredictingRouter:
+class _PredictingRouter(InstanceRouter):
     """Lowest instance id first, with a fixed TTFT prediction (what the first-byte deadline scales)."""
 
     name = "predicting"
@@ -455,9 +457,6 @@ class _PredictingRouter:
 
         best = min(c.instance_id for c in candidates)
         return RouteDecision(best, "lowest id", (), predicted_ttft_s=self.predicted_ttft_s)
-
-    def observe(self, outcome: Any) -> None:
-        pass
 
 
 async def _gateway_with(stubs: dict[str, Any], predicted_ttft_s: float, gateway_server: Any, fake_adapter: Any,

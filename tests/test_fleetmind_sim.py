@@ -39,7 +39,7 @@ def test_spill_relieves_the_hot_site_within_policy(tmp_path: Path) -> None:
     path = workload(tmp_path)
     _, home = run(path, "home", 0.5)
     inputs, spill = run(path, "fleetmind", 0.5)
-    s_home, s_spill = summarize_all(home), summarize_all(spill)
+    s_home, s_spill = summarize_all(home, FLEET.admission.slos()), summarize_all(spill, FLEET.admission.slos())
     assert s_spill["ttft_ms"]["p95"] <= 0.5 * s_home["ttft_ms"]["p95"]
     assert s_spill["goodput_tok_s"] > s_home["goodput_tok_s"]
     policies = PolicySet(FLEET.region_policies)

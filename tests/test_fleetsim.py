@@ -10,6 +10,7 @@ import pytest
 
 from engine_adapters.sim.engine import SimEngine, SimRequest
 from fleetcore.fleet_config import FleetConfig, parse_fleet
+from fleetcore.policies import Admission
 from fleetcore.types import FleetView, RequestProfile
 from fleetsim.cli import DEFAULT_SIM_FLEET, main, make_policy
 from fleetsim.simulator import AdmissionDecision, FleetSimulator, HashCache, fleet_instances, prepare
@@ -192,8 +193,8 @@ def test_too_long_prompt_is_rejected_not_crashed() -> None:
     assert res.records[1].status == "completed"
 
 
-class _OneAtATime:
-    """Admission stand-in: queue while anything is in flight, reject tenant 'bad'."""
+class _OneAtATime(Admission):
+    """Admission stand-in (the simulator's FIFO mode): queue while anything is in flight, reject tenant 'bad'."""
 
     def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision:
         if profile.tenant == "bad":
@@ -225,26 +226,6 @@ def test_simulate_subcommand_plugs_into_a_parent_parser() -> None:
     assert args.func is run_simulate
     assert (args.trace, args.policy, args.rate_scale, args.max_requests, args.seed) == ("t.jsonl", "random", 2.5, 10, 7)
     assert args.trace_format == "auto" and args.fleet is None and args.timeout is None
-
-
-def test_plot_draws_a_png_or_says_matplotlib_is_missing(tmp_path, capsys) -> None:
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 600, "output_length": 4,
-                                         "hash_ids": [0, i + 1]}) + "\n" for i in range(5)))
-    fleet = tmp_path / "f.yaml"
-    fleet.write_text(json.dumps({
-        "sites": [{"name": "s1", "region": "r", "jurisdiction": "j"}],
-        "models": [{"name": "m", "engine": {"spec": "llama-3.1-8b"}}],
-        "deployments": [{"site": "s1", "model": "m", "instances": 2, "gpu": "H100"}]}))
-    png = tmp_path / "cdf.png"
-    rc = main(["--trace", str(trace), "--fleet", str(fleet), "--policy", "round_robin,least_loaded",
-               "--plot", str(png), "--no-progress"])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert rc == 2 and "pip install matplotlib" in capsys.readouterr().err
-    else:
-        assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 class _Recorder(RoundRobin):

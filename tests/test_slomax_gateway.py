@@ -15,7 +15,7 @@ import pytest
 
 from fleetcore.fleet_config import FleetConfig, parse_fleet
 from gateway.app import create_app
-from slomax import SLOMax, from_fleet
+from slomax import LedgeredAdmission, SLOMax, from_fleet
 from slomax.config import Knobs
 
 CHAT = "/v1/chat/completions"
@@ -216,7 +216,7 @@ async def test_fcfs_in_the_fleet_file_admits_everything_and_still_reports(start)
     assert status == 200 and body["policy"] == "fcfs" and body["rows"][0]["completed"] == 3
 
 
-class _Avoiding:
+class _Avoiding(LedgeredAdmission):
     """A stand-in policy: admits everything, asking to avoid instance i0."""
 
     name = "avoiding"
