@@ -306,7 +306,9 @@ async def test_kv_subscriber_drops_oldest_with_gap_flag() -> None:
         ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, 400),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 129}, 400),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+            ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400),
     ],
 )

@@ -27,6 +27,8 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # The fake EOS id reported by /generate's finish_reason {"type": "stop", "matched": id}.
 EOS_TOKEN_ID = 2
 _MAX_TOKEN_ID = 1 << 32  # block hashing packs ids as uint32
+MAX_N = 128  # OpenAI's limit on `n`
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI: 20 for chat, 5 for completions)
 
 
 class ApiError(Exception):
@@ -203,10 +205,23 @@ class GenRequest:
     response_id: str  # id in the response body
     model: str
     prompt_ids: list[int]
-    plan: OutputPlan
+    plan: OutputPlan  # choice 0's plan (the only one for n=1 and /generate)
     stream: bool
     include_usage: bool
     created: int
+    # One plan per choice (`n`); choice i > 0 is seeded with the client's seed + i, so each
+    # choice is deterministic and choice 0 is what the same request with n=1 answers.
+    plans: tuple[OutputPlan, ...] = ()
+    # Top alternatives per token when the client asked for logprobs (0: the chosen token's
+    # logprob only); None: no logprobs.
+    logprobs: int | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.plans) or 1
+
+    def choice_plans(self) -> tuple[OutputPlan, ...]:
+        return self.plans or (self.plan,)
 
 
 def new_request_id() -> str:
@@ -227,9 +242,10 @@ def parse_openai(kind: str, body: Mapping[str, Any], served_model: str, max_mode
     else:
         ids = completion_prompt_ids(body)
         max_tokens = _opt_int(body, "max_tokens", 1)
-    n = _opt_int(body, "n", 1)
-    if n is not None and n != 1:
-        raise bad_request("only n=1 is supported", "n")
+    n = _opt_int(body, "n", 1) or 1
+    if n > MAX_N:
+        raise bad_request(f"`n` must be at most {MAX_N}, got {n}", "n")
+    logprobs = _logprobs_request(kind, body)
     stream = _opt_bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -239,11 +255,32 @@ def parse_openai(kind: str, body: Mapping[str, Any], served_model: str, max_mode
     include_usage = bool(opts and opts.get("include_usage"))
     seed = _opt_int(body, "seed", -(1 << 63))
     seed = default_seed if seed is None else seed
-    plan = plan_output(ids, max_model_len, max_tokens, _opt_int(body, "min_tokens", 0) or 0,
-                       _opt_bool(body, "ignore_eos"), seed)
+    min_toks, ignore_eos = _opt_int(body, "min_tokens", 0) or 0, _opt_bool(body, "ignore_eos")
+    plans = tuple(plan_output(ids, max_model_len, max_tokens, min_toks, ignore_eos, seed + i) for i in range(n))
     rid = request_id or new_request_id()
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    return GenRequest(kind, rid, prefix + rid, served_model, ids, plan, stream, include_usage, int(time.time()))
+    return GenRequest(kind, rid, prefix + rid, served_model, ids, plans[0], stream, include_usage,
+                      int(time.time()), plans, logprobs)
+
+
+def _logprobs_request(kind: str, body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs: bool` + `top_logprobs` (0..20); completions: `logprobs: int` (0..MAX)."""
+    if kind == "chat":
+        top = _opt_int(body, "top_logprobs", 0)
+        if top is not None and top > MAX_TOP_LOGPROBS:
+            raise bad_request(f"`top_logprobs` must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if not _opt_bool(body, "logprobs"):
+            if top is not None:
+                raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
+            return None
+        return top or 0
+    v = body.get("logprobs")
+    if v is None or v is False:
+        return None
+    k = _opt_int(body, "logprobs", 0)
+    if k is not None and k > MAX_TOP_LOGPROBS:
+        raise bad_request(f"`logprobs` must be at most {MAX_TOP_LOGPROBS}", "logprobs")
+    return k
 
 
 def parse_generate(body: Mapping[str, Any], served_model: str, max_model_len: int,
@@ -283,40 +320,113 @@ def sse(obj: Mapping[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def _lp_hash(seed: int, i: int, k: int) -> int:
+    return xxhash.xxh64_intdigest(f"{i}:{k}".encode(), seed=seed & 0xFFFFFFFFFFFFFFFF)
+
+
+def token_logprobs(seed: int, start: int, texts: list[str], top: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Deterministic logprobs of output tokens start.. (their texts given): per token
+    (text, logprob, top alternatives). The chosen token leads its own top list (the most
+    likely token, as at temperature 0) and alternatives are strictly less likely, so the
+    values are well-formed: all <= 0, tops sorted, no duplicate tokens."""
+    out: list[tuple[str, float, list[tuple[str, float]]]] = []
+    for j, text in enumerate(texts):
+        i = start + j
+        lp = -(_lp_hash(seed, i, 0) % 4096) / 8192.0  # in (-0.5, 0]
+        tops: list[tuple[str, float]] = [(text, lp)] if top > 0 else []
+        seen, k = {text}, 0
+        while len(tops) < top and k < 4 * top + 8:
+            k += 1
+            alt = pseudo_word(seed ^ _lp_hash(seed, i, k), i)
+            if alt in seen:
+                continue
+            seen.add(alt)
+            tops.append((alt, tops[-1][1] - 0.5 - (_lp_hash(seed, i, k) % 1024) / 2048.0))
+        out.append((text, lp, tops))
+    return out
+
+
+def _entry(token: str, lp: float) -> dict[str, Any]:
+    return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(items: list[tuple[str, float, list[tuple[str, float]]]]) -> dict[str, Any]:
+    """OpenAI chat `choices[].logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
+    return {"content": [{**_entry(t, lp), "top_logprobs": [_entry(a, alp) for a, alp in tops]}
+                        for t, lp, tops in items], "refusal": None}
+
+
+def completion_logprobs(items: list[tuple[str, float, list[tuple[str, float]]]], offset: int) -> dict[str, Any]:
+    """OpenAI completions `choices[].logprobs`: parallel lists; text_offset counts from `offset`."""
+    offsets: list[int] = []
+    for t, _, _ in items:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": [t for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
+            "top_logprobs": [dict(tops) for _, _, tops in items], "text_offset": offsets}
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOut:
+    """One finished choice of a whole (non-stream) answer."""
+
+    text: str
+    reason: str
+    seed: int = 0  # its output seed, for logprobs
+    tokens: int = 0
+
+
+def _choice_texts(seed: int, count: int, chat: bool) -> list[str]:
+    """The output's tokens one by one (they concatenate to the choice's text)."""
+    return [output_text(seed, i, 1, lstrip_first=chat) for i in range(count)]
+
+
 class ChatWire:
     """chat.completion / chat.completion.chunk."""
 
     def __init__(self, req: GenRequest) -> None:
         self.req = req
         self._usage_null = req.include_usage  # OpenAI: every chunk has "usage": null then
+        self._pos = [0] * req.n  # tokens streamed so far, per choice
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         out = {"id": self.req.response_id, "object": "chat.completion.chunk", "created": self.req.created,
                "model": self.req.model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+               "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
         if self._usage_null:
             out["usage"] = None
         return out
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+        return [self._chunk({"role": "assistant", "content": ""}, None, i) for i in range(self.req.n)]
 
-    def delta(self, text: str, n_tokens: int = 1) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
+    def delta(self, text: str, n_tokens: int = 1, index: int = 0) -> dict[str, Any]:
+        lp = None
+        if self.req.logprobs is not None:
+            seed = self.req.choice_plans()[index].seed
+            lp = chat_logprobs(token_logprobs(seed, self._pos[index], [text], self.req.logprobs))
+        self._pos[index] += n_tokens
+        return self._chunk({"content": text}, None, index, lp)
 
-    def finish(self, reason: str, cached: int = 0, e2e: float | None = None) -> dict[str, Any]:
-        return self._chunk({}, reason)
+    def finish(self, reason: str, cached: int = 0, e2e: float | None = None, index: int = 0) -> dict[str, Any]:
+        return self._chunk({}, reason, index)
 
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.req.response_id, "object": "chat.completion.chunk", "created": self.req.created,
                 "model": self.req.model, "choices": [], "usage": u}
 
-    def full(self, text: str, reason: str, u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]:
+    def full(self, choices: list[ChoiceOut], u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            lp = None
+            if self.req.logprobs is not None:
+                texts = _choice_texts(c.seed, c.tokens, True)
+                lp = chat_logprobs(token_logprobs(c.seed, 0, texts, self.req.logprobs))
+            out.append({"index": i, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                        "logprobs": lp, "finish_reason": c.reason, "stop_reason": None})
         return {"id": self.req.response_id, "object": "chat.completion", "created": self.req.created,
-                "model": self.req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                             "logprobs": None, "finish_reason": reason, "stop_reason": None}],
-                "usage": u}
+                "model": self.req.model, "choices": out, "usage": u}
 
 
 class CompletionWire:
@@ -325,11 +435,14 @@ class CompletionWire:
     def __init__(self, req: GenRequest) -> None:
         self.req = req
         self._usage_null = req.include_usage
+        self._pos = [0] * req.n
+        self._offset = [0] * req.n  # characters streamed so far, per choice (text_offset)
 
-    def _chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(self, text: str, finish_reason: str | None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         out = {"id": self.req.response_id, "object": "text_completion", "created": self.req.created,
                "model": self.req.model,
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+               "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
         if self._usage_null:
             out["usage"] = None
         return out
@@ -337,22 +450,34 @@ class CompletionWire:
     def start(self) -> list[dict[str, Any]]:
         return []
 
-    def delta(self, text: str, n_tokens: int = 1) -> dict[str, Any]:
-        return self._chunk(text, None)
+    def delta(self, text: str, n_tokens: int = 1, index: int = 0) -> dict[str, Any]:
+        lp = None
+        if self.req.logprobs is not None:
+            seed = self.req.choice_plans()[index].seed
+            lp = completion_logprobs(token_logprobs(seed, self._pos[index], [text], self.req.logprobs),
+                                     self._offset[index])
+        self._pos[index] += n_tokens
+        self._offset[index] += len(text)
+        return self._chunk(text, None, index, lp)
 
-    def finish(self, reason: str, cached: int = 0, e2e: float | None = None) -> dict[str, Any]:
-        return self._chunk("", reason)
+    def finish(self, reason: str, cached: int = 0, e2e: float | None = None, index: int = 0) -> dict[str, Any]:
+        return self._chunk("", reason, index)
 
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.req.response_id, "object": "text_completion", "created": self.req.created,
                 "model": self.req.model, "choices": [], "usage": u}
 
-    def full(self, text: str, reason: str, u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]:
+    def full(self, choices: list[ChoiceOut], u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            lp = None
+            if self.req.logprobs is not None:
+                texts = _choice_texts(c.seed, c.tokens, False)
+                lp = completion_logprobs(token_logprobs(c.seed, 0, texts, self.req.logprobs), 0)
+            out.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.reason,
+                        "stop_reason": None})
         return {"id": self.req.response_id, "object": "text_completion", "created": self.req.created,
-                "model": self.req.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
-                             "stop_reason": None}],
-                "usage": u}
+                "model": self.req.model, "choices": out, "usage": u}
 
 
 class GenerateWire:
@@ -386,15 +511,16 @@ class GenerateWire:
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
-    def delta(self, text: str, n_tokens: int = 1) -> dict[str, Any]:
+    def delta(self, text: str, n_tokens: int = 1, index: int = 0) -> dict[str, Any]:
         self._text += text
         self._n += n_tokens
         return {"text": self._text, "meta_info": self._meta(None)}
 
-    def finish(self, reason: str, cached: int = 0, e2e: float | None = None) -> dict[str, Any]:
+    def finish(self, reason: str, cached: int = 0, e2e: float | None = None, index: int = 0) -> dict[str, Any]:
         return {"text": self._text, "meta_info": self._meta(reason, cached, e2e)}
 
-    def full(self, text: str, reason: str, u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]:
+    def full(self, choices: list[ChoiceOut], u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]:
+        text, reason = choices[0].text, choices[0].reason
         self._text = text
         self._n = u["completion_tokens"]
         return {"text": text, "meta_info": self._meta(reason, u["prompt_tokens_details"]["cached_tokens"], e2e)}

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -32,13 +33,14 @@ from prometheus_client import disable_created_metrics
 from fleetcore import hardware
 from fleetcore.prefix import block_hashes
 
-from .driver import DriverStopped, EngineDriver, RequestAborted, RequestStream
+from .driver import DriverStopped, EngineDriver, RequestAborted, RequestStream, TokenUpdate
 from .engine import EngineConfig, SimEngine
 from .metrics import CONTENT_TYPE_LATEST, SimMetrics
 from .openai_wire import (
     SSE_DONE,
     ApiError,
     ChatWire,
+    ChoiceOut,
     CompletionWire,
     GenerateWire,
     GenRequest,
@@ -89,10 +91,10 @@ class WorkerConfig:
 
 class Wire(Protocol):
     def start(self) -> list[dict[str, Any]]: ...
-    def delta(self, text: str, n_tokens: int = 1) -> dict[str, Any]: ...
-    def finish(self, reason: str, cached: int = 0, e2e: float | None = None) -> dict[str, Any]: ...
+    def delta(self, text: str, n_tokens: int = 1, index: int = 0) -> dict[str, Any]: ...
+    def finish(self, reason: str, cached: int = 0, e2e: float | None = None, index: int = 0) -> dict[str, Any]: ...
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any] | None: ...
-    def full(self, text: str, reason: str, u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]: ...
+    def full(self, choices: list[ChoiceOut], u: dict[str, Any], e2e: float | None = None) -> dict[str, Any]: ...
 
 
 def _wire_for(req: GenRequest) -> Wire:
@@ -224,47 +226,63 @@ class SimWorker:
         rid = request.headers.get("X-Request-Id", "").strip()
         return rid or None
 
-    def _submit(self, req: GenRequest) -> RequestStream:
+    def _submit(self, req: GenRequest) -> list[RequestStream]:
+        """One engine sequence per choice (as vLLM runs `n`): they share the prompt, so the
+        prefix cache serves the copies; choice 0 keeps the request id (abort, tracing)."""
         if self.loading:
             raise ApiError(503, "The engine is still loading its model.", "ServiceUnavailableError")
         hashes = block_hashes(req.prompt_ids, self.config.block_size)
+        streams: list[RequestStream] = []
         try:
-            return self.driver.submit(req.request_id, len(req.prompt_ids), hashes, req.plan.output_len,
-                                      req.plan.finish_reason)
+            for i, plan in enumerate(req.choice_plans()):
+                rid = req.request_id if i == 0 else f"{req.request_id}.{i}"
+                streams.append(self.driver.submit(rid, len(req.prompt_ids), hashes, plan.output_len,
+                                                  plan.finish_reason))
         except ValueError as exc:  # duplicate id, or too long for this engine
+            for st in streams:
+                self.driver.abort(st.request_id)
             raise bad_request(str(exc)) from None
+        return streams
 
     async def _serve(self, request: web.Request, req: GenRequest) -> web.StreamResponse:
-        stream = self._submit(req)
+        streams = self._submit(req)
         headers = {"X-Request-Id": req.request_id}
-        # `async with`: a cancelled handler (client gone) aborts the engine request.
-        async with stream:
+        # The exit stack closes every choice's stream: a cancelled handler (client gone)
+        # aborts all of them in the engine.
+        async with contextlib.AsyncExitStack() as stack:
+            for st in streams:
+                await stack.enter_async_context(st)
             if req.stream:
-                return await self._serve_stream(request, req, stream, headers)
-            return await self._serve_full(req, stream, headers)
+                return await self._serve_stream(request, req, streams, headers)
+            return await self._serve_full(req, streams, headers)
 
-    async def _serve_full(self, req: GenRequest, stream: RequestStream,
+    async def _serve_full(self, req: GenRequest, streams: list[RequestStream],
                           headers: dict[str, str]) -> web.Response:
-        n = cached = 0
-        last_t = stream.arrival
-        reason = req.plan.finish_reason
+        plans = req.choice_plans()
+        counts = [0] * len(streams)
+        reasons = [p.finish_reason for p in plans]
+        cached = 0
+        last_t = streams[0].arrival
         try:
-            async for upd in stream:
-                if upd.first_token:
+            async for i, upd in _merged(streams):
+                if isinstance(upd, RequestAborted):
+                    reasons[i] = "abort"  # aborted via /abort_request: answer what was generated so far
+                    continue
+                if upd.first_token and i == 0:
                     cached = upd.cached_tokens
-                n += upd.new_tokens
-                last_t = upd.time
+                counts[i] += upd.new_tokens
+                last_t = max(last_t, upd.time)
         except DriverStopped as exc:
             return _error_response(ApiError(503, str(exc), "ServiceUnavailableError"), headers)
-        except RequestAborted:
-            reason = "abort"  # aborted via /abort_request: answer what was generated so far
-        u = usage(len(req.prompt_ids), n, cached)
+        u = usage(len(req.prompt_ids), sum(counts), cached)
         wire = _wire_for(req)
-        text = output_text(req.plan.seed, 0, n, lstrip_first=req.kind == "chat")
-        body = wire.full(text, reason, u, last_t - stream.arrival)
+        chat = req.kind == "chat"
+        choices = [ChoiceOut(output_text(p.seed, 0, c, lstrip_first=chat), r, p.seed, c)
+                   for p, c, r in zip(plans, counts, reasons)]
+        body = wire.full(choices, u, last_t - streams[0].arrival)
         return web.json_response(body, headers=headers)
 
-    async def _serve_stream(self, request: web.Request, req: GenRequest, stream: RequestStream,
+    async def _serve_stream(self, request: web.Request, req: GenRequest, streams: list[RequestStream],
                             headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -275,27 +293,31 @@ class SimWorker:
             buf += sse(chunk)
         if buf:
             await resp.write(bytes(buf))
-        n = cached = 0
-        seed = req.plan.seed
+        plans = req.choice_plans()
+        counts = [0] * len(streams)
+        cached = 0
         chat = req.kind == "chat"
-        last_t = stream.arrival
+        arrival = streams[0].arrival
+        last_t = arrival
         try:
-            async for upd in stream:
+            async for batch in _merged_batches(streams):
                 buf = bytearray()
-                # Drain whatever else is already delivered: one write per wake-up.
-                for u in [upd, *stream.pending()]:
-                    if u.first_token:
+                # Whatever is already delivered goes out in one write per wake-up.
+                for i, u in batch:
+                    if isinstance(u, RequestAborted):
+                        buf += sse(wire.finish("abort", cached, last_t - arrival, index=i))
+                        continue
+                    if u.first_token and i == 0:
                         cached = u.cached_tokens
-                    last_t = u.time
+                    last_t = max(last_t, u.time)
                     for _ in range(u.new_tokens):  # one chunk per token, as engines stream
-                        buf += sse(wire.delta(output_text(seed, n, 1, lstrip_first=chat)))
-                        n += 1
+                        buf += sse(wire.delta(output_text(plans[i].seed, counts[i], 1, lstrip_first=chat),
+                                              index=i))
+                        counts[i] += 1
                     if u.finished:
-                        buf += self._stream_tail(req, wire, req.plan.finish_reason, n, cached,
-                                                 u.time - stream.arrival)
+                        buf += sse(wire.finish(plans[i].finish_reason, cached, u.time - arrival, index=i))
                 await resp.write(bytes(buf))
-        except RequestAborted:
-            await resp.write(self._stream_tail(req, wire, "abort", n, cached, last_t - stream.arrival))
+            await resp.write(self._stream_tail(req, wire, sum(counts), cached))
         except DriverStopped as exc:
             # Principle 5: a stream that cannot finish ends with an error event, not silence.
             await resp.write(sse(ApiError(503, str(exc), "ServiceUnavailableError").body()) + SSE_DONE)
@@ -303,9 +325,9 @@ class SimWorker:
         return resp
 
     @staticmethod
-    def _stream_tail(req: GenRequest, wire: Wire, reason: str, n: int, cached: int, e2e: float) -> bytes:
-        """Finish chunk, usage chunk (when asked for) and [DONE]."""
-        buf = bytearray(sse(wire.finish(reason, cached, e2e)))
+    def _stream_tail(req: GenRequest, wire: Wire, n: int, cached: int) -> bytes:
+        """Usage chunk (when asked for) and [DONE], after every choice's finish chunk."""
+        buf = bytearray()
         if req.include_usage:
             chunk = wire.usage_chunk(usage(len(req.prompt_ids), n, cached))
             if chunk is not None:
@@ -321,6 +343,10 @@ class SimWorker:
         if not isinstance(rid, str) or not rid:
             raise bad_request("`rid` is required", "rid")
         ok = self.driver.abort(rid)
+        # The request's other choices (n > 1) run as `rid.1`, `rid.2`...: they end with it.
+        for other in self.driver.in_flight():
+            if other.startswith(rid + "."):
+                ok = self.driver.abort(other) or ok
         if not ok:
             # Accept the response id too (cmpl-/chatcmpl- prefix + engine id).
             for prefix in ("chatcmpl-", "cmpl-"):
@@ -475,6 +501,62 @@ class SimWorker:
 
 
 WORKER_KEY = web.AppKey("tokenfleet_sim_worker", SimWorker)
+
+Update = TokenUpdate | RequestAborted
+
+
+async def _merged_batches(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, Update]]]:
+    """The choices' updates as they come, batched per wake-up: (choice index, update), where an
+    update is a RequestAborted when that choice was aborted (it ends that choice only).
+    DriverStopped ends everything. One stream (n=1) is read directly: no task per request."""
+    if len(streams) == 1:
+        st = streams[0]
+        try:
+            async for upd in st:
+                yield [(0, u) for u in [upd, *st.pending()]]
+        except RequestAborted as exc:
+            yield [(0, exc)]
+        return
+    queue: asyncio.Queue[tuple[int, Update | DriverStopped | None]] = asyncio.Queue()
+
+    async def pump(i: int, st: RequestStream) -> None:
+        try:
+            async for upd in st:
+                for u in [upd, *st.pending()]:
+                    queue.put_nowait((i, u))
+        except (RequestAborted, DriverStopped) as exc:
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    open_ = len(streams)
+    try:
+        while open_:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch: list[tuple[int, Update]] = []
+            for i, item in items:
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, DriverStopped):
+                    raise item
+                else:
+                    batch.append((i, item))
+            if batch:
+                yield batch
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
+    async for batch in _merged_batches(streams):
+        for item in batch:
+            yield item
 
 
 # -- running it -----------------------------------------------------------------------
