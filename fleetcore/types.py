@@ -25,6 +25,7 @@ class RequestProfile:
     block_hashes: tuple[int, ...] = ()
     block_size: int = 16
     max_tokens: int | None = None  # a constraint on output length, not a prediction of it
+    n: int = 1  # choices asked for: each may produce up to max_tokens (budgets charge n x max_tokens)
     model_version: str | None = None  # None: any ready version
     tenant: str = "anonymous"
     request_class: str | None = None  # None until admission classifies it

@@ -32,7 +32,7 @@ _SAMPLING: dict[str, Any] = {
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 128},
     "seed": {"type": "integer"},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "user": {"type": "string"},

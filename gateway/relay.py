@@ -239,7 +239,9 @@ class Dispatch:
         arrival = self.parsed.profile.arrival
         counts, out_tokens = self.stats.counts(), self.stats.output_tokens()
         first, last = self.stats.first_token_at, self.stats.last_token_at
-        tpot = (last - first) / (out_tokens - 1) if first is not None and last is not None and out_tokens > 1 else None
+        # n choices decode side by side: time per output token is per sequence, not per token summed
+        per_seq = out_tokens / max(1, self.parsed.profile.n)
+        tpot = (last - first) / (per_seq - 1) if first is not None and last is not None and per_seq > 1 else None
         return RequestOutcome(
             request_id=self.parsed.profile.request_id, instance_id=self.iid, site=self.target.site,
             ok=ok, prompt_tokens=counts.prompt_tokens or self.parsed.profile.prompt_tokens,

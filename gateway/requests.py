@@ -3,7 +3,9 @@
 Validation is deliberately about what the gateway needs to route safely and
 what would otherwise surface as an opaque engine error; every unknown field is
 left in the body and forwarded untouched (engines take extras such as
-`ignore_eos`). Every failure is a 400 naming the offending `param`.
+`ignore_eos`), except OpenAI fields the gateway cannot honour (`gateway.openai_fields`:
+refused, never silently dropped). `n` and `logprobs` are validated and forwarded. Every
+failure is a 400 naming the offending `param`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fleetcore.types import RequestProfile
 from gateway.auth import Caller
 from gateway.errors import bad_request, context_length_exceeded, model_not_found
 from gateway.json_body import parse_json_object
+from gateway.openai_fields import check_logprobs, check_unsupported, choice_count
 
 Kind = Literal["chat", "completion"]
 
@@ -75,7 +78,10 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
     body = parse_json_object(raw, max_depth=config.gateway.max_json_depth, max_values=json_value_cap(config))
     model_cfg, version = resolve_model(body.get("model"), config)
     stream, include_usage = _stream_flags(body)
+    check_unsupported(body, kind)
     _check_sampling(body)
+    check_logprobs(body, kind)
+    n = choice_count(body)
     max_tokens = _output_budget(body, kind)
     tok = tokenizers.get(model_cfg.name) if tokenizers else None
     output = max_tokens if max_tokens is not None else 1  # the engine needs room for >= 1 token
@@ -92,7 +98,7 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
     profile = RequestProfile(
         request_id=request_id, model=model_cfg.name, prompt_tokens=len(ids),
         block_hashes=tuple(block_hashes(ids, block_size)), block_size=block_size,
-        max_tokens=max_tokens, model_version=version, tenant=caller.tenant,
+        max_tokens=max_tokens, n=n, model_version=version, tenant=caller.tenant,
         task_type=headers.get(TASK_TYPE_HEADER) or None, stream=stream,
         client_region=resolve_region(headers.get(REGION_HEADER), caller, config), arrival=now,
         request_class=requested_class(headers, body, config))
@@ -176,9 +182,6 @@ def _check_sampling(body: Mapping[str, Any]) -> None:
     _check_number(body, "top_p", lambda x: 0.0 < x <= 1.0, "a number in (0, 1]")
     _check_number(body, "presence_penalty", lambda x: -2.0 <= x <= 2.0, "a number between -2 and 2")
     _check_number(body, "frequency_penalty", lambda x: -2.0 <= x <= 2.0, "a number between -2 and 2")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_request(f"Only n=1 is supported; got {n!r}.", "n")
     if body.get("seed") is not None and not _is_int(body["seed"]):
         raise bad_request("`seed` must be an integer.", "seed")
     _check_stop(body.get("stop"))

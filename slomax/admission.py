@@ -253,6 +253,7 @@ class SLOMax(LedgeredAdmission):
         self.ledger.arrived(tenant.name, cls, arrival)
         budget = self.budgets.get(tenant.name, now)
         out_budget = profile.max_tokens if profile.max_tokens is not None else cfg.knobs.default_output_tokens
+        out_budget *= profile.n  # every choice may use the whole output budget; the prompt is shared
         tokens = profile.prompt_tokens + out_budget
         verdict = budget.check(tokens, now)
         if not verdict.ok:

@@ -242,6 +242,11 @@ def parse_openai(kind: str, body: Mapping[str, Any], served_model: str, max_mode
     else:
         ids = completion_prompt_ids(body)
         max_tokens = _opt_int(body, "max_tokens", 1)
+        # Not implemented here: refused, never silently ignored.
+        if _opt_bool(body, "echo"):
+            raise bad_request("`echo` is not supported by the simulated engine", "echo")
+        if body.get("suffix") is not None:
+            raise bad_request("`suffix` is not supported by the simulated engine", "suffix")
     n = _opt_int(body, "n", 1) or 1
     if n > MAX_N:
         raise bad_request(f"`n` must be at most {MAX_N}, got {n}", "n")

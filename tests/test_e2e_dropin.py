@@ -1,0 +1,143 @@
+"""A real drop-in (issue 18): the `openai` SDK against a gateway on uvicorn over sim worker processes.
+
+n choices and logprobs pass through and are accounted (usage, goodput ledger, budgets);
+fields the gateway cannot honour are a 400 naming them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from engine_adapters.registry import build_adapters, launch_all, stop_all
+from fleetcore.fleet_config import load_fleet_file
+from tests.servers import serve_app
+
+FLEET_FILE = Path(__file__).with_name("fleet_dropin.yaml")
+KEY = "sk-dropin-acme"
+ADMIN = "sk-dropin-admin"
+MODEL = "llama-3.1-8b"
+MSGS = [{"role": "user", "content": "Give me a few options."}]
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@dataclass
+class Fleet:
+    url: str
+    app: Any
+
+    def client(self, key: str = KEY) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+    async def get(self, path: str, key: str = ADMIN) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=10) as c:
+            return await c.get(f"{self.url}{path}", headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet() -> AsyncIterator[Fleet]:
+    from gateway.app import create_app
+
+    config = load_fleet_file(FLEET_FILE)
+    adapters = build_adapters(config)
+    await launch_all(adapters)
+    try:
+        app = create_app(config, adapters, poll_interval_s=0.2)
+        async with serve_app(app) as url:
+            yield Fleet(url, app)
+    finally:
+        await stop_all(adapters)
+
+
+# --- 1. n, logprobs, unsupported fields ---
+
+async def test_chat_n_choices_non_stream(fleet: Fleet) -> None:
+    r = await fleet.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=30, n=3, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content or "" for c in r.choices]
+    assert len(set(texts)) == 3 and all(texts)
+    assert r.usage is not None and r.usage.completion_tokens == sum(len(t.split()) for t in texts)
+    again = await fleet.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=30, n=3, seed=7)
+    assert [c.message.content for c in again.choices] == texts  # deterministic
+
+
+async def test_chat_n_choices_stream(fleet: Fleet) -> None:
+    stream = await fleet.client().chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=15, n=2, stream=True, stream_options={"include_usage": True})
+    parts: dict[int, list[str]] = {0: [], 1: []}
+    finish: dict[int, str] = {}
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            parts[c.index].append(c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert set(finish) == {0, 1}
+    assert usage is not None
+    assert usage.completion_tokens == sum(1 for p in parts.values() for t in p if t)
+
+
+async def test_n_choices_count_in_the_goodput_ledger(fleet: Fleet) -> None:
+    key = "sk-dropin-counted"
+    r = await fleet.client(key).completions.create(model=MODEL, prompt="List three colours", max_tokens=20, n=4)
+    assert r.usage is not None and len(r.choices) == 4
+    report = (await fleet.get("/v1/reports/goodput?tenant=counted")).json()
+    assert report["totals"]["output_tokens"] == r.usage.completion_tokens  # sum over the choices
+
+
+async def test_budget_charges_every_choice(fleet: Fleet) -> None:
+    """tokens_per_minute 1000: 1 x 300 fits, 4 x 300 output budget does not (the prompt is shared)."""
+    client = fleet.client("sk-dropin-tight")
+    ok = await client.completions.create(model=MODEL, prompt="hello", max_tokens=300, n=1)
+    assert ok.choices
+    with pytest.raises(openai.RateLimitError) as e:
+        await client.completions.create(model=MODEL, prompt="hello", max_tokens=300, n=4)
+    assert e.value.response.headers.get("retry-after")
+
+
+async def test_chat_logprobs_pass_through(fleet: Fleet) -> None:
+    r = await fleet.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8,
+                                                     logprobs=True, top_logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content
+    assert "".join(t.token for t in lp.content) == r.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp.content)
+    stream = await fleet.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8,
+                                                          logprobs=True, top_logprobs=2, stream=True)
+    streamed = [t.token async for chunk in stream for c in chunk.choices if c.logprobs and c.logprobs.content
+                for t in c.logprobs.content]
+    assert streamed == [t.token for t in lp.content]
+
+
+async def test_completion_logprobs_pass_through(fleet: Fleet) -> None:
+    r = await fleet.client().completions.create(model=MODEL, prompt="Count", max_tokens=6, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens and "".join(lp.tokens) == r.choices[0].text
+    assert lp.top_logprobs is not None and all(len(d) == 3 for d in lp.top_logprobs)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"store": True}, "store"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"n": 0}, "n"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+])
+async def test_unsupported_chat_fields_are_a_400_naming_them(fleet: Fleet, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await fleet.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param  # type: ignore[index]
+
+
+async def test_field_the_engine_cannot_serve_is_its_400_not_ignored(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await fleet.client().completions.create(model=MODEL, prompt="x", max_tokens=4, echo=True)
+    assert "echo" in str(e.value)
