@@ -20,6 +20,7 @@ Example (the embedded default is `deploy/local/fleet.yaml`)::
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,6 +73,9 @@ class ModelConfig(_Strict):
     # token ids and KV-event cache keys (see fleetcore.model_tokenizer); default: the
     # local `options.model` of the model's vllm/sglang deployment, if any.
     tokenizer: str | None = None
+    # Models (or aliases) tried in order when this one has no ready instance or admission
+    # refuses it for capacity (503 no_ready_instance / slo_unattainable); never for budgets.
+    fallbacks: list[str] = Field(default_factory=list)
 
     @property
     def default_version(self) -> str:
@@ -228,6 +232,31 @@ class FleetConfig(_Strict):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     admin_api_keys: list[str] = Field(default_factory=list, description="plain admin keys (dev only)")
     admin_api_key_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of admin keys")
+    # Client-facing names: `{alias: model}` (or another alias, or `model@version`).
+    aliases: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_aliases(self) -> FleetConfig:
+        errors = check_aliases(self.aliases, {m.name: m.versions for m in self.models})
+        for m in self.models:
+            for fb in m.fallbacks:
+                target = fb if fb not in self.aliases or errors else self.resolve_alias(fb)
+                name = target.partition("@")[0]
+                if name not in {x.name for x in self.models}:
+                    errors.append(f"model {m.name!r}: fallback {fb!r} is not a model or alias")
+                elif name == m.name:
+                    errors.append(f"model {m.name!r}: falls back to itself ({fb!r})")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    def resolve_alias(self, name: str) -> str:
+        """`name` followed through aliases to `model` or `model@version` (itself when no alias)."""
+        seen: set[str] = set()
+        while name in self.aliases and name not in seen:
+            seen.add(name)
+            name = self.aliases[name]
+        return name
 
     @model_validator(mode="after")
     def _check_admission(self) -> FleetConfig:
@@ -307,6 +336,37 @@ class FleetConfig(_Strict):
 
     def deployment_version(self, d: DeploymentConfig) -> str:
         return d.version or self.model(d.model).default_version
+
+
+_ALIAS_NAME = re.compile(r"^[A-Za-z0-9_.:/-]+$")
+
+
+def check_aliases(aliases: dict[str, str], models: dict[str, list[str]]) -> list[str]:
+    """Every problem with `aliases` (name -> model, model@version or another alias): a name that
+    shadows a model, a target that is neither, a cycle."""
+    errors: list[str] = []
+    for alias, target in aliases.items():
+        if not _ALIAS_NAME.match(alias) or "@" in alias:
+            errors.append(f"aliases: {alias!r} is not a valid model name")
+        if alias in models:
+            errors.append(f"aliases: {alias!r} shadows the model of the same name")
+        if target in aliases:
+            continue  # a chain; checked for cycles below
+        name, sep, version = target.partition("@")
+        if name not in models:
+            errors.append(f"aliases: {alias!r} -> unknown model {target!r} (known: {sorted(models)})")
+        elif sep and version not in models[name]:
+            errors.append(f"aliases: {alias!r} -> model {name!r} has no version {version!r}")
+    for alias in aliases:
+        chain, name = [alias], aliases[alias]
+        while name in aliases:
+            if name in chain:
+                if name == alias and alias == min(chain):  # each cycle once, from its least member
+                    errors.append(f"aliases: cycle {' -> '.join([*chain, name])}")
+                break
+            chain.append(name)
+            name = aliases[name]
+    return errors
 
 
 def hash_api_key(key: str) -> str:

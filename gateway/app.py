@@ -28,6 +28,7 @@ from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
 from gateway.admission_metrics import AdmissionCollector
+from gateway.aliases import alias_entries, serve_with_fallbacks
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
 from gateway.errors import GatewayError, body_too_large, install_handlers
@@ -273,6 +274,7 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
         data = [{"id": m.name, "object": "model", "created": created, "owned_by": "tokenfleet",
                  "versions": sorted(ready[m.name]), "max_model_len": m.engine.max_model_len}
                 for m in ctx.config.models if m.name in ready]
+        data += alias_entries(ctx.config, ready, created)
         return JSONResponse({"object": "list", "data": data})
 
 
@@ -315,14 +317,17 @@ async def _serve(ctx: GatewayContext, request: Request, kind: Kind, path: str) -
         e.headers.setdefault("x-request-id", rid)
         ctx.metrics.answered("", "", "", str(e.status))
         raise
-    return await ctx.relay.handle(request, parsed, path)
+    # A capacity 503 tries the model's fallbacks (`gateway.aliases`), each parsed for its own model.
+    return await serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, path,
+                                      lambda model: _parse(ctx, request, kind, caller, rid, model))
 
 
 async def _parse(ctx: GatewayContext, request: Request, kind: Kind, caller: Caller,
-                 rid: str) -> ParsedRequest:
+                 rid: str, model_override: str | None = None) -> ParsedRequest:
     raw = await request.body()
     args: dict[str, Any] = dict(config=ctx.config, caller=caller, headers=request.headers,
-                                request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers)
+                                request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers,
+                                model_override=model_override)
     if len(raw) > _INLINE_PARSE_BYTES and ctx.tokenize_pool is not None:
         return await ctx.tokenize_pool.run(parse_request, kind, raw, **args)
     return parse_request(kind, raw, **args)

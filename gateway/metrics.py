@@ -46,6 +46,8 @@ class GatewayMetrics:
                                ["model"], registry=r)
         self.upstream_errors = Counter("tokenfleet_upstream_errors", "Upstream failures by kind",
                                        ["instance", "kind"], registry=r)
+        self.fallbacks = Counter("tokenfleet_fallbacks", "Requests served by a fallback model, by why the "
+                                 "requested one could not serve", ["model", "fallback", "reason"], registry=r)
         self.inflight = Gauge("tokenfleet_inflight", "Requests the gateway has in flight per instance",
                               ["instance"], registry=r)
 

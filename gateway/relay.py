@@ -49,6 +49,7 @@ from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_bo
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
+from gateway.aliases import SERVED_MODEL_HEADER, renamed_body, renamed_event
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
                             sse_error_event, upstream_failed, upstream_timeout)
@@ -251,7 +252,7 @@ class Dispatch:
 
     def headers(self) -> dict[str, str]:
         h = {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
-             "x-request-id": self.parsed.profile.request_id}
+             "x-request-id": self.parsed.profile.request_id, SERVED_MODEL_HEADER: self.parsed.profile.model}
         route = self.target.route
         if route is not None:
             # The router's prediction, so operators can compare it with what they saw.
@@ -279,12 +280,14 @@ class RelayStream:
         out: list[bytes] = []
         stats = self.d.stats
         first_seen = stats.first_token_at is not None
+        rename = self.d.parsed.requested_model
         for raw in events:
             if stats.done:
                 break
-            if stats.account(parse_sse_event(raw), self.d.relay.clock()) and not self.include_usage:
+            ev = parse_sse_event(raw)
+            if stats.account(ev, self.d.relay.clock()) and not self.include_usage:
                 continue  # the usage chunk the gateway asked for on its own behalf
-            out.append(raw)
+            out.append(raw if rename is None else renamed_event(raw, ev.obj, rename))
         if not first_seen and self.d.stats.first_token_at is not None:
             self.d.relay.first_token(self.d.parsed.profile.request_id)
         return b"".join(out)
@@ -628,6 +631,8 @@ class Relay:
                                    f"engine instance {d.iid} connection broke while sending its answer") from None
         if status < 400:
             d.stats.usage = usage_of_body(body)
+            if d.parsed.requested_model is not None:
+                body = renamed_body(body, d.parsed.requested_model)
         d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")
         return Response(body, status_code=status, media_type=content_type, headers=d.headers())
 

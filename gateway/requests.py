@@ -44,6 +44,9 @@ class ParsedRequest:
     profile: RequestProfile
     model: ModelConfig
     include_usage: bool  # the client itself asked for the streamed usage chunk
+    # The name the client asked for when it is not the model that serves (an alias, or the
+    # original model of a fallback): responses carry it in `model`.
+    requested_model: str | None = None
 
     @property
     def stream(self) -> bool:
@@ -64,7 +67,8 @@ def json_value_cap(config: FleetConfig) -> int:
 
 def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller,
                   headers: Mapping[str, str], request_id: str, now: float,
-                  tokenizers: Mapping[str, PromptTokenizer] | None = None) -> ParsedRequest:
+                  tokenizers: Mapping[str, PromptTokenizer] | None = None,
+                  model_override: str | None = None) -> ParsedRequest:
     """Validate `raw` and build its profile; raises a 4xx GatewayError on bad input.
 
     `tokenizers` (model name -> the model's own tokenizer) makes prompt token counts and
@@ -76,7 +80,12 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
     "at least N tokens", so a huge prompt costs no more than a fitting one.
     """
     body = parse_json_object(raw, max_depth=config.gateway.max_json_depth, max_values=json_value_cap(config))
+    asked = body.get("model")
+    if model_override is not None:  # a fallback: the same body for another model
+        body["model"] = model_override
     model_cfg, version = resolve_model(body.get("model"), config)
+    requested = asked if isinstance(asked, str) and asked != model_cfg.name and (
+        model_override is not None or asked in config.aliases) else None
     stream, include_usage = _stream_flags(body)
     check_unsupported(body, kind)
     _check_sampling(body)
@@ -102,7 +111,7 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
         task_type=headers.get(TASK_TYPE_HEADER) or None, stream=stream,
         client_region=resolve_region(headers.get(REGION_HEADER), caller, config), arrival=now,
         request_class=requested_class(headers, body, config))
-    return ParsedRequest(kind, body, profile, model_cfg, include_usage)
+    return ParsedRequest(kind, body, profile, model_cfg, include_usage, requested)
 
 
 def requested_class(headers: Mapping[str, str], body: Mapping[str, Any], config: FleetConfig) -> str | None:
@@ -136,7 +145,7 @@ def resolve_model(value: Any, config: FleetConfig) -> tuple[ModelConfig, str | N
         raise bad_request("You must provide a model parameter.", "model")
     if not isinstance(value, str) or not value.strip():
         raise bad_request("`model` must be a non-empty string.", "model")
-    name, sep, version = value.partition("@")
+    name, sep, version = config.resolve_alias(value).partition("@")
     try:
         model_cfg = config.model(name)
     except KeyError:

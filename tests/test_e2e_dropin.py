@@ -141,3 +141,60 @@ async def test_field_the_engine_cannot_serve_is_its_400_not_ignored(fleet: Fleet
     with pytest.raises(openai.BadRequestError) as e:
         await fleet.client().completions.create(model=MODEL, prompt="x", max_tokens=4, echo=True)
     assert "echo" in str(e.value)
+
+
+# --- 2. aliases and fallbacks ---
+
+async def test_alias_keeps_the_requested_name(fleet: Fleet) -> None:
+    raw = await fleet.client().chat.completions.with_raw_response.create(
+        model="quick", messages=MSGS, max_tokens=5)  # quick -> fast -> llama-3.1-8b
+    assert raw.parse().model == "quick"
+    assert raw.headers["x-tokenfleet-served-model"] == MODEL
+    assert "x-tokenfleet-fallback" not in raw.headers
+    stream = await fleet.client().completions.create(model="fast", prompt="hi", max_tokens=4, stream=True)
+    assert {c.model async for c in stream} == {"fast"}
+    ids = {m.id: m for m in (await fleet.client().models.list()).data}
+    assert {"fast", "quick", MODEL} <= set(ids) and "ghost" not in ids
+    assert ids["quick"].model_extra["alias_of"] == MODEL  # type: ignore[index]
+
+
+async def test_unready_model_falls_back_visibly(fleet: Fleet) -> None:
+    before = await _fallbacks(fleet)
+    raw = await fleet.client().chat.completions.with_raw_response.create(model="ghost", messages=MSGS, max_tokens=5)
+    r = raw.parse()
+    assert r.model == "ghost" and r.choices[0].message.content
+    assert raw.headers["x-tokenfleet-fallback"] == MODEL
+    assert raw.headers["x-tokenfleet-served-model"] == MODEL
+    stream = await fleet.client().chat.completions.create(model="ghost", messages=MSGS, max_tokens=5, stream=True)
+    assert [c async for c in stream]
+    assert await _fallbacks(fleet) == before + 2
+
+
+async def test_fallback_is_not_for_budget_rejections(fleet: Fleet) -> None:
+    before = await _fallbacks(fleet)
+    with pytest.raises(openai.RateLimitError):
+        await fleet.client("sk-dropin-tight").completions.create(model="ghost", prompt="x", max_tokens=300, n=8)
+    assert await _fallbacks(fleet) == before
+
+
+async def test_fallback_where_residency_forbids_is_refused(fleet: Fleet) -> None:
+    """euonly may run llama-3.1-8b only in eu sites; it is deployed only in the us: ghost's
+    fallback would break residency, so the request is refused, not served."""
+    before = await _fallbacks(fleet)
+    client = fleet.client("sk-dropin-euonly")
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.chat.completions.create(model="ghost", messages=MSGS, max_tokens=5)
+    assert e.value.status_code == 503
+    assert "x-tokenfleet-fallback" not in e.value.response.headers
+    assert await _fallbacks(fleet) == before
+    with pytest.raises(openai.APIStatusError) as direct:  # the same policy on the model itself
+        await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5)
+    assert direct.value.status_code == 503
+    ok = await fleet.client().chat.completions.create(model="ghost", messages=MSGS, max_tokens=5)
+    assert ok.choices  # another tenant's ghost request does fall back
+
+
+async def _fallbacks(fleet: Fleet) -> float:
+    text = (await fleet.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tokenfleet_fallbacks_total{") and 'model="ghost"' in line)
