@@ -42,6 +42,7 @@ from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
 from gateway.relay import DecisionLog, Relay
+from gateway.responses_api import serve_responses
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from gateway.openapi import chat_body, completion_body
@@ -263,6 +264,10 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
     @app.post("/v1/completions", openapi_extra=completion_body(ctx.config.models[0].name))
     async def completions(request: Request) -> Response:
         return await _serve(ctx, request, "completion", "/v1/completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_responses(ctx, request)  # stateless Responses API over the chat path
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -198,3 +198,78 @@ async def _fallbacks(fleet: Fleet) -> float:
     text = (await fleet.get("/metrics")).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("tokenfleet_fallbacks_total{") and 'model="ghost"' in line)
+
+
+# --- 3. /v1/responses ---
+
+async def test_responses_non_stream(fleet: Fleet) -> None:
+    client = fleet.client()
+    r = await client.responses.create(model=MODEL, input="Describe the fleet.", instructions="Be brief.",
+                                      max_output_tokens=12)
+    assert r.object == "response" and r.model == MODEL and r.status in ("completed", "incomplete")
+    assert r.output_text
+    assert r.usage is not None and 0 < r.usage.output_tokens <= 12 and r.usage.input_tokens > 0
+    # The same conversation as chat gives the same words (deterministic engine, same prompt).
+    chat = await client.chat.completions.create(
+        model=MODEL, max_tokens=12, messages=[{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Describe the fleet."}])
+    assert r.output_text == chat.choices[0].message.content
+
+
+async def test_responses_messages_and_length_cut(fleet: Fleet) -> None:
+    r = await fleet.client().responses.create(
+        model="fast", max_output_tokens=3,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell a long story."}]}])
+    assert r.model == "fast"  # the alias, as asked
+    assert r.status == "incomplete" and r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage is not None and r.usage.output_tokens == 3
+
+
+async def test_responses_stream_events(fleet: Fleet) -> None:
+    client = fleet.client()
+    stream = await client.responses.create(model=MODEL, input="Stream please.", max_output_tokens=16, stream=True)
+    kinds, deltas, final = [], [], None
+    async for ev in stream:
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert final is not None and final.output_text == "".join(deltas)
+    assert final.usage is not None and final.usage.output_tokens == len(deltas)
+    whole = await client.responses.create(model=MODEL, input="Stream please.", max_output_tokens=16)
+    assert whole.output_text == final.output_text
+
+
+async def test_responses_go_through_admission_and_reports(fleet: Fleet) -> None:
+    r = await fleet.client("sk-dropin-resp").responses.create(model=MODEL, input="Count me.", max_output_tokens=9)
+    assert r.usage is not None
+    totals = (await fleet.get("/v1/reports/goodput?tenant=resp")).json()["totals"]
+    assert (totals["completed"], totals["output_tokens"]) == (1, r.usage.output_tokens)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+async def test_responses_stateful_or_unknown_fields_are_a_400(fleet: Fleet, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await fleet.client().responses.create(model=MODEL, input="x", extra_body=extra)
+    assert e.value.body["param"] == param  # type: ignore[index]
+
+
+async def test_responses_bad_input_names_input(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await fleet.client().responses.create(model=MODEL, input=[{"role": "wizard", "content": "x"}])
+    assert e.value.body["param"] == "input[0].role"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        await fleet.client().responses.create(model=MODEL, input=[{"type": "function_call_output",
+                                                                   "call_id": "c", "output": "x"}])
+    assert e.value.body["param"] == "input[0].type"  # type: ignore[index]
