@@ -29,7 +29,8 @@ def build_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str) -> E
                           max_num_batched_tokens=eng.max_num_batched_tokens,
                           max_num_seqs=eng.max_num_seqs,
                           gpu_memory_utilization=eng.gpu_memory_utilization, options=d.options,
-                          restart=restart_policy(config))
+                          restart=restart_policy(config),
+                          embedding_dim=model.embedding_dim if model.kind == "embedding" else None)
     if d.adapter in ("vllm", "sglang"):
         return _build_engine_adapter(config, d, id_prefix, version)
     raise FleetConfigError(f"deployment {id_prefix}: adapter {d.adapter!r} is not available yet")

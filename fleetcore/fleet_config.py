@@ -76,6 +76,19 @@ class ModelConfig(_Strict):
     # Models (or aliases) tried in order when this one has no ready instance or admission
     # refuses it for capacity (503 no_ready_instance / slo_unattainable); never for budgets.
     fallbacks: list[str] = Field(default_factory=list)
+    # `embedding`: served on /v1/embeddings only (and chat/completions never reach it).
+    kind: Literal["chat", "embedding"] = "chat"
+    dimensions: int | None = Field(default=None, gt=0, le=65536, description="embedding size (default 1024)")
+
+    @model_validator(mode="after")
+    def _dimensions_for_embeddings(self) -> ModelConfig:
+        if self.dimensions is not None and self.kind != "embedding":
+            raise ValueError(f"model {self.name!r}: `dimensions` is only for `kind: embedding`")
+        return self
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.dimensions or 1024
 
     @property
     def default_version(self) -> str:
@@ -246,6 +259,9 @@ class FleetConfig(_Strict):
                     errors.append(f"model {m.name!r}: fallback {fb!r} is not a model or alias")
                 elif name == m.name:
                     errors.append(f"model {m.name!r}: falls back to itself ({fb!r})")
+                elif self.model(name).kind != m.kind:
+                    errors.append(f"model {m.name!r}: fallback {fb!r} is a {self.model(name).kind} model, "
+                                  f"not {m.kind}")
         if errors:
             raise ValueError("; ".join(errors))
         return self

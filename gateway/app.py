@@ -41,6 +41,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
+from gateway.embeddings import serve_embeddings
 from gateway.relay import DecisionLog, Relay
 from gateway.responses_api import serve_responses
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
@@ -264,6 +265,10 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
     @app.post("/v1/completions", openapi_extra=completion_body(ctx.config.models[0].name))
     async def completions(request: Request) -> Response:
         return await _serve(ctx, request, "completion", "/v1/completions")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await serve_embeddings(ctx, request)  # models of kind `embedding` only
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

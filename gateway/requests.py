@@ -27,7 +27,7 @@ from gateway.errors import bad_request, context_length_exceeded, model_not_found
 from gateway.json_body import parse_json_object
 from gateway.openai_fields import check_logprobs, check_unsupported, choice_count
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "embedding"]
 
 REGION_HEADER = "x-tokenfleet-region"
 TASK_TYPE_HEADER = "x-tokenfleet-task-type"
@@ -84,6 +84,7 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
     if model_override is not None:  # a fallback: the same body for another model
         body["model"] = model_override
     model_cfg, version = resolve_model(body.get("model"), config)
+    check_model_kind(model_cfg, kind)
     requested = asked if isinstance(asked, str) and asked != model_cfg.name and (
         model_override is not None or asked in config.aliases) else None
     stream, include_usage = _stream_flags(body)
@@ -153,6 +154,14 @@ def resolve_model(value: Any, config: FleetConfig) -> tuple[ModelConfig, str | N
     if sep and version not in model_cfg.versions:
         raise model_not_found(value)
     return model_cfg, (version if sep else None)
+
+
+def check_model_kind(model: ModelConfig, kind: Kind) -> None:
+    """Embedding models serve /v1/embeddings only, chat models everything else: a 400 naming `model`."""
+    if (model.kind == "embedding") != (kind == "embedding"):
+        what = ("an embedding model: use /v1/embeddings" if model.kind == "embedding"
+                else "not an embedding model: use /v1/chat/completions or /v1/completions")
+        raise bad_request(f"The model `{model.name}` is {what}.", "model", code="model_not_supported")
 
 
 def resolve_region(header: str | None, caller: Caller, config: FleetConfig) -> str:

@@ -273,3 +273,57 @@ async def test_responses_bad_input_names_input(fleet: Fleet) -> None:
         await fleet.client().responses.create(model=MODEL, input=[{"type": "function_call_output",
                                                                    "call_id": "c", "output": "x"}])
     assert e.value.body["param"] == "input[0].type"  # type: ignore[index]
+
+
+# --- 4. /v1/embeddings ---
+
+EMBED = "embed-small"
+
+
+async def test_embeddings_deterministic_unit_vectors(fleet: Fleet) -> None:
+    client = fleet.client()
+    r = await client.embeddings.create(model=EMBED, input=["alpha beta", "gamma", "alpha beta"])  # SDK: base64
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == EMBED
+    vecs = [d.embedding for d in r.data]
+    assert all(len(v) == 256 for v in vecs)
+    assert all(abs(sum(x * x for x in v) - 1.0) < 1e-4 for v in vecs)
+    assert vecs[0] == vecs[2] and vecs[0] != vecs[1]
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 0
+    floats = await client.embeddings.create(model=EMBED, input="gamma", encoding_format="float")
+    assert max(abs(a - b) for a, b in zip(floats.data[0].embedding, vecs[1])) < 1e-6  # float32 vs float
+    short = await client.embeddings.create(model=EMBED, input="gamma", dimensions=64, encoding_format="float")
+    v = short.data[0].embedding
+    assert len(v) == 64 and abs(sum(x * x for x in v) - 1.0) < 1e-6
+
+
+async def test_embeddings_are_routed_and_reported(fleet: Fleet) -> None:
+    raw = await fleet.client().embeddings.with_raw_response.create(model=EMBED, input="where did I go")
+    assert raw.headers["x-tokenfleet-served-model"] == EMBED
+    assert raw.headers["x-tokenfleet-instance"].startswith("east/embed-small/")
+
+
+async def test_embedding_and_chat_models_do_not_mix(fleet: Fleet) -> None:
+    client = fleet.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=EMBED, messages=MSGS, max_tokens=4)
+    assert e.value.body["param"] == "model" and "embedding model" in e.value.message  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.embeddings.create(model=MODEL, input="x")
+    assert e.value.body["param"] == "model"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model=EMBED, input="x")
+    assert e.value.body["param"] == "model"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": ["ok", 5]}, "input[1]"),
+    ({"input": "x", "dimensions": 999}, "dimensions"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "word " * 2000}, "input[0]"),
+])
+async def test_bad_embedding_bodies(fleet: Fleet, body: dict[str, Any], param: str) -> None:
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(f"{fleet.url}/v1/embeddings", json={"model": EMBED, **body},
+                         headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -107,3 +107,18 @@ async def test_completion_logprobs_shape(worker: str, http: aiohttp.ClientSessio
         events = await sse_events(resp)
     offsets = [o for e in events[:-1] for ch in e["choices"] if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
     assert offsets == lp["text_offset"]
+
+
+async def test_embedding_worker_serves_only_embeddings(worker: str, http: aiohttp.ClientSession) -> None:
+    status, body = await post(http, worker + "/v1/embeddings", {"model": MODEL, "input": "x"})
+    assert status == 400 and body["error"]["param"] == "model"  # a chat worker
+    runner, url = await start_worker(served_model_name="emb", time_scale=0.02, embedding_dim=32)
+    try:
+        status, body = await post(http, url + "/v1/embeddings", {"model": "emb", "input": [[1, 2, 3], "hi"],
+                                                                  "encoding_format": "float"})
+        assert status == 200 and [len(d["embedding"]) for d in body["data"]] == [32, 32]
+        assert body["usage"]["prompt_tokens"] > 3  # the token ids plus the text's tokens
+        status, body = await post(http, url + CHAT, {"model": "emb", "messages": MSGS})
+        assert status == 400 and body["error"]["param"] == "model"
+    finally:
+        await runner.cleanup()

@@ -36,7 +36,8 @@ class SimAdapter(HttpEngineAdapter):
                  spec: str, gpu: str, tp: int = 1, block_size: int = 16, max_model_len: int = 32768,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.9, options: dict[str, Any] | None = None,
-                 host: str = "127.0.0.1", restart: RestartPolicy | None = None) -> None:
+                 host: str = "127.0.0.1", restart: RestartPolicy | None = None,
+                 embedding_dim: int | None = None) -> None:
         super().__init__()
         self.id_prefix, self.site, self.model, self.version = id_prefix, site, model, version
         self.count = instances
@@ -51,6 +52,8 @@ class SimAdapter(HttpEngineAdapter):
             "--max-num-seqs", str(max_num_seqs),
             "--time-scale", str(float(opts.pop("time_scale", 1.0))),
         ]
+        if embedding_dim is not None:  # an embedding model: the worker serves /v1/embeddings only
+            self._args += ["--embedding-dim", str(embedding_dim)]
         if "num_gpu_blocks_override" in opts:
             self._args += ["--num-gpu-blocks-override", str(int(opts.pop("num_gpu_blocks_override")))]
         rtt = float(opts.pop("network_rtt_ms", 0.0))

@@ -8,7 +8,10 @@ errors use vLLM's body ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import base64
 import json
+import math
+import sys
 import time
 import uuid
 from array import array
@@ -529,3 +532,76 @@ class GenerateWire:
         self._text = text
         self._n = u["completion_tokens"]
         return {"text": text, "meta_info": self._meta(reason, u["prompt_tokens_details"]["cached_tokens"], e2e)}
+
+
+# -- embeddings ---------------------------------------------------------------------
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    request_id: str
+    model: str
+    inputs: list[list[int]]  # token ids per input
+    dimensions: int  # what the client asked for (<= the model's): a truncated, renormalised vector
+    base64: bool
+    model_dim: int = 0
+
+
+def parse_embeddings(body: Mapping[str, Any], served_model: str, max_model_len: int, dim: int,
+                     request_id: str | None) -> EmbeddingRequest:
+    """/v1/embeddings: `input` as a string, strings, token ids or lists of token ids."""
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+    raw = body.get("input")
+    if raw is None:
+        raise bad_request("`input` is required", "input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_EMBEDDING_INPUTS:
+        raise bad_request(f"`input` must be a string, token ids, or a list of 1..{MAX_EMBEDDING_INPUTS} of them",
+                          "input")
+    inputs: list[list[int]] = []
+    for i, item in enumerate(raw):
+        ids = encode(item) if isinstance(item, str) else _token_ids(item, f"input[{i}]")
+        if not ids:
+            raise bad_request(f"`input[{i}]` must be a non-empty string or list of token ids", f"input[{i}]")
+        if len(ids) >= max_model_len:
+            raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, "
+                              f"input[{i}] has {len(ids)} tokens.", f"input[{i}]")
+        inputs.append(ids)
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise bad_request("`encoding_format` must be `float` or `base64`", "encoding_format")
+    dims = _opt_int(body, "dimensions", 1)
+    if dims is not None and dims > dim:
+        raise bad_request(f"`dimensions` must be at most {dim} for this model", "dimensions")
+    return EmbeddingRequest(request_id or new_request_id(), served_model, inputs, dims or dim, fmt == "base64", dim)
+
+
+def embedding_vector(ids: list[int], dim: int, keep: int | None = None) -> list[float]:
+    """A deterministic unit vector of the input's content (equal inputs, equal vectors); `keep`
+    truncates it to its first components, renormalised, as OpenAI's `dimensions` does."""
+    seed = xxhash.xxh64_intdigest(array("I", ids).tobytes())
+    vals = [((xxhash.xxh64_intdigest(i.to_bytes(4, "little"), seed=seed) >> 11) / float(1 << 53)) * 2.0 - 1.0
+            for i in range(dim)][:keep]
+    norm = math.sqrt(sum(v * v for v in vals)) or 1.0
+    return [v / norm for v in vals]
+
+
+def embeddings_body(req: EmbeddingRequest) -> dict[str, Any]:
+    data = []
+    for i, ids in enumerate(req.inputs):
+        vec = embedding_vector(ids, req.model_dim or req.dimensions, req.dimensions)
+        value: Any = vec
+        if req.base64:  # OpenAI's base64: little-endian float32
+            packed = array("f", vec)
+            if sys.byteorder == "big":
+                packed.byteswap()
+            value = base64.b64encode(packed.tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    n = sum(len(ids) for ids in req.inputs)
+    return {"object": "list", "model": req.model, "data": data,
+            "usage": {"prompt_tokens": n, "total_tokens": n}}

@@ -47,8 +47,10 @@ from .openai_wire import (
     bad_request,
     chat_prompt_ids,
     completion_prompt_ids,
+    embeddings_body,
     output_text,
     parse_generate,
+    parse_embeddings,
     parse_json_object,
     parse_openai,
     sse,
@@ -87,6 +89,8 @@ class WorkerConfig:
     # An emulated network between gateway and worker: every request is served one round trip
     # late, so a local fleet can stand for sites far apart (TTFT grows by the RTT).
     network_rtt_ms: float = 0.0
+    # Set: an embedding model of this size, serving /v1/embeddings only (as vLLM's pooling runner).
+    embedding_dim: int | None = None
 
 
 class Wire(Protocol):
@@ -172,6 +176,7 @@ class SimWorker:
         r.add_post("/v1/completions", _api(self.completions))
         r.add_post("/v1/chat/completions", _api(self.chat_completions))
         r.add_post("/generate", _api(self.generate))
+        r.add_post("/v1/embeddings", _api(self.embeddings))
         r.add_get("/v1/models", self.models)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
@@ -203,13 +208,46 @@ class SimWorker:
 
     # -- generation -------------------------------------------------------------
 
+    def _generative(self, api: str) -> None:
+        if self.config.embedding_dim is not None:
+            raise bad_request(f"The model does not support the {api} API: it is an embedding model", "model")
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """One engine request per input, prefill only (output_len 1: the first token comes out of
+        the prefill step), so embedding time is the roofline's prefill of the input."""
+        if self.config.embedding_dim is None:
+            raise bad_request("The model does not support the Embeddings API", "model")
+        body = parse_json_object(await request.read())
+        req = parse_embeddings(body, self.config.served_model_name, self.max_model_len,
+                               self.config.embedding_dim, self._request_id(request))
+        if self.loading:
+            raise ApiError(503, "The engine is still loading its model.", "ServiceUnavailableError")
+        streams: list[RequestStream] = []
+        headers = {"X-Request-Id": req.request_id}
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                for i, ids in enumerate(req.inputs):
+                    st = self.driver.submit(req.request_id if i == 0 else f"{req.request_id}.{i}", len(ids),
+                                            block_hashes(ids, self.config.block_size), 1, "stop")
+                    streams.append(await stack.enter_async_context(st))
+            except ValueError as exc:
+                raise bad_request(str(exc)) from None
+            try:
+                async for _ in _merged(streams):
+                    pass
+            except DriverStopped as exc:
+                return _error_response(ApiError(503, str(exc), "ServiceUnavailableError"), headers)
+        return web.json_response(embeddings_body(req), headers=headers)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._generative("Completions")
         body = parse_json_object(await request.read())
         req = parse_openai("completion", body, self.config.served_model_name, self.max_model_len,
                            self._request_id(request))
         return await self._serve(request, req)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self._generative("Chat Completions")
         body = parse_json_object(await request.read())
         req = parse_openai("chat", body, self.config.served_model_name, self.max_model_len,
                            self._request_id(request))
@@ -386,7 +424,8 @@ class SimWorker:
         return web.json_response({"version": VERSION})
 
     def _model_info(self) -> dict[str, Any]:
-        return {"model_path": self.config.served_model_name, "tokenizer_path": None, "is_generation": True,
+        return {"model_path": self.config.served_model_name, "tokenizer_path": None,
+                "is_generation": self.config.embedding_dim is None,
                 "preferred_sampling_params": None, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
@@ -607,6 +646,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="seconds of 'loading weights' (503 on health and generation) after start")
     p.add_argument("--network-rtt-ms", type=float, default=0.0,
                    help="emulated round trip added to every request (a far-away site)")
+    p.add_argument("--embedding-dim", type=int, default=None,
+                   help="serve as an embedding model of this size (/v1/embeddings only)")
     p.add_argument("--seed", type=int, default=0, help="reserved; output text does not depend on it")
     p.add_argument("--log-level", default="warning")
     return p
@@ -620,7 +661,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, time_scale=args.time_scale,
         instance_id=args.instance_id, seed=args.seed, startup_s=args.startup_s,
-        network_rtt_ms=args.network_rtt_ms)
+        network_rtt_ms=args.network_rtt_ms, embedding_dim=args.embedding_dim)
 
 
 async def _serve_forever(config: WorkerConfig, host: str, port: int, access_log: bool) -> None:
