@@ -25,7 +25,7 @@ from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig, GatewaySettings
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
-from gateway.admin import RegionPolicyAdmin, install_admin_routes
+from gateway.admin import AdminAuth, RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
 from gateway.admission_metrics import AdmissionCollector
 from gateway.aliases import alias_entries, serve_with_fallbacks
@@ -42,6 +42,8 @@ from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
 from gateway.embeddings import serve_embeddings
+from gateway.keys import FILE_NAME as KEYS_FILE, JsonFileKeyStore, KeyStore, install_key_routes
+from gateway.policy_snapshot import state_dir
 from gateway.relay import DecisionLog, Relay
 from gateway.responses_api import serve_responses
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
@@ -154,7 +156,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
                admission: AdmissionPolicy | None = None, planner: bool | None = None,
-               dashboard_sample_s: float | None = None) -> FastAPI:
+               dashboard_sample_s: float | None = None, key_store: KeyStore | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them).
 
     `tokenizers` defaults to the models' own tokenizers found via the fleet file
@@ -198,7 +200,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     relay.listeners.append(dash_recorder)
     g = config.gateway
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
-    ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
+    if key_store is None:  # tenant keys created by API (`gateway.keys`), kept under the state dir
+        key_store = JsonFileKeyStore(state_dir(config.gateway.state_dir) / KEYS_FILE)
+    ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config, key_store),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor)
 
@@ -248,6 +252,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, placement)
+    install_key_routes(app, config, key_store, AdminAuth(config).require)
     install_report_routes(app, config, gate, clock)
     dashboard.install_dashboard_routes(app, config, dash_sampler, admission, placement)
     return app

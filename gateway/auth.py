@@ -7,11 +7,13 @@ open dev fleet: every caller is the anonymous tenant.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from fleetcore.fleet_config import FleetConfig, TenantConfig, hash_api_key
 from gateway.errors import invalid_api_key
+from gateway.keys import KeyStore, stored_caller_tenant
 
 ANONYMOUS = "anonymous"
 
@@ -24,13 +26,19 @@ class Caller:
 
 
 class Authenticator:
-    def __init__(self, tenants: list[TenantConfig]) -> None:
+    """Fleet-file keys first, then keys created by API (`gateway.keys`, when a store is given)."""
+
+    def __init__(self, tenants: list[TenantConfig], keys: KeyStore | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self._by_hash: dict[str, TenantConfig] = {h: t for t in tenants for h in t.key_hashes()}
+        self._by_name: dict[str, TenantConfig] = {t.name: t for t in tenants}
         self.open = not tenants
+        self.keys = keys
+        self._clock = clock
 
     @classmethod
-    def from_config(cls, config: FleetConfig) -> Authenticator:
-        return cls(list(config.tenants))
+    def from_config(cls, config: FleetConfig, keys: KeyStore | None = None) -> Authenticator:
+        return cls(list(config.tenants), keys)
 
     def authenticate(self, headers: Mapping[str, str]) -> Caller:
         """The caller behind `Authorization: Bearer KEY`; raises a 401 GatewayError otherwise."""
@@ -39,7 +47,13 @@ class Authenticator:
         key = bearer_token(headers.get("authorization"))
         if key is None:
             raise invalid_api_key("Missing API key. Send `Authorization: Bearer <key>`.")
-        tenant = self._by_hash.get(hash_api_key(key))
+        digest = hash_api_key(key)
+        tenant = self._by_hash.get(digest)
+        if tenant is None:
+            name, known = stored_caller_tenant(self.keys, digest, self._clock())
+            if known and name is None:
+                raise invalid_api_key("This API key has been revoked or has expired.")
+            tenant = self._by_name.get(name) if name is not None else None
         if tenant is None:
             raise invalid_api_key("Incorrect API key provided.")
         return Caller(tenant.name, tenant.region, tenant.default_class)

@@ -5,6 +5,7 @@ fields the gateway cannot honour are a 400 naming them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,3 +328,80 @@ async def test_bad_embedding_bodies(fleet: Fleet, body: dict[str, Any], param: s
         r = await c.post(f"{fleet.url}/v1/embeddings", json={"model": EMBED, **body},
                          headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+# --- 5. keys by API ---
+
+async def _admin(fleet: Fleet, method: str, path: str, body: Any = None, key: str = ADMIN) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as c:
+        return await c.request(method, f"{fleet.url}{path}", json=body,
+                               headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+async def test_keys_create_use_list_rotate_revoke(fleet: Fleet) -> None:
+    from fleetcore.fleet_config import hash_api_key
+    from gateway.keys import JsonFileKeyStore
+
+    r = await _admin(fleet, "POST", "/admin/v1/keys", {"tenant": "acme", "name": "ci",
+                                                        "expires_at": "2099-01-01T00:00:00Z"})
+    assert r.status_code == 201
+    created = r.json()
+    key, key_id = created["key"], created["id"]
+    assert key.startswith("sk-tf-") and created["tenant"] == "acme" and created["expires_at"].startswith("2099")
+    chat = await fleet.client(key).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
+    assert chat.choices
+    listing = await _admin(fleet, "GET", "/admin/v1/keys")
+    assert key not in listing.text and hash_api_key(key) not in listing.text  # never the key or its hash
+    row = next(k for k in listing.json()["data"] if k["id"] == key_id)
+    assert (row["name"], row["tenant"], row["revoked"]) == ("ci", "acme", False)
+    assert row["created_at"] and row["last_used_at"]
+    store = fleet.app.state.tokenfleet.auth.keys
+    assert isinstance(store, JsonFileKeyStore)
+    on_disk = store.path.read_text()
+    assert key not in on_disk and hash_api_key(key) in on_disk  # stored hashed
+    assert await JsonFileKeyStore(store.path).get(key_id) is not None  # survives a restart
+
+    rotated = await _admin(fleet, "POST", f"/admin/v1/keys/{key_id}/rotate")
+    assert rotated.status_code == 200 and rotated.json()["id"] == key_id
+    new_key = rotated.json()["key"]
+    with pytest.raises(openai.AuthenticationError):
+        await fleet.client(key).models.list()
+    assert (await fleet.client(new_key).models.list()).data
+
+    assert (await _admin(fleet, "DELETE", f"/admin/v1/keys/{key_id}")).json()["revoked"] is True
+    with pytest.raises(openai.AuthenticationError) as e:
+        await fleet.client(new_key).models.list()
+    assert "revoked" in e.value.message
+    assert (await _admin(fleet, "POST", f"/admin/v1/keys/{key_id}/rotate")).status_code == 409
+    audit = (await _admin(fleet, "GET", "/admin/v1/keys/audit")).json()["data"]
+    mine = [a["action"] for a in audit if a["key_id"] == key_id]
+    assert mine == ["revoke", "rotate", "create"]
+    assert all(a["actor"].startswith("admin:") for a in audit)
+
+
+@pytest.mark.parametrize("method, path, body, key, status, param", [
+    ("POST", "/admin/v1/keys", {"tenant": "nobody"}, ADMIN, 400, "tenant"),
+    ("POST", "/admin/v1/keys", {"tenant": "acme", "expires_at": "2001-01-01T00:00:00Z"}, ADMIN, 400, "expires_at"),
+    ("POST", "/admin/v1/keys", {"tenant": "acme", "expires_at": "soon"}, ADMIN, 400, "expires_at"),
+    ("POST", "/admin/v1/keys", {"tenant": "acme", "colour": "red"}, ADMIN, 400, "colour"),
+    ("POST", "/admin/v1/keys", {"tenant": "acme"}, KEY, 403, None),
+    ("GET", "/admin/v1/keys", None, "", 401, None),
+    ("DELETE", "/admin/v1/keys/key_nope", None, ADMIN, 404, None),
+    ("POST", "/admin/v1/keys/key_nope/rotate", None, ADMIN, 404, None),
+])
+async def test_keys_api_errors(fleet: Fleet, method: str, path: str, body: Any, key: str, status: int,
+                               param: str | None) -> None:
+    r = await _admin(fleet, method, path, body, key)
+    assert r.status_code == status
+    assert r.json()["error"]["param"] == param
+
+
+async def test_expired_key_is_refused(fleet: Fleet) -> None:
+    import time as _time
+
+    r = await _admin(fleet, "POST", "/admin/v1/keys", {"tenant": "acme", "expires_at": _time.time() + 1.0})
+    key = r.json()["key"]
+    assert (await fleet.client(key).models.list()).data
+    await asyncio.sleep(1.2)
+    with pytest.raises(openai.AuthenticationError):
+        await fleet.client(key).models.list()
