@@ -48,7 +48,7 @@ from gateway.relay import DecisionLog, Relay
 from gateway.responses_api import serve_responses
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
-from gateway.openapi import chat_body, completion_body
+from gateway.openapi import chat_body, completion_body, embeddings_body, responses_body
 from gateway.tokenize_pool import TokenizePool
 from fleetmind.demand import DemandModel
 from fleetmind.planner import planner_for
@@ -271,11 +271,11 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
     async def completions(request: Request) -> Response:
         return await _serve(ctx, request, "completion", "/v1/completions")
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", openapi_extra=embeddings_body(ctx.config.models[0].name))
     async def embeddings(request: Request) -> Response:
         return await serve_embeddings(ctx, request)  # models of kind `embedding` only
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=responses_body(ctx.config.models[0].name))
     async def responses(request: Request) -> Response:
         return await serve_responses(ctx, request)  # stateless Responses API over the chat path
 

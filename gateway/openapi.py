@@ -77,3 +77,29 @@ def completion_body(model: str) -> dict[str, Any]:
             {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, _TOKEN_IDS]}}]},
             **_SAMPLING},
     }, {"model": model, "prompt": "Hello", "max_tokens": 8})
+
+
+def embeddings_body(model: str) -> dict[str, Any]:
+    """`openapi_extra` of POST /v1/embeddings (models of kind `embedding`)."""
+    return _body({
+        "type": "object", "required": ["model", "input"], "additionalProperties": True,
+        "properties": {"model": _MODEL, "input": {"oneOf": [
+            {"type": "string"}, _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"oneOf": [{"type": "string"}, _TOKEN_IDS]}}]},
+            "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+            "dimensions": {"type": "integer", "minimum": 1}, "user": {"type": "string"}},
+    }, {"model": model, "input": "Hello"})
+
+
+def responses_body(model: str) -> dict[str, Any]:
+    """`openapi_extra` of POST /v1/responses (stateless; `gateway.responses_api`)."""
+    return _body({
+        "type": "object", "required": ["model", "input"], "additionalProperties": False,
+        "properties": {
+            "model": _MODEL,
+            "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object"}}]},
+            "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
+            "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"], "stream": {"type": "boolean"},
+            "user": {"type": "string"}, "metadata": _SAMPLING["metadata"],
+            "store": {"type": "boolean", "enum": [False], "description": "stateless: true is a 400"}},
+    }, {"model": model, "input": "Hello", "max_output_tokens": 8})
