@@ -19,8 +19,10 @@ Example (the embedded default is `deploy/local/fleet.yaml`)::
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,22 +251,31 @@ class FleetConfig(_Strict):
     aliases: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _check_aliases(self) -> FleetConfig:
+    def _validate(self) -> FleetConfig:
+        """Every cross-field problem at once (one per line), not only the first: `tokenfleet
+        check` shows them all, each located in the file (`fleetcore.fleet_check`)."""
+        errors = [*self._reference_errors(), *self._admission_errors(), *self._region_policy_errors(),
+                  *self._alias_errors()]
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+    def _alias_errors(self) -> list[str]:
         errors = check_aliases(self.aliases, {m.name: m.versions for m in self.models})
+        names = {x.name for x in self.models}
         for m in self.models:
             for fb in m.fallbacks:
-                target = fb if fb not in self.aliases or errors else self.resolve_alias(fb)
+                target = self.resolve_alias(fb) if fb in self.aliases and not errors else fb
                 name = target.partition("@")[0]
-                if name not in {x.name for x in self.models}:
-                    errors.append(f"model {m.name!r}: fallback {fb!r} is not a model or alias")
+                if name not in names:
+                    errors.append(f"model {m.name!r}: fallback {fb!r} is not a model or alias"
+                                  + did_you_mean(fb, [*names, *self.aliases]))
                 elif name == m.name:
                     errors.append(f"model {m.name!r}: falls back to itself ({fb!r})")
                 elif self.model(name).kind != m.kind:
                     errors.append(f"model {m.name!r}: fallback {fb!r} is a {self.model(name).kind} model, "
                                   f"not {m.kind}")
-        if errors:
-            raise ValueError("; ".join(errors))
-        return self
+        return errors
 
     def resolve_alias(self, name: str) -> str:
         """`name` followed through aliases to `model` or `model@version` (itself when no alias)."""
@@ -274,61 +285,63 @@ class FleetConfig(_Strict):
             name = self.aliases[name]
         return name
 
-    @model_validator(mode="after")
-    def _check_admission(self) -> FleetConfig:
-        errors = check_tenant_classes(self.admission, self.tenants)
-        if errors:
-            raise ValueError("; ".join(errors))
+    def _admission_errors(self) -> list[str]:
+        errors = list(check_tenant_classes(self.admission, self.tenants))
         tenant_keys = {h for t in self.tenants for h in t.key_hashes()}
         if tenant_keys & set(self.admin_key_hashes()):
-            raise ValueError("admin_api_keys: an admin key is also a tenant's API key")
-        return self
+            errors.append("admin_api_keys: an admin key is also a tenant's API key")
+        return errors
 
     def admin_key_hashes(self) -> list[str]:
         return [hash_api_key(k) for k in self.admin_api_keys] + [h.lower() for h in self.admin_api_key_sha256]
 
-    @model_validator(mode="after")
-    def _check_region_policies(self) -> FleetConfig:
+    def _region_policy_errors(self) -> list[str]:
+        errors: list[str] = []
         models, tenants = {m.name for m in self.models}, {t.name for t in self.tenants}
         for i, p in enumerate(self.region_policies):
-            errors = check_policy(p, self.sites, models, tenants)
-            if errors:
-                raise ValueError(f"region_policies[{i}]: " + "; ".join(errors))
+            found = check_policy(p, self.sites, models, tenants)
+            if found:
+                errors.append(f"region_policies[{i}]: " + "; ".join(found))
         keys = [p.key for p in self.region_policies]
         if len(keys) != len(set(keys)):
-            raise ValueError("region_policies: more than one policy for the same (tenant, model)")
-        return self
+            errors.append("region_policies: more than one policy for the same (tenant, model)")
+        return errors
 
-    @model_validator(mode="after")
-    def _cross_references(self) -> FleetConfig:
-        _unique("sites", [s.name for s in self.sites])
-        _unique("models", [m.name for m in self.models])
-        _unique("tenants", [t.name for t in self.tenants])
+    def _reference_errors(self) -> list[str]:
+        errors = [e for e in (_unique("sites", [s.name for s in self.sites]),
+                              _unique("models", [m.name for m in self.models]),
+                              _unique("tenants", [t.name for t in self.tenants])) if e]
         keys = [h for t in self.tenants for h in t.key_hashes()]
         if len(keys) != len(set(keys)):
-            raise ValueError("tenants: the same API key is given to more than one tenant")
+            errors.append("tenants: the same API key is given to more than one tenant")
         regions = set(self.client_regions)
         for s in self.sites:
             missing = sorted(regions - set(s.rtt_ms) - {s.region})
             if missing:
-                raise ValueError(f"site {s.name!r}: rtt_ms lacks client region(s) {missing}")
+                errors.append(f"site {s.name!r}: rtt_ms lacks client region(s) {missing}")
         if self.default_region is not None and self.default_region not in regions:
-            raise ValueError(f"default_region {self.default_region!r} is not one of {sorted(regions)}")
+            errors.append(f"default_region {self.default_region!r} is not one of {sorted(regions)}"
+                          + did_you_mean(self.default_region, regions))
         sites = {s.name for s in self.sites}
         models = {m.name: m for m in self.models}
         for i, d in enumerate(self.deployments):
             where = f"deployments[{i}]"
             if d.site not in sites:
-                raise ValueError(f"{where}: unknown site {d.site!r} (known: {sorted(sites)})")
+                errors.append(f"{where}: unknown site {d.site!r} (known: {sorted(sites)})"
+                              + did_you_mean(d.site, sites))
             if d.model not in models:
-                raise ValueError(f"{where}: unknown model {d.model!r} (known: {sorted(models)})")
+                errors.append(f"{where}: unknown model {d.model!r} (known: {sorted(models)})"
+                              + did_you_mean(d.model, models))
+                continue
             versions = models[d.model].versions
             if d.version is not None and d.version not in versions:
-                raise ValueError(f"{where}: model {d.model!r} has no version {d.version!r} (known: {versions})")
+                errors.append(f"{where}: model {d.model!r} has no version {d.version!r} (known: {versions})"
+                              + did_you_mean(d.version, versions))
         for t in self.tenants:
             if t.region is not None and t.region not in regions:
-                raise ValueError(f"tenant {t.name!r}: region {t.region!r} is not one of {sorted(regions)}")
-        return self
+                errors.append(f"tenant {t.name!r}: region {t.region!r} is not one of {sorted(regions)}"
+                              + did_you_mean(t.region, regions))
+        return errors
 
     @property
     def client_regions(self) -> list[str]:
@@ -389,18 +402,23 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-def _unique(what: str, names: list[str]) -> None:
+def _unique(what: str, names: list[str]) -> str | None:
     dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"{what}: duplicate name(s) {dupes}")
+    return f"{what}: duplicate name(s) {dupes}" if dupes else None
+
+
+def did_you_mean(name: str, options: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` for the closest known name, or nothing when none is close."""
+    close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = [f"{source}: invalid fleet file"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc}: {msg}")
+        for msg in e["msg"].removeprefix("Value error, ").split("\n"):  # cross-field checks: one per line
+            lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
 

@@ -1,15 +1,19 @@
 """`tokenfleet check`: validate a fleet file as `up` would load it, launching nothing.
 
-Builds the adapters too, because some checks live there (a simulated model that does not
-fit its GPU fails at load time, not at launch)."""
+Every problem is reported at once, each as `FILE:LINE: path: message`, with "did you mean"
+for near-miss names (`fleetcore.fleet_check`). Builds the adapters too, because some checks
+live there (a simulated model that does not fit its GPU fails at load time, not at launch)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
 from engine_adapters.registry import build_adapters
-from fleetcore.fleet_config import DEFAULT_FLEET_FILE, load_fleet_file
+from fleetcore.fleet_check import check_fleet_text
+from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfigError
 
 
 def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -20,8 +24,17 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    path = args.fleet or DEFAULT_FLEET_FILE
-    config = load_fleet_file(path)
+    path = Path(args.fleet or DEFAULT_FLEET_FILE)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise FleetConfigError(f"{path}: cannot read fleet file: {e.strerror}") from None
+    config, problems = check_fleet_text(text)
+    if config is None:
+        print(f"{path}: invalid fleet file ({len(problems)} problem(s))", file=sys.stderr)
+        for p in problems:
+            print("  " + p.format(str(path)), file=sys.stderr)
+        return 2
     build_adapters(config)
     n = sum(d.instance_count for d in config.deployments)
     print(f"{path}: ok — {len(config.sites)} site(s), {len(config.models)} model(s), {n} instance(s), "
