@@ -192,6 +192,9 @@ class GatewaySettings(_Strict):
                     "caps of its own, so a flood on the public port cannot starve them (none: no ops "
                     "listener; `tokenfleet up --ops-port` overrides)")
     max_json_depth: int = Field(default=64, ge=4, description="nesting of a request body")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="gateway log lines: text, or one JSON object per line "
+                                    "(`tokenfleet up --log-format` overrides)")
     # --- work before routing ---
     tokenize_workers: int = Field(default=2, ge=1, description="threads that tokenize prompts off the event loop")
     tokenize_queue: int = Field(default=256, ge=1, description="prompts waiting for a tokenizer thread; more: 503")

@@ -74,8 +74,10 @@ class AdmissionGate:
         """
         profile = parsed.profile
         rid = profile.request_id
-        d = self._call(self.policy.admit, profile, self.state.view(), self.clock()) or AdmissionDecision("admit")
-        if d.action == "queue":
+        entered = self.clock()
+        d = self._call(self.policy.admit, profile, self.state.view(), entered) or AdmissionDecision("admit")
+        queued = d.action == "queue"
+        if queued:
             fut: asyncio.Future[AdmissionDecision] = asyncio.get_running_loop().create_future()
             self._waiting[rid] = fut
             self.pump()  # someone ahead of it may be able to start now
@@ -87,11 +89,16 @@ class AdmissionGate:
                 self._waiting.pop(rid, None)
                 self._call(self.policy.cancel, rid, self.clock())
                 self.pump()
+                if parsed.obs is not None:
+                    parsed.obs.admitted("left", self.clock() - entered, profile)
                 raise
-        if d.action == "reject":
-            raise decision_error(d)
         if d.request_class and d.request_class != profile.request_class:
             parsed = replace(parsed, profile=replace(profile, request_class=d.request_class))
+        if parsed.obs is not None:  # the verdict, the class and the time it waited, for telemetry
+            verdict = "rejected" if d.action == "reject" else ("queued" if queued else "admitted")
+            parsed.obs.admitted(verdict, self.clock() - entered, parsed.profile, d.code)
+        if d.action == "reject":
+            raise decision_error(d)
         self._admitted[rid] = parsed.profile
         return parsed, d.avoid_instances
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -40,6 +41,7 @@ from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
 from gateway.relay import DecisionLog, Relay
+from gateway.telemetry import Telemetry
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from gateway.openapi import chat_body, completion_body
@@ -70,6 +72,7 @@ class GatewayContext:
     placement: PlacementLoop | None = None  # FleetMind's replica planner, when the fleet file enables it
     tokenize_pool: TokenizePool | None = None  # parses large bodies off the event loop (bounded)
     loop_monitor: LoopMonitor | None = None  # event-loop stalls (/metrics; health checks count only responsive time)
+    telemetry: Telemetry | None = None  # traces, OTel metrics, access log, SLO misses (gateway.telemetry)
 
 
 class BodySizeLimit:
@@ -149,7 +152,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
-               admission: AdmissionPolicy | None = None, planner: bool | None = None) -> FastAPI:
+               admission: AdmissionPolicy | None = None, planner: bool | None = None,
+               telemetry_env: Mapping[str, str] | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them).
 
     `tokenizers` defaults to the models' own tokenizers found via the fleet file
@@ -158,6 +162,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     `planner` turns FleetMind's replica planner on or off (default: the fleet file's
     `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
     `max_body_bytes` defaults to the fleet file's `gateway.max_body_bytes`.
+    `telemetry_env` (default: the process environment) holds the `OTEL_*` variables that
+    turn traces and OTLP metrics on (`gateway.telemetry`).
     """
     if max_body_bytes is None:
         max_body_bytes = config.gateway.max_body_bytes
@@ -171,6 +177,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     if admission is None:
         admission = make_admission(config.admission.policy, slomax_config(config))
     gate = AdmissionGate(admission, state, clock)
+    slo_config = getattr(admission, "config", None)  # SLOMax and FCFS: the classes' SLOs per tenant
+    telemetry = Telemetry.from_env(os.environ if telemetry_env is None else telemetry_env, metrics.registry,
+                                   clock=clock, slo_of=slo_config.slo if slo_config is not None else None)
     metrics.registry.register(AdmissionCollector(admission, clock))
     chooser = site_chooser if site_chooser is not None else build_site_chooser(config, router)
     # Region policies: newest version from the store, durable on disk; no known policies, no routing.
@@ -192,7 +201,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
-                         loop_monitor)
+                         loop_monitor, telemetry)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)
@@ -227,6 +236,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             relay.session = None
             pool.close()
             loop_monitor.stop()
+            await telemetry.shutdown()
 
     # The contract for clients and fuzzers: /openapi.json, /docs (Swagger UI), /redoc.
     app = FastAPI(title="TokenFleet gateway", lifespan=lifespan, version="1",
@@ -238,7 +248,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, placement)
-    install_report_routes(app, config, gate, clock)
+    install_report_routes(app, config, gate, clock, telemetry.slo_log)
     return app
 
 
@@ -300,14 +310,20 @@ def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
 
 async def _serve(ctx: GatewayContext, request: Request, kind: Kind, path: str) -> Response:
     rid = new_request_id(request.headers)
+    obs = ctx.telemetry.begin(request.headers, kind, rid) if ctx.telemetry is not None else None
     try:
         caller = ctx.auth.authenticate(request.headers)
         parsed = await _parse(ctx, request, kind, caller, rid)
     except GatewayError as e:
         e.headers.setdefault("x-request-id", rid)
         ctx.metrics.answered("", "", "", str(e.status))
+        if obs is not None:  # auth failures and bad bodies get their access log line too
+            obs.end(e.status, e.message)
         raise
-    return await ctx.relay.handle(request, parsed, path)
+    if obs is None:
+        return await ctx.relay.handle(request, parsed, path)
+    obs.parsed(parsed.profile)
+    return await obs.tel.serve(obs, ctx.relay.handle(request, replace(parsed, obs=obs), path))
 
 
 async def _parse(ctx: GatewayContext, request: Request, kind: Kind, caller: Caller,

@@ -23,6 +23,7 @@ from fleetsim.cli import add_simulate_parser, run_simulate
 from fleetsim.live import add_bench_parser, run_bench
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
 from gateway.listener import ListenerCollector, build_listeners, protocol_class, raise_fd_limit
+from gateway.logs import LOG_FORMATS, configure_logging
 from gateway.routing import DEFAULT_ROUTER, build_router
 from gateway.shutdown import Shutdown
 from tokenpilot.registry import ROUTER_NAMES
@@ -111,6 +112,8 @@ async def _up(args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
     config, adapters = _load(args.fleet)
+    # --log-level reaches the gateway's own loggers too (tokenfleet.access, tokenfleet.audit)
+    configure_logging(args.log_level, args.log_format or config.gateway.log_format)
     ops_port = args.ops_port if args.ops_port is not None else config.gateway.ops_port
     try:
         sock = _bind(args.host, args.port)
@@ -215,7 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--planner", action=argparse.BooleanOptionalAction, default=None,
                     help="FleetMind's replica planner on or off (default: the fleet file's planner.enabled)")
     up.add_argument("--log-level", default="warning",
-                    choices=["critical", "error", "warning", "info", "debug"])
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="info shows one access line per request (tokenfleet.access) and admin changes "
+                         "(tokenfleet.audit)")
+    up.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                    help="text, or one JSON object per line (default: the fleet file's gateway.log_format)")
     chk = sub.add_parser("check", help="validate a fleet file")
     chk.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
     add_simulate_parser(sub)

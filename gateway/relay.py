@@ -147,6 +147,7 @@ class StreamStats:
     token_events: int = 0
     usage: dict[str, Any] | None = None
     error: str | None = None
+    last_choices: Any = None  # the latest non-empty `choices`: where finish_reason comes (telemetry)
 
     def observe(self, obj: Mapping[str, Any], now: float) -> bool:
         """Account one chunk; True when it is the usage-only chunk (no choices)."""
@@ -156,6 +157,8 @@ class StreamStats:
         if isinstance(usage, dict):
             self.usage = usage
         choices = obj.get("choices")
+        if choices:
+            self.last_choices = choices
         if any(_carries_token(c) for c in choices or () if isinstance(c, Mapping)):
             if self.first_token_at is None:
                 self.first_token_at = now
@@ -165,6 +168,10 @@ class StreamStats:
 
     def output_tokens(self) -> int:
         return usage_tokens(self.usage)[1] if self.usage else self.token_events
+
+    def finish_reasons(self) -> tuple[str, ...]:
+        choices = self.last_choices if isinstance(self.last_choices, list) else ()
+        return tuple(str(c["finish_reason"]) for c in choices if isinstance(c, Mapping) and c.get("finish_reason"))
 
 
 def _carries_token(choice: Mapping[str, Any]) -> bool:
@@ -287,6 +294,7 @@ class Target:
     site: str
     instance: Instance
     route: RouteDecision | None = None
+    site_reason: str = ""
 
 
 @dataclass(slots=True)
@@ -338,6 +346,8 @@ class Dispatch:
         outcome = self._outcome(ok, error, cancelled)
         r.metrics.record_outcome(profile.model, outcome)
         r.observe(outcome)
+        if self.parsed.obs is not None:
+            self.parsed.obs.attempt_ended(outcome, status, self.stats.finish_reasons())
 
     def _outcome(self, ok: bool, error: str | None, cancelled: bool) -> RequestOutcome:
         now = self.relay.clock()
@@ -566,7 +576,7 @@ class Relay:
         st = self.state.get(choice.instance.instance_id) if choice.instance is not None else None
         if st is None or choice.site.site is None:
             return None
-        return Target(choice.site.site, st.instance, choice.route)
+        return Target(choice.site.site, st.instance, choice.route, choice.site.reason)
 
     def first_token(self, request_id: str) -> None:
         if self.admission is not None:
@@ -651,6 +661,8 @@ class Relay:
         d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
         self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
         self.shutdown.track(up)
+        if parsed.obs is not None:  # the attempt's CLIENT span starts before the send
+            parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
         handed_over = False
         try:
             d.resp = await watch.race(self._head(d, path))
@@ -695,6 +707,8 @@ class Relay:
             raise RuntimeError("the gateway's HTTP session is not started (lifespan not run)")
         headers = {"Content-Type": "application/json", "X-Request-Id": parsed.profile.request_id,
                    "Accept": "text/event-stream" if parsed.stream else "application/json"}
+        if parsed.obs is not None:
+            parsed.obs.inject(headers)  # W3C traceparent: the engine joins the client's trace
         try:
             return await self.session.post(instance.url + path, data=upstream_body(parsed, instance.model),
                                            headers=headers)
@@ -734,15 +748,18 @@ class Relay:
             raise RetryableFailure("body", _describe(e),
                                    f"engine instance {d.iid} connection broke while sending its answer") from None
         if status < 400:
-            d.stats.usage = _usage_of(body)
+            d.stats.usage, d.stats.last_choices = _usage_of(body)
         d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")
         return Response(body, status_code=status, media_type=content_type, headers=d.headers())
 
 
-def _usage_of(body: bytes) -> dict[str, Any] | None:
+def _usage_of(body: bytes) -> tuple[dict[str, Any] | None, Any]:
+    """A whole answer's usage and choices."""
     try:
         obj = json.loads(body)
     except ValueError:
-        return None
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    return usage if isinstance(usage, dict) else None
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    usage = obj.get("usage")
+    return (usage if isinstance(usage, dict) else None), obj.get("choices")
