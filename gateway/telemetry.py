@@ -58,7 +58,7 @@ DURATION_BUCKETS = tuple(round(0.01 * 2 ** i, 2) for i in range(14))  # 0.01 .. 
 TOKEN_BUCKETS = tuple(float(4 ** i) for i in range(14))  # 1 .. 67,108,864
 QUEUE_BUCKETS = TTFT_BUCKETS  # a queue wait is part of TTFT: same resolution
 TRACEPARENT, TRACESTATE = "traceparent", "tracestate"
-EXPORT_SHUTDOWN_S = 5.0  # flushing spans and metrics at shutdown: never longer than this
+EXPORT_SHUTDOWN_S = 3.0  # flushing spans and metrics at shutdown: never longer than this
 
 
 # --- configuration from the environment -------------------------------------------------
@@ -112,14 +112,28 @@ def _load_exporter(env: Mapping[str, str], signal: str, name: str) -> Any:
     except ImportError as e:
         raise ValueError(f"{module} is not installed (pip install opentelemetry-exporter-otlp-proto-"
                          f"{'grpc' if 'grpc' in module else 'http'}): {e}") from None
-    # The exporters read their endpoint, headers, timeout and compression from OTEL_* themselves.
-    return mod.OTLPSpanExporter() if signal == "traces" else mod.OTLPMetricExporter()
+    # The endpoint from `env` (the SDK would read only the process environment); headers,
+    # timeout and compression the exporters read from OTEL_* themselves.
+    endpoint = _endpoint(env, signal, "grpc" in module)
+    cls = mod.OTLPSpanExporter if signal == "traces" else mod.OTLPMetricExporter
+    return cls(endpoint=endpoint) if endpoint else cls()
+
+
+def _endpoint(env: Mapping[str, str], signal: str, grpc: bool) -> str | None:
+    """The spec's resolution: the signal's own endpoint as given; else the base one (+ /v1/<signal> for HTTP)."""
+    own = env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "").strip()
+    if own:
+        return own
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    if not base or grpc:
+        return base or None
+    return f"{base.rstrip('/')}/v1/{signal}"
 
 
 def _resource(env: Mapping[str, str]) -> Any:
     from opentelemetry.sdk.resources import Resource
-    # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win over this default.
-    return Resource.create({} if env.get("OTEL_SERVICE_NAME") else {"service.name": "tokenfleet-gateway"})
+    # OTEL_RESOURCE_ATTRIBUTES (read by the SDK) adds to it; OTEL_SERVICE_NAME names the service.
+    return Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or "tokenfleet-gateway"})
 
 
 def tracer_provider_from_env(env: Mapping[str, str]) -> TracerProvider | None:
