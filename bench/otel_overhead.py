@@ -7,7 +7,8 @@ streaming `--chunks` SSE chunks as fast as it can) and, for the modes that expor
 OTLP/HTTP sink (also here; it answers every export at once and keeps nothing). Rounds are
 interleaved across the modes (off, traces, traces+metrics, off, ...), so a neighbour's load
 hits all of them alike. CPU is the gateway process's own user + system time (/proc/<pid>/stat)
-over the round, exporter threads included, divided by the requests of the round. Printed:
+over the round, exporter threads included, divided by the requests of the round. `traces 10%`
+samples one trace in ten (OTEL_TRACES_SAMPLER=traceidratio). Printed:
 median CPU per request per mode, the added CPU versus `off`, and the ratio. Linux only.
 """
 
@@ -29,7 +30,7 @@ import aiohttp
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("off", "traces", "traces+metrics")
+MODES = ("off", "traces", "traces 10%", "traces+metrics")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -168,6 +169,8 @@ async def main(args: argparse.Namespace) -> None:
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     envs = {"off": {},
             "traces": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink_url, "OTEL_METRICS_EXPORTER": "none"},
+            "traces 10%": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink_url, "OTEL_METRICS_EXPORTER": "none",
+                           "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"},
             "traces+metrics": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink_url, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}}
     try:
         for mode in MODES:

@@ -409,3 +409,16 @@ async def test_missed_slo_listing_and_latency_percentiles_per_class(start: Any) 
     assert (await gw.get("/v1/reports/goodput/misses", None))[0] == 401
     status, limited = await gw.get("/v1/reports/goodput/misses?limit=1&class=interactive", ADMIN)
     assert [x["request_id"] for x in limited["misses"]] == ["req-b-1"]
+
+
+async def test_a_request_the_sampler_leaves_out_still_carries_its_trace_to_the_engine(
+        otlp: OTLPReceiver, start: Any, fast_export: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")  # the SDK reads its sampler from the process
+    gw, up = await start(fleet(), {**otel_env(otlp), "OTEL_METRICS_EXPORTER": "none"})
+    status, _ = await gw.post(KEY_A, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    version, trace_id, span_id, flags = up.requests[0]["headers"]["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", TRACE_ID, "00") and span_id != PARENT_ID
+    # in a thread: the receiver on this loop must be able to take an export, were there one
+    assert await asyncio.to_thread(gw.telemetry.tracer_provider.force_flush, 2000)
+    assert otlp.spans == []
