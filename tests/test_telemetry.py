@@ -422,3 +422,48 @@ async def test_a_request_the_sampler_leaves_out_still_carries_its_trace_to_the_e
     # in a thread: the receiver on this loop must be able to take an export, were there one
     assert await asyncio.to_thread(gw.telemetry.tracer_provider.force_flush, 2000)
     assert otlp.spans == []
+
+
+def test_tokenfleet_up_log_level_info_shows_the_access_line_as_json() -> None:
+    import queue
+    import subprocess
+    import sys
+    import threading
+
+    import openai
+
+    fleet_file = Path(__file__).with_name("fleet_test.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet_file), "--port", "0",
+                             "--log-level", "info", "--log-format", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue(maxsize=10000)
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout or ()], daemon=True).start()
+
+    def next_match(pred: Callable[[str], bool], timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if pred(line):
+                return line
+        raise AssertionError(f"no matching line within {timeout_s} s")
+    try:
+        url = next_match(lambda ln: "gateway  http" in ln, 60).split()[-1]
+        client = openai.OpenAI(base_url=url, api_key="sk-test-acme", max_retries=0, timeout=30)
+        client.chat.completions.create(model="llama-3.1-8b", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=5, extra_headers={"x-request-id": "req-cli-1"})
+        line = next_match(lambda ln: '"tokenfleet.access"' in ln, 10)
+        entry = json.loads(line)
+        assert (entry["request_id"], entry["tenant"], entry["status"], entry["outcome"], entry["level"]) == \
+            ("req-cli-1", "acme", "200", "ok", "info")
+        assert entry["tokens_out"] > 0 and entry["site"] in ("east", "west") and "slo_met" in entry
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
