@@ -71,7 +71,10 @@ def child(port: int, engine_url: str) -> None:
                           "models": [{"name": "m1", "engine": {"spec": "llama-3.1-8b", "max_model_len": 4096}}]})
     inst = Instance(instance_id="e0", site="use1", model="m1", version="v1", url=engine_url, adapter="static")
     app = create_app(config, [Static(inst)], poll_interval_s=60)  # OTEL_* from this process's environment
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # keep-alive longer than the other modes' rounds, as `tokenfleet up` does (gateway.keep_alive_timeout_s):
+    # uvicorn's 5 s default would close idle pooled connections under the client's next request
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                timeout_keep_alive=config.gateway.keep_alive_timeout_s)
 
 
 # --- the stub engine and the OTLP sink -----------------------------------------------------
