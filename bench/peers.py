@@ -268,7 +268,7 @@ def _load_and_say(self):
     got_http = self.http_protocol_class.__module__.rsplit(".", 1)[-1].removesuffix("_impl")
     print(f"gateway-stack {got_http}+{got_loop}", flush=True)
 uvicorn.Config.load = _load_and_say
-from gateway.cli import main
+from tokenfleet.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 GATEWAY_STACK_HTTP = ("auto", "h11", "httptools")

@@ -2,7 +2,7 @@
 
     tokenfleet simulate --trace FILE [--trace-format mooncake|azure|auto]
         [--fleet FILE] [--policy P1,P2,...] [--rate-scale X]
-        [--max-requests N] [--seed S] [--json OUT.json] [--plot OUT.png]
+        [--max-requests N] [--seed S] [--json OUT.json] [--plot DIR]
 
 This command line is a contract outside checks rely on. Extra options:
 `--timeout S` (client gives up S seconds after arrival), `--describe-capacity`
@@ -36,13 +36,12 @@ from slomax import ADMISSION_NAMES, make_admission
 from slomax import from_fleet as slomax_config
 from tokenpilot.registry import ROUTER_NAMES, make_router
 
-from .metrics import RequestRecord, summarize, summarize_all, ttft_values_ms
+from .metrics import RequestRecord, summarize, summarize_all
 from .planning import PlannerLoop
+from .plots import PlotUnavailable, Run, require_matplotlib, write_plots
 from .report import (
-    PlotUnavailable,
     build_report,
     format_table,
-    plot_ttft_cdf,
     result_row,
     write_json,
 )
@@ -175,7 +174,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed for randomised policies (default 0)")
     p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="OUT.png", help="draw TTFT CDFs per policy (needs matplotlib)")
+    p.add_argument("--plot", metavar="DIR", help="draw the figures into DIR: TTFT/TPOT CDFs with SLO lines, goodput "
+                   "over time, per-site and per-class bars (needs matplotlib: pip install 'tokenfleet[plot]'); "
+                   "a name ending in .png is the TTFT CDF, the others beside it")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="client timeout: a request not finished S seconds after arrival is cancelled")
     p.add_argument("--describe-capacity", action="store_true",
@@ -185,9 +186,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `simulate` on a `tokenfleet` subparsers object; it dispatches to `run_simulate`."""
+    # The one-line help is tokenfleet.cli's (it lists commands without importing them).
     p = subparsers.add_parser(
-        "simulate", help="replay a trace through routing policies on a simulated fleet",
-        description="Replay a request trace through each routing policy on a simulated fleet "
+        "simulate", description="Replay a request trace through each routing policy on a simulated fleet "
                     "(discrete-event, virtual time) and compare TTFT, TPOT, goodput and SLO attainment.")
     _add_arguments(p)
     p.set_defaults(func=run_simulate)
@@ -262,6 +263,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err("--timeout must be positive")
     if not Path(args.trace).is_file():
         return _err(f"trace file not found: {args.trace}")
+    if args.plot:
+        try:  # now, not after a run that may take minutes
+            require_matplotlib()
+        except PlotUnavailable as e:
+            return _err(str(e))
     try:
         wl = load_trace(args.trace, args.trace_format)
     except (ValueError, OSError) as e:
@@ -306,7 +312,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     _say(f"prepared  {len(inputs)} requests (block hashes) in {time.perf_counter() - t0:.1f} s")
 
     rows: list[dict[str, Any]] = []
-    curves = []
+    runs: list[Run] = []
     policies = PolicySet(fleet.region_policies)
     slos = fleet.admission.slos()  # the fleet's SLO map: what admission, FleetMind and the report judge by
     for placement in placements:
@@ -338,7 +344,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
                                        "reason": e.reason} for e in controllers[0][1].planner.log]
             rows.append(row)
-            curves.append((label, ttft_values_ms(res.records)))
+            runs.append(Run(label, row, res.records))
             slo = row["slo_attainment"]
             _say(f"ran       {label:<22} wall {res.wall_s:6.1f} s  ({res.steps} engine steps, "
                  f"{summary['span_s']:.0f} s simulated)  goodput {row['goodput_tok_s']:.0f} tok/s  "
@@ -355,12 +361,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         _say(f"\nwrote {args.json}")
     if args.plot:
         try:
-            plot_ttft_cdf(curves, args.plot, slos, title=f"{desc['name']} x{args.rate_scale:g} on {fleet_path.name}")
-        except PlotUnavailable as e:
-            return _err(str(e))
+            written = write_plots(args.plot, runs, slos, title=f"{desc['name']} x{args.rate_scale:g} on {fleet_path.name}")
         except OSError as e:
             return _err(f"cannot write {args.plot}: {e.strerror}")
-        _say(f"wrote {args.plot}")
+        _say(f"wrote {', '.join(map(str, written))}")
     return 0
 
 

@@ -47,8 +47,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from engine_adapters.sim import hardware
 from engine_adapters.sim.engine import EngineConfig, SimEngine, SimRequest, StepResult
+from fleetcore import hardware
 from fleetcore.fleet_config import FleetConfig, SiteConfig
 from fleetcore.policies import Admission, InstanceRouter, SiteChooser
 from fleetcore.prefix import synthetic_block_hashes
@@ -745,7 +745,7 @@ def estimate_capacity(fleet: FleetConfig, requests: Sequence[TraceLike]) -> dict
     Returns, per cache case, the offered load at the workload's own rate, the
     rate-scale that would saturate the fleet, and the rate-scales for 60/80/95%.
     """
-    from engine_adapters.sim.physics import StepTimer
+    from fleetcore.roofline import StepTimer
 
     reqs = list(requests)
     if not reqs:

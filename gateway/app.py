@@ -30,6 +30,7 @@ from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
 from gateway.admission_metrics import AdmissionCollector
 from gateway.auth import Authenticator, Caller
+from gateway import dashboard
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
@@ -153,6 +154,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
                admission: AdmissionPolicy | None = None, planner: bool | None = None,
+               dashboard_sample_s: float | None = None,
                telemetry_env: Mapping[str, str] | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them).
 
@@ -162,6 +164,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     `planner` turns FleetMind's replica planner on or off (default: the fleet file's
     `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
     `max_body_bytes` defaults to the fleet file's `gateway.max_body_bytes`.
+    `dashboard_sample_s`: how often /dashboard's time series is sampled (`gateway.dashboard`, 5 s).
     `telemetry_env` (default: the process environment) holds the `OTEL_*` variables that
     turn traces and OTLP metrics on (`gateway.telemetry`).
     """
@@ -197,6 +200,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                                   ready_timeout_s=p.ready_timeout_s, mode=p.mode)
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
+    dash_recorder, dash_sampler = dashboard.wire(admission.ledger, dashboard_sample_s)
+    relay.listeners.append(dash_recorder)
     g = config.gateway
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
@@ -217,6 +222,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                 await kv_feed.start()
             if placement is not None:
                 placement.start()
+            dash_sampler.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").
@@ -224,6 +230,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             gc.freeze()
             yield
         finally:
+            await dash_sampler.stop()
             if placement is not None:
                 await placement.stop()
             gate.close()
@@ -249,6 +256,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, placement)
     install_report_routes(app, config, gate, clock, telemetry.slo_log)
+    dashboard.install_dashboard_routes(app, config, dash_sampler, admission, placement)
     return app
 
 

@@ -25,6 +25,7 @@ The OpenTelemetry packages are imported only when a signal is on.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -363,10 +364,26 @@ class RequestRecord:
             if self.tracestate:
                 headers[TRACESTATE] = self.tracestate
 
-    def attempt_ended(self, outcome: RequestOutcome, status: str | None, finish_reasons: tuple[str, ...]) -> None:
+    def whole_body(self, body: bytes) -> None:
+        """A whole (non-streamed) answer: its choices' finish reasons, parsed only when it is traced."""
+        if self.attempt_span is None:
+            return
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if isinstance(choices, list):
+            self.finish_reasons = tuple(str(c["finish_reason"]) for c in choices
+                                        if isinstance(c, dict) and c.get("finish_reason"))
+
+    def attempt_ended(self, outcome: RequestOutcome, status: str | None,
+                      finish_reasons: tuple[str, ...] | None) -> None:
+        """`finish_reasons` None: the stream showed none (a whole answer's came by `whole_body`)."""
         self.outcome = outcome
         self.attempt_status = status
-        self.finish_reasons = finish_reasons
+        if finish_reasons is not None:
+            self.finish_reasons = finish_reasons
         span, self.attempt_span = self.attempt_span, None
         if span is not None:
             span.set_attributes(_usage_attrs(outcome, self.served_model, finish_reasons))

@@ -85,7 +85,7 @@ def tokenfleet_up(tmp: Path, gateway: str, *args: str,
     log = tmp / "out.txt"
     # Output to a file, not a pipe: a gateway blocked on a full pipe would fake a hang.
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet), "--port", "0", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet), "--port", "0", *args],
                                 stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
     try:
         port = int(_wait_for_line(proc, log, r"gateway\s+http://127\.0\.0\.1:(\d+)/v1", 60).group(1))

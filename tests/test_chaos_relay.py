@@ -159,7 +159,7 @@ def start_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
     def start(**fleet: Any) -> Gateway:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet_file(tmp_path, **fleet)),
+            [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet_file(tmp_path, **fleet)),
              "--port", "0", "--router", "round_robin", "--log-level", "warning"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         url = read_until(proc, r"gateway\s+(http://\S+)/v1", 90).group(1)

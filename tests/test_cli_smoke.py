@@ -53,7 +53,7 @@ def read_until(proc: subprocess.Popen[str], pattern: str, timeout_s: float) -> r
 
 def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(FLEET_FILE), "--port", "0"],
+        [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(FLEET_FILE), "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = read_until(proc, r"gateway\s+(http://\S+)", 60).group(1)
@@ -82,10 +82,10 @@ def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
 def test_check_reports_fleet_file_errors(tmp_path: Path) -> None:
     bad = tmp_path / "fleet.yaml"
     bad.write_text("sites: []\nmodels: []\n")
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "check", "--fleet", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "tokenfleet", "check", "--fleet", str(bad)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert "sites" in r.stderr and "invalid fleet file" in r.stderr
-    ok = subprocess.run([sys.executable, "-m", "gateway.cli", "check"], capture_output=True, text=True, timeout=30)
+    ok = subprocess.run([sys.executable, "-m", "tokenfleet", "check"], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
     assert "8 instance(s)" in ok.stdout

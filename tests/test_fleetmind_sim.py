@@ -56,7 +56,7 @@ def test_spill_relieves_the_hot_site_within_policy(tmp_path: Path) -> None:
 def test_simulate_reports_placement_residency_and_sites(tmp_path: Path) -> None:
     path = workload(tmp_path, 150)
     out = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", "--trace", str(path), "--fleet",
+    r = subprocess.run([sys.executable, "-m", "tokenfleet", "simulate", "--trace", str(path), "--fleet",
                         str(SCENARIOS / "multisite.yaml"), "--policy", "tokenpilot", "--placement",
                         "home,fleetmind", "--no-progress", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
@@ -68,7 +68,7 @@ def test_simulate_reports_placement_residency_and_sites(tmp_path: Path) -> None:
         assert set(row["by_site"]) <= {"us-east-1", "us-west-2", "eu-west-1"}
     assert set(rows[0]["by_site"]) == {"us-east-1"}
     assert "tokenpilot/home" in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", "--trace", str(path),
+    bad = subprocess.run([sys.executable, "-m", "tokenfleet", "simulate", "--trace", str(path),
                           "--placement", "moon"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown placement 'moon'" in bad.stderr
 

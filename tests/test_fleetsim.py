@@ -228,26 +228,6 @@ def test_simulate_subcommand_plugs_into_a_parent_parser() -> None:
     assert args.trace_format == "auto" and args.fleet is None and args.timeout is None
 
 
-def test_plot_draws_a_png_or_says_matplotlib_is_missing(tmp_path, capsys) -> None:
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 600, "output_length": 4,
-                                         "hash_ids": [0, i + 1]}) + "\n" for i in range(5)))
-    fleet = tmp_path / "f.yaml"
-    fleet.write_text(json.dumps({
-        "sites": [{"name": "s1", "region": "r", "jurisdiction": "j"}],
-        "models": [{"name": "m", "engine": {"spec": "llama-3.1-8b"}}],
-        "deployments": [{"site": "s1", "model": "m", "instances": 2, "gpu": "H100"}]}))
-    png = tmp_path / "cdf.png"
-    rc = main(["--trace", str(trace), "--fleet", str(fleet), "--policy", "round_robin,least_loaded",
-               "--plot", str(png), "--no-progress"])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert rc == 2 and "pip install matplotlib" in capsys.readouterr().err
-    else:
-        assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 class _Recorder(RoundRobin):
     """Round robin that remembers what each decision saw, and every outcome."""
 

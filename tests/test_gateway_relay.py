@@ -227,16 +227,3 @@ async def test_failure_mid_stream_ends_with_error_event(stub_upstream: Any, star
     assert await wait_until(lambda: len(gw.router.outcomes) == 1)
     assert not gw.router.outcomes[0].ok and gw.inflight("i0") == 0
     assert not gw.instance_ready("i0"), "an engine that dropped the connection must be taken out"
-
-
-def test_sse_splitter_cuts_whole_events_across_reads() -> None:
-    from gateway.relay import SSESplitter, parse_sse_event
-
-    stream = b'data: {"a": 1}\n\ndata: {"b":\r\n\r\n: keepalive\n\ndata: [DONE]\n\n'
-    for cut in range(1, len(stream)):
-        sp = SSESplitter()
-        events = sp.feed(stream[:cut]) + sp.feed(stream[cut:]) + sp.flush()
-        assert b"".join(events) == stream, cut
-        assert [parse_sse_event(e).done for e in events] == [False, False, False, True]
-    assert parse_sse_event(b'data: {"a": 1}\n\n').obj == {"a": 1}
-    assert parse_sse_event(b": keepalive\n\n").data is None

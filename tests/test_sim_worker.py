@@ -16,11 +16,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_adapters.sim import hardware
 from engine_adapters.sim.driver import EngineDriver
 from engine_adapters.sim.engine import EngineConfig, SimEngine
 from engine_adapters.sim.openai_wire import ApiError, plan_output
 from engine_adapters.sim.worker import WORKER_KEY, start_worker
+from fleetcore import hardware
 from fleetcore.prefix import block_hashes
 from fleetcore.tokens import encode
 

@@ -433,7 +433,7 @@ def test_tokenfleet_up_log_level_info_shows_the_access_line_as_json() -> None:
     import openai
 
     fleet_file = Path(__file__).with_name("fleet_test.yaml")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet_file), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet_file), "--port", "0",
                              "--log-level", "info", "--log-format", "json"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue(maxsize=10000)

@@ -7,17 +7,16 @@ corrects them from observed timings, so a wrong prior costs only a few requests.
 
 from __future__ import annotations
 
+from fleetcore import hardware
 from fleetcore.policies import EnginePrior  # plain data: the router contract registers instances with it
+from fleetcore.roofline import StepTimer
 
 __all__ = ["EnginePrior", "prior_from_physics"]
 
 
 def prior_from_physics(spec: str, gpu: str, tp: int = 1, block_size: int = 16,
                        max_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9) -> EnginePrior:
-    """Prior for an engine whose model and GPU are in the simulated engine's tables."""
-    from engine_adapters.sim import hardware
-    from engine_adapters.sim.physics import StepTimer
-
+    """Prior for an engine whose model and GPU are in the roofline's tables (`fleetcore.hardware`)."""
     timer = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp)
     full = timer.step_time([(max_batched_tokens, 0)], [])
     one = timer.step_time([], [1])
