@@ -421,18 +421,20 @@ class RequestRecord:
         tpot = o.mean_tpot_s if o is not None else None
         duration = now - self.started
         model = p.model if p is not None else None
-        fields: dict[str, Any] = {
-            "request_id": self.request_id, "tenant": self.tenant, "class": cls, "model": model,
-            "op": OPERATION.get(self.kind, self.kind), "status": status, "outcome": outcome,
-            "site": self.site, "instance": self.instance, "attempts": self.attempts,
-            "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "queue_ms": _ms(self.queue_wait_s),
-            "duration_ms": _ms(duration),
-            "tokens_in": o.prompt_tokens if o is not None else (p.prompt_tokens if p is not None else None),
-            "tokens_out": o.output_tokens if o is not None else None,
-            "tokens_cached": o.cached_tokens if o is not None else None,
-            "admission": self.admission, "slo_met": slo_met, "reason": reason,
-            "error": error or (o.error if o is not None and not o.ok else None)}
-        emit(access_log, logging.WARNING if outcome == "failed" else logging.INFO, fields)
+        level = logging.WARNING if outcome == "failed" else logging.INFO
+        if access_log.isEnabledFor(level):  # the line's dict is built only when someone reads it
+            fields: dict[str, Any] = {
+                "request_id": self.request_id, "tenant": self.tenant, "class": cls, "model": model,
+                "op": OPERATION.get(self.kind, self.kind), "status": status, "outcome": outcome,
+                "site": self.site, "instance": self.instance, "attempts": self.attempts,
+                "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "queue_ms": _ms(self.queue_wait_s),
+                "duration_ms": _ms(duration),
+                "tokens_in": o.prompt_tokens if o is not None else (p.prompt_tokens if p is not None else None),
+                "tokens_out": o.output_tokens if o is not None else None,
+                "tokens_cached": o.cached_tokens if o is not None else None,
+                "admission": self.admission, "slo_met": slo_met, "reason": reason,
+                "error": error or (o.error if o is not None and not o.ok else None)}
+            emit(access_log, level, fields)
         if cls is not None and model is not None and p is not None:
             self._metrics(model, cls, p.tenant, ttft, tpot, duration, o, slo_met, outcome)
             if slo_met is not None:

@@ -367,18 +367,41 @@ async def test_access_log_has_one_complete_line_per_request_text_and_json(
     assert lines[0]["tokens_out"] == 3 and lines[0]["slo_met"] is True and lines[0]["site"] == "use1"
 
 
-async def test_admin_changes_are_audited(start: Any, caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_failed_request_logs_at_warning(start: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tokenfleet.access")
+    gw, _ = await start(fleet(), {}, mode="error500")  # every attempt answers 500: the client gets a 502
+    status, _ = await gw.post(KEY_A, headers={"x-request-id": "req-fail-1"})
+    assert status == 502
+    [record] = [r for r in caplog.records if r.name == "tokenfleet.access"]
+    assert record.levelno == logging.WARNING
+    f = record.fields
+    assert (f["request_id"], f["status"], f["outcome"], f["slo_met"], f["attempts"]) == \
+        ("req-fail-1", "502", "failed", False, 1)
+    assert f["reason"].startswith("not completed (failed")
+
+
+async def test_admin_changes_are_audited(gateway_server: Callable[[Any], Awaitable[str]], stub_upstream: Any,
+                                         fake_adapter: Any, instance_factory: Any,
+                                         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tokenfleet.audit")
-    gw, _ = await start(fleet(), {})
-    body = {"allowed_regions": ["us-east"]}
-    async with aiohttp.ClientSession() as s, s.put(f"{gw.url}/admin/v1/region-policies/a/m1", json=body,
-                                                   headers={"Authorization": f"Bearer {ADMIN}"}) as r:
-        assert r.status == 201, await r.text()
+    up = await stub_upstream()
+    app = create_app(fleet(), [fake_adapter([instance_factory("i0", up.url)])], poll_interval_s=60, planner=True,
+                     telemetry_env={})
+    url = await gateway_server(app)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.put(f"{url}/admin/v1/region-policies/a/m1", json={"allowed_regions": ["us-east"]},
+                         headers=admin) as r:
+            assert r.status == 201, await r.text()
+        async with s.put(f"{url}/admin/v1/planner", json={"mode": "advise"}, headers=admin) as r:
+            assert r.status == 200, await r.text()
     records = [r for r in caplog.records if r.name == "tokenfleet.audit"]
-    assert len(records) == 1 and records[0].levelno == logging.INFO
-    f = records[0].fields
-    assert (f["event"], f["action"], f["tenant"], f["model"]) == ("region_policy", "create", "a", "m1")
-    assert f["actor"].startswith("admin:")
+    assert len(records) == 2 and all(r.levelno == logging.INFO for r in records)
+    policy, planner = records[0].fields, records[1].fields
+    assert (policy["event"], policy["action"], policy["tenant"], policy["model"]) == \
+        ("region_policy", "create", "a", "m1")
+    assert policy["actor"].startswith("admin:") and policy["version"] >= 1
+    assert (planner["event"], planner["before"], planner["mode"]) == ("planner_mode", "auto", "advise")
 
 
 # --- why it missed ---
