@@ -192,6 +192,22 @@ def test_tracing_is_on_only_when_otel_variables_ask_for_it() -> None:
     assert not signal_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_SDK_DISABLED": "true"}, "metrics")
 
 
+def test_logfmt_quotes_what_would_break_a_line_and_leaves_out_none() -> None:
+    from gateway.logs import logfmt
+    assert logfmt({"a": "x", "b": None, "c": "two words", "d": 1.23456, "e": True, "f": "", "g": 'q"=\n'}) == \
+        'a=x c="two words" d=1.235 e=true f="" g="q\\"=\\n"'
+
+
+def test_log_format_in_the_fleet_file() -> None:
+    from fleetcore.fleet_config import FleetConfigError
+    base = {"sites": [{"name": "use1", "region": "us-east", "jurisdiction": "us"}],
+            "models": [{"name": "m1", "engine": {"spec": "llama-3.1-8b"}}]}
+    assert parse_fleet(base).gateway.log_format == "text"
+    assert parse_fleet({**base, "gateway": {"log_format": "json"}}).gateway.log_format == "json"
+    with pytest.raises(FleetConfigError):
+        parse_fleet({**base, "gateway": {"log_format": "xml"}})
+
+
 # --- traces ---
 
 async def test_spans_continue_the_clients_trace_and_the_engine_gets_the_attempts_context(
