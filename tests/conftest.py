@@ -22,6 +22,7 @@ from aiohttp import web
 
 from engine_adapters.base import EngineAdapter, Instance, LoadSnapshot
 from fleetcore.fleet_config import FleetConfig, parse_fleet
+from gateway.listener import bind_socket
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -251,8 +252,7 @@ async def gateway_server() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
     running: list[tuple[uvicorn.Server, asyncio.Task[None], socket.socket]] = []
 
     async def start(app: Any) -> str:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = bind_socket("127.0.0.1", 0)  # as production binds: TCP_NODELAY on every connection
         port = sock.getsockname()[1]
         config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
         server = _TestServer(config)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 
 from gateway.app import create_app
+from gateway.listener import bind_socket
 from tests.conftest import FakeAdapter, StubUpstream, make_config, make_instance
 
 TENANT = "sk-fuzz-tenant"
@@ -57,8 +57,7 @@ def gateway_url() -> Iterator[str]:
         await site.start()
         stub.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         app = create_app(_config(), [FakeAdapter([make_instance("i0", stub.url)])])
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = bind_socket("127.0.0.1", 0)  # as production binds: TCP_NODELAY on every connection
         server = _Server(uvicorn.Config(app, lifespan="on", log_level="critical", timeout_graceful_shutdown=1))
         box["server"], box["url"] = server, f"http://127.0.0.1:{sock.getsockname()[1]}"
         task = asyncio.create_task(server.serve(sockets=[sock]))
