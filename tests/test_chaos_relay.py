@@ -250,6 +250,7 @@ def no_address(text: str) -> bool:
 
 # --- the chaos ---
 
+@pytest.mark.slow
 def test_engine_stopped_before_first_byte_retried_elsewhere(start_gateway: Callable[..., Gateway]) -> None:
     gw = start_gateway()
     frozen, other = sorted(gw.workers)
@@ -286,6 +287,7 @@ def test_engine_stopped_before_first_byte_retried_elsewhere(start_gateway: Calla
     assert served == {frozen, other}
 
 
+@pytest.mark.slow
 def test_engine_stopped_mid_stream_ends_with_error_event(start_gateway: Callable[..., Gateway]) -> None:
     gw = start_gateway()
     result = StreamResult()
@@ -315,6 +317,7 @@ def test_engine_stopped_mid_stream_ends_with_error_event(start_gateway: Callable
     gw.wait_ready(2)
 
 
+@pytest.mark.slow
 def test_every_engine_stopped_non_stream_gets_504(start_gateway: Callable[..., Gateway]) -> None:
     gw = start_gateway()
     for iid in gw.workers:
@@ -341,6 +344,7 @@ def test_every_engine_stopped_non_stream_gets_504(start_gateway: Callable[..., G
 
 # --- graceful shutdown ---
 
+@pytest.mark.slow
 def test_sigterm_lets_short_streams_finish_and_ends_long_ones(start_gateway: Callable[..., Gateway]) -> None:
     grace = 3.0
     gw = start_gateway(grace=grace)
@@ -374,6 +378,7 @@ def test_sigterm_lets_short_streams_finish_and_ends_long_ones(start_gateway: Cal
     poll(lambda: not any(alive(p) for p in gw.workers.values()), 10, "engines to stop")
 
 
+@pytest.mark.slow
 def test_second_signal_ends_streams_at_once(start_gateway: Callable[..., Gateway]) -> None:
     gw = start_gateway(grace=60.0)
     result = StreamResult()

@@ -147,6 +147,7 @@ async def test_tokenpilot_headers_and_exact_cache_index(fleet: Fleet) -> None:
     assert decisions[-1]["candidates"] and "predicted_ttft_s" in decisions[-1]["candidates"][0]["detail"]
 
 
+@pytest.mark.slow
 async def test_client_disconnect_aborts_on_worker(fleet: Fleet) -> None:
     body = {"model": MODEL, "prompt": "A very long story:", "max_tokens": 4000, "stream": True,
             "ignore_eos": True}

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy, residency_violations
 from fleetsim.metrics import summarize_all
@@ -35,6 +37,7 @@ def run(path: Path, placement: str, rate_scale: float = 1.0):  # type: ignore[no
     return inputs, res.records
 
 
+@pytest.mark.slow
 def test_spill_relieves_the_hot_site_within_policy(tmp_path: Path) -> None:
     path = workload(tmp_path)
     _, home = run(path, "home", 0.5)
@@ -53,6 +56,7 @@ def test_spill_relieves_the_hot_site_within_policy(tmp_path: Path) -> None:
     assert all(r.status == "rejected" for r in home if version[r.request_id] == "v2")
 
 
+@pytest.mark.slow
 def test_simulate_reports_placement_residency_and_sites(tmp_path: Path) -> None:
     path = workload(tmp_path, 150)
     out = tmp_path / "out.json"
@@ -73,6 +77,7 @@ def test_simulate_reports_placement_residency_and_sites(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown placement 'moon'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_planner_moves_replicas_toward_a_flash_crowd(tmp_path: Path) -> None:
     """The long cycle in virtual time: demand appears at west, a replica moves there and
     starts after its start-up delay; every step is logged."""

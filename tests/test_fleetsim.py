@@ -46,6 +46,7 @@ def run(fleet: FleetConfig, reqs: list[TraceRequest], router=None, **kw):
 # --- the command line on the real trace -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_runs_200_requests_of_the_real_trace_and_writes_the_documented_json(tmp_path, capsys) -> None:
     out = tmp_path / "sim.json"
     rc = main(["simulate", "--trace", str(TRACE), "--trace-format", "mooncake", "--max-requests", "200",

@@ -142,6 +142,7 @@ async def test_redis_store_restores_its_known_state_when_the_store_comes_back_em
         await raw.aclose()
 
 
+@pytest.mark.slow
 async def test_redis_store_calls_are_bounded_when_redis_hangs_or_is_down(tmp_path: Path) -> None:
     proc = RedisProc(tmp_path)
     proc.start()

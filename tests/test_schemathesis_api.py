@@ -93,6 +93,7 @@ schema = schemathesis.openapi.from_dict(SPEC)
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
+@pytest.mark.slow
 def test_no_request_gets_a_5xx(case: Any, gateway_url: str) -> None:
     declared = case.operation.path.startswith("/v1/") and case.method == "POST"
     checks = [not_a_server_error] + ([status_code_conformance, content_type_conformance] if declared else [])
@@ -115,6 +116,7 @@ BODY = st.fixed_dictionaries({"model": st.sampled_from(["m1", "m1@v1"]) | ODD, "
 BODY = st.tuples(BODY, st.dictionaries(ODD, VALUE, max_size=1)).map(lambda t: {**t[1], **t[0]})  # odd extra keys
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=BODY)
 def test_odd_bodies_never_get_a_5xx(gateway_url: str, path: str, body: dict[str, Any]) -> None:

@@ -440,6 +440,7 @@ async def test_startup_delay_and_emulated_network_rtt() -> None:
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_sim_adapter_adds_a_loading_instance_and_removes_one() -> None:
     from engine_adapters.sim.launcher import SimAdapter
 

@@ -236,6 +236,7 @@ class _Avoiding(LedgeredAdmission):
         return {"policy": self.name, "pools": {}}
 
 
+@pytest.mark.slow
 async def test_routing_skips_the_instances_admission_says_to_avoid(gateway_server, stub_upstream, fake_adapter,
                                                                     instance_factory) -> None:
     ups = [await stub_upstream() for _ in range(2)]
