@@ -43,8 +43,12 @@ def test_spill_relieves_the_hot_site_within_policy(tmp_path: Path) -> None:
     _, home = run(path, "home", 0.5)
     inputs, spill = run(path, "fleetmind", 0.5)
     s_home, s_spill = summarize_all(home, FLEET.admission.slos()), summarize_all(spill, FLEET.admission.slos())
-    assert s_spill["ttft_ms"]["p95"] <= 0.5 * s_home["ttft_ms"]["p95"]
-    assert s_spill["goodput_tok_s"] > s_home["goodput_tok_s"]
+    # Deterministic run; observed: P95 TTFT 0.48x home-only, goodput 2.9x. The old bound (0.5x) sat
+    # 4% from the observed value, so any small change to the roofline or a tie-break flipped it
+    # without saying anything about spilling. Relief means a clear cut on both: a quarter off the
+    # P95 and twice the goodput, each well clear of what such changes move.
+    assert s_spill["ttft_ms"]["p95"] <= 0.75 * s_home["ttft_ms"]["p95"]
+    assert s_spill["goodput_tok_s"] >= 2 * s_home["goodput_tok_s"]
     policies = PolicySet(FLEET.region_policies)
     assert residency_violations(spill, policies, FLEET) == 0
     assert not any(r.tenant == "acme" and r.site == "eu-west-1" for r in spill)
