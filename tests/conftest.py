@@ -258,10 +258,12 @@ async def gateway_server() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
         server = _TestServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         running.append((server, task, sock))
+        deadline = time.monotonic() + 30
         while not server.started:
             if task.done():
                 task.result()
                 raise RuntimeError("gateway did not start")
+            assert time.monotonic() < deadline, "the gateway did not start within 30 s"
             await asyncio.sleep(0.01)
         return f"http://127.0.0.1:{port}"
 
