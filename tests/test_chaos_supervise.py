@@ -201,6 +201,7 @@ async def test_worker_that_keeps_dying_backs_off_up_to_the_bound() -> None:
         await adapter.stop()
 
 
+@pytest.mark.slow
 async def test_planned_stops_are_not_restarted() -> None:
     """remove_instance (the planner), a clean exit (an operator's SIGTERM) and stop (shutdown) are
     not crashes; a crash next door is."""
