@@ -463,6 +463,7 @@ async def test_a_request_the_sampler_leaves_out_still_carries_its_trace_to_the_e
     assert otlp.spans == []
 
 
+@pytest.mark.slow  # a real `tokenfleet up` with three simulated engines: ~9 s
 def test_tokenfleet_up_log_level_info_shows_the_access_line_as_json() -> None:
     import queue
     import subprocess
