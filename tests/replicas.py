@@ -117,6 +117,7 @@ class ReplicaFleet:
                 continue
             if line is None:
                 raise AssertionError("tokenfleet up exited; output:\n" + "\n".join(self.lines))
+            self.lines.append(line)
             self._note(line)
             if pred(line):
                 return line
@@ -166,18 +167,23 @@ def haproxy_exe() -> str:
 
 
 @contextmanager
-def replica_fleet(n: int = 3, fleet: Path = FLEET, extra: list[str] | None = None) -> Iterator[ReplicaFleet]:
-    """`tokenfleet up --replicas n` + HAProxy on the config it wrote; stopped (and checked) after."""
+def replica_fleet(n: int = 3, fleet: Path = FLEET, extra: list[str] | None = None,
+                  shared_redis: bool = True) -> Iterator[ReplicaFleet]:
+    """`tokenfleet up --replicas n` + HAProxy on the config it wrote; stopped (and checked) after.
+
+    `shared_redis=False`: no --redis-url, so the CLI starts its private redis-server."""
     from gateway.haproxy_config import stats_section
     exe = haproxy_exe()
-    with private_redis_url() as redis, tempfile.TemporaryDirectory(prefix="tf-replicas-") as tmp:
+    with (private_redis_url() if shared_redis else contextlib.nullcontext("")) as redis, \
+            tempfile.TemporaryDirectory(prefix="tf-replicas-") as tmp:
         base, lb_port, stats_port = free_port_block(n), free_port(), free_port()
         cfg = Path(tmp) / "haproxy.cfg"
         argv = [sys.executable, "-m", "tokenfleet.cli", "up", "--replicas", str(n), "--fleet", str(fleet),
-                "--port", str(base), "--redis-url", redis, "--haproxy-config", str(cfg),
+                "--port", str(base), *(["--redis-url", redis] if redis else []), "--haproxy-config", str(cfg),
                 "--haproxy-bind", f"127.0.0.1:{lb_port}", *(extra or [])]
+        env = {k: v for k, v in os.environ.items() if k != "TOKENFLEET_REDIS_URL"}
         proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**env, "PYTHONUNBUFFERED": "1"})
         fleet_ = ReplicaFleet(proc, redis, f"http://127.0.0.1:{lb_port}", f"http://127.0.0.1:{stats_port}/stats", cfg)
         threading.Thread(target=_reader, args=(proc, fleet_._queue), daemon=True).start()
         haproxy: subprocess.Popen[bytes] | None = None
