@@ -188,3 +188,30 @@ def test_replicas_refused_without_redis(tmp_path: Path) -> None:
     assert r.returncode == 2, r
     assert "--replicas 2 needs a Redis" in r.stdout and "--redis-url" in r.stdout, r.stdout
     assert "launching" not in r.stdout
+
+
+def test_attach_view_gives_replicas_the_launched_ids_and_urls(tmp_path: Path) -> None:
+    # what a replica builds from the parent's attach file: sim adapters in attach mode, same ids
+    from engine_adapters.base import AdapterError
+    from engine_adapters.registry import build_adapters
+    from engine_adapters.sim.launcher import SimAdapter
+    from fleetcore.fleet_config import load_fleet_file
+    from gateway.replicas import apply_attach
+
+    view = {"0": ["http://127.0.0.1:1001", "http://127.0.0.1:1002/"], "1": ["http://127.0.0.1:1003"]}
+    (tmp_path / "a.json").write_text(json.dumps(view))
+    adapters = build_adapters(apply_attach(load_fleet_file(FLEET), str(tmp_path / "a.json")))
+
+    async def launch() -> list[tuple[str, str]]:
+        out = [(i.instance_id, i.url) for a in adapters for i in await a.launch()]
+        for a in adapters:
+            await a.stop()
+        return out
+
+    assert asyncio.run(launch()) == [("east/llama-3.1-8b/0", "http://127.0.0.1:1001"),
+                                     ("east/llama-3.1-8b/1", "http://127.0.0.1:1002"),
+                                     ("west/llama-3.1-8b/0", "http://127.0.0.1:1003")]
+    assert not any(a.scalable for a in adapters)
+    with pytest.raises(AdapterError, match="instances=2 but 1 urls"):
+        SimAdapter(id_prefix="x/m", site="x", model="m", version="v", instances=2, spec="llama-3.1-8b",
+                   gpu="H100", options={"urls": ["http://a:1"]})
