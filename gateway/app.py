@@ -246,6 +246,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                   description="OpenAI-compatible gateway: /v1 for tenants (API key), /admin/v1 for "
                               "operators (admin key); errors are OpenAI-shaped `{\"error\": {...}}`.")
     app.state.tokenfleet = ctx
+    app.state.replicas = replicas  # shared state of several replicas (gateway.replicas): tests, tools
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_openai_routes(app, ctx)
