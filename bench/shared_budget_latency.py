@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
 import statistics
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from collections.abc import Iterator
 from typing import Any
 
 from fleetcore.fleet_config import GatewaySettings, parse_fleet
@@ -23,7 +29,6 @@ from gateway.admission import AdmissionGate
 from gateway.budget_store import SharedBudgets
 from gateway.shared_state import SharedRedis
 from slomax import SLOMax
-from tests.redis_server import redis_url
 
 
 @dataclass
@@ -71,6 +76,34 @@ async def run(n: int, url: str | None) -> list[float]:
         await gate.shared_budgets.close()  # type: ignore[union-attr]
         await shared.stop()
     return out
+
+
+@contextlib.contextmanager
+def redis_url() -> Iterator[str]:
+    """A private redis-server on a free loopback port (no persistence)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                 "--dir", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise SystemExit("redis-server did not start") from None
+                    time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 def pct(xs: list[float], q: float) -> float:
