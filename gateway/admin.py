@@ -25,6 +25,7 @@ naming it. Calls that need the policy store answer 503 `policy_store_unavailable
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from dataclasses import asdict
@@ -177,7 +178,8 @@ class RegionPolicyAdmin:
 
 def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyAdmin, relay: Any,
                          placement: Any = None) -> None:
-    """`placement`: the gateway's `PlacementLoop`, or None when the planner is off."""
+    """`placement`: the planner the admin API talks to (`gateway.replica_state.PlannerAdmin` over the gateway's
+    `PlacementLoop`: its mode durable, the lease holder's log on any replica), or None when it is off."""
     auth = AdminAuth(config)
 
     def if_match(request: Request) -> int | None:
@@ -263,7 +265,9 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
             raise GatewayError(409, "The placement planner is not enabled in this gateway (fleet file "
                                     "`planner.enabled`, or `tokenfleet up --planner`).", code="planner_disabled")
         before = placement.mode
-        placement.set_mode(body.mode, actor)
+        result = placement.set_mode(body.mode, actor)
+        if asyncio.iscoroutine(result):  # gateway.replica_state.PlannerAdmin: kept in the durable admin store
+            await result
         emit(audit_log, logging.INFO, {"event": "planner_mode", "actor": actor, "before": before,
                                        "mode": placement.mode})
         return JSONResponse({"mode": placement.mode})

@@ -42,6 +42,7 @@ from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
 from gateway.relay import DecisionLog, Relay
+from gateway.replica_state import Replicas
 from gateway.telemetry import Telemetry
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
@@ -200,6 +201,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                                   ready_timeout_s=p.ready_timeout_s, mode=p.mode)
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
+    # Several replicas: budgets, ledger, lease and admin state shared through Redis (gateway.replica_state).
+    replicas = Replicas(config, gate, placement, metrics.registry, clock, policy_store or policy_sync.store,
+                        getattr(policy_sync.store, "kv", None))
     dash_recorder, dash_sampler = dashboard.wire(admission.ledger, dashboard_sample_s)
     relay.listeners.append(dash_recorder)
     g = config.gateway
@@ -216,6 +220,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         loop_monitor.start()
         relay.session = _client_session(config.gateway)
         await policy_sync.start()
+        await replicas.start()
         try:
             await state.start()
             if kv_feed is not None:
@@ -234,6 +239,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 await placement.stop()
             gate.close()
+            await replicas.stop()
             await policy_sync.stop()
             if kv_feed is not None:
                 await kv_feed.stop()
@@ -250,11 +256,12 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                   description="OpenAI-compatible gateway: /v1 for tenants (API key), /admin/v1 for "
                               "operators (admin key); errors are OpenAI-shaped `{\"error\": {...}}`.")
     app.state.tokenfleet = ctx
+    app.state.replicas = replicas  # shared state of several replicas (gateway.replica_state): tests, tools
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
-    install_admin_routes(app, config, policy_admin, relay, placement)
+    install_admin_routes(app, config, policy_admin, relay, replicas.planner)
     install_report_routes(app, config, gate, clock, telemetry.slo_log)
     dashboard.install_dashboard_routes(app, config, dash_sampler, admission, placement)
     return app

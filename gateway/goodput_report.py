@@ -43,6 +43,7 @@ from fleetcore.fleet_config import FleetConfig
 from gateway.admission import AdmissionGate
 from gateway.auth import bearer_token
 from gateway.errors import GatewayError, bad_request, invalid_api_key
+from gateway.policy_store import StoreUnavailable
 from gateway.slo_log import SLOLog, as_row
 from slomax.ledger import COUNTERS, REJECT_REASONS, Cell, row
 
@@ -154,16 +155,27 @@ def install_report_routes(app: FastAPI, config: FleetConfig, gate: AdmissionGate
         q = request.query_params
         now = clock()
         ledger = gate.policy.ledger
-        rows = ledger.report(tenants=None if want is None else {want}, request_class=cls,
-                             since=None if span is None else now - span, per_window=_truthy(q.get("per_window")))
-        _to_wall(rows, time.time() - now)
+        tenants = None if want is None else {want}
+        rows, source = None, "local"
+        if gate.shared_ledger is not None and gate.shared_ledger.shared.up:
+            try:  # every replica's figures (gateway.ledger_sync), windows already in unix time
+                rows = await gate.shared_ledger.report(tenants=tenants, request_class=cls, per_window=_truthy(
+                    q.get("per_window")), since_unix=None if span is None else time.time() - span)
+                source = "shared"
+                _to_wall(rows, 0.0)
+            except StoreUnavailable:
+                rows = None  # Redis went away: this replica's own ledger, as for a single gateway
+        if rows is None:
+            rows = ledger.report(tenants=tenants, request_class=cls,
+                                 since=None if span is None else now - span, per_window=_truthy(q.get("per_window")))
+            _to_wall(rows, time.time() - now)
         fmt = (q.get("format") or "").lower()
         if fmt not in ("", "json", "csv"):
             raise bad_request(f"`format` must be json or csv; got {fmt!r}.", "format")
         if fmt == "csv" or (not fmt and "text/csv" in request.headers.get("accept", "")):
             return Response(to_csv(rows), media_type="text/csv; charset=utf-8")
         return JSONResponse({"object": "goodput_report", "policy": gate.policy.name, "tenant": want, "class": cls,
-                             "window_s": span, "ledger_window_s": ledger.window_s, "generated_at": _iso(time.time()),
+                             "window_s": span, "ledger_window_s": ledger.window_s, "source": source, "generated_at": _iso(time.time()),
                              "rows": rows, "totals": _totals(rows)})
 
     @app.get("/v1/reports/goodput/misses")
