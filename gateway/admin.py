@@ -25,7 +25,9 @@ naming it. Calls that need the policy store answer 503 `policy_store_unavailable
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 from dataclasses import asdict
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -38,6 +40,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.region_policy import RegionPolicy, check_policy
 from fleetcore.types import RequestProfile
 from gateway.auth import bearer_token
+from gateway.logs import emit
 from gateway.errors import GatewayError, bad_request, invalid_api_key
 from gateway.placement import Mode
 from gateway.policy_store import AuditEntry, Snapshot, StoreUnavailable, VersionConflict, now_unix
@@ -99,6 +102,10 @@ async def _bounded(op: Awaitable[_T], retry_after_s: int) -> _T:
         return await op
     except StoreUnavailable as e:
         raise policy_store_unavailable(str(e), retry_after_s) from None
+
+
+# Admin changes, at info: who changed what (the durable record is the store's audit log).
+audit_log = logging.getLogger("tokenfleet.audit")
 
 
 def _forbidden() -> GatewayError:
@@ -164,12 +171,15 @@ class RegionPolicyAdmin:
         except VersionConflict as e:
             raise GatewayError(412, f"{e}; re-read and retry.", code="version_conflict") from None
         await self.sync.accept(Snapshot(version, tuple(policies)))
+        emit(audit_log, logging.INFO, {"event": "region_policy", "action": action, "actor": actor,
+                                       "tenant": tenant, "model": model, "version": version})
         return version, before
 
 
 def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyAdmin, relay: Any,
                          placement: Any = None) -> None:
-    """`placement`: the gateway's `PlacementLoop`, or None when the planner is off."""
+    """`placement`: the planner the admin API talks to (`gateway.replica_state.PlannerAdmin` over the gateway's
+    `PlacementLoop`: its mode durable, the lease holder's log on any replica), or None when it is off."""
     auth = AdminAuth(config)
 
     def if_match(request: Request) -> int | None:
@@ -254,7 +264,12 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
         if placement is None:
             raise GatewayError(409, "The placement planner is not enabled in this gateway (fleet file "
                                     "`planner.enabled`, or `tokenfleet up --planner`).", code="planner_disabled")
-        placement.set_mode(body.mode, actor)
+        before = placement.mode
+        result = placement.set_mode(body.mode, actor)
+        if asyncio.iscoroutine(result):  # gateway.replica_state.PlannerAdmin: kept in the durable admin store
+            await result
+        emit(audit_log, logging.INFO, {"event": "planner_mode", "actor": actor, "before": before,
+                                       "mode": placement.mode})
         return JSONResponse({"mode": placement.mode})
 
     @app.get("/admin/v1/fleet")

@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from fleetcore.types import AdmissionDecision, RequestOutcome, RequestProfile
+from gateway.budget_store import Charge, SharedBudgets
 from gateway.errors import GatewayError, bad_request, overloaded, rate_limited
 from gateway.fleet_state import FleetState
 from gateway.requests import CLASS_HEADER, ParsedRequest
@@ -62,6 +63,10 @@ class AdmissionGate:
         self._last: dict[str, RequestOutcome] = {}  # latest attempt outcome per admitted request
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        # Budgets shared by the gateway's replicas (gateway.budget_store), when it has several.
+        self.shared_budgets: SharedBudgets | None = None
+        self._charges: dict[str, Charge] = {}  # admitted request -> what Redis charged for it
+        self.shared_ledger: Any = None  # gateway.ledger_sync.LedgerSync: the replicas' goodput, when shared
 
     # -- entering -------------------------------------------------------------------------
 
@@ -74,8 +79,31 @@ class AdmissionGate:
         """
         profile = parsed.profile
         rid = profile.request_id
-        d = self._call(self.policy.admit, profile, self.state.view(), self.clock()) or AdmissionDecision("admit")
-        if d.action == "queue":
+        entered = self.clock()
+        shared = self.shared_budgets
+        # Fleet-wide budgets first (one bounded round trip); the policy gets the verdict, stays pure.
+        charge = await shared.before_admit(profile) if shared is not None else None
+        try:
+            d = self._call(self.policy.admit, profile, self.state.view(), entered) or AdmissionDecision("admit")
+        finally:
+            if shared is not None:
+                shared.after_admit(profile)
+        try:
+            parsed, avoid = await self._decided(parsed, d, race, entered)
+        except BaseException:
+            if charge is not None and shared is not None:
+                shared.settle(charge, 0)  # never ran: its tokens (not its request) go back
+            raise
+        if charge is not None:
+            self._charges[rid] = charge
+        return parsed, avoid
+
+    async def _decided(self, parsed: ParsedRequest, d: AdmissionDecision,
+                       race: Callable[[Any], Any], entered: float) -> tuple[ParsedRequest, tuple[str, ...]]:
+        profile = parsed.profile
+        rid = profile.request_id
+        queued = d.action == "queue"
+        if queued:
             fut: asyncio.Future[AdmissionDecision] = asyncio.get_running_loop().create_future()
             self._waiting[rid] = fut
             self.pump()  # someone ahead of it may be able to start now
@@ -87,11 +115,16 @@ class AdmissionGate:
                 self._waiting.pop(rid, None)
                 self._call(self.policy.cancel, rid, self.clock())
                 self.pump()
+                if parsed.obs is not None:
+                    parsed.obs.admitted("left", self.clock() - entered, profile)
                 raise
-        if d.action == "reject":
-            raise decision_error(d)
         if d.request_class and d.request_class != profile.request_class:
             parsed = replace(parsed, profile=replace(profile, request_class=d.request_class))
+        if parsed.obs is not None:  # the verdict, the class and the time it waited, for telemetry
+            verdict = "rejected" if d.action == "reject" else ("queued" if queued else "admitted")
+            parsed.obs.admitted(verdict, self.clock() - entered, parsed.profile, d.code)
+        if d.action == "reject":
+            raise decision_error(d)
         self._admitted[rid] = parsed.profile
         return parsed, d.avoid_instances
 
@@ -123,6 +156,10 @@ class AdmissionGate:
             outcome = RequestOutcome(request_id=request_id, instance_id="", site="", ok=False,
                                      prompt_tokens=profile.prompt_tokens,
                                      e2e_s=max(0.0, self.clock() - profile.arrival), error="not dispatched")
+        charge = self._charges.pop(request_id, None)
+        if charge is not None and self.shared_budgets is not None:
+            used = (outcome.prompt_tokens or profile.prompt_tokens) + outcome.output_tokens
+            self.shared_budgets.settle(charge, used if outcome.instance_id else 0)
         self._call(self.policy.observe, outcome)
         self.pump()
 

@@ -22,6 +22,7 @@ from engine_adapters.base import AdapterError, EngineAdapter
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, load_fleet_file
 from gateway.listener import ListenerCollector, bind_socket, build_listeners, protocol_class, raise_fd_limit
+from gateway.logs import LOG_FORMATS, configure_logging
 from gateway.routing import DEFAULT_ROUTER, build_router
 from gateway.shutdown import Shutdown
 from tokenpilot.registry import ROUTER_NAMES
@@ -33,9 +34,12 @@ def _say(msg: str) -> None:
     print(f"tokenfleet: {msg}", flush=True)
 
 
-def _load(path: str | None) -> tuple[FleetConfig, list[EngineAdapter]]:
+def _load(path: str | None, attach: str | None = None) -> tuple[FleetConfig, list[EngineAdapter]]:
     fleet_path = Path(path) if path else DEFAULT_FLEET_FILE
     config = load_fleet_file(fleet_path)
+    if attach:  # a replica of `up --replicas`: attach to the workers its parent launched
+        from gateway.replicas import apply_attach
+        config = apply_attach(config, attach)
     return config, build_adapters(config)
 
 
@@ -97,7 +101,9 @@ def _dev_key(config: FleetConfig) -> str | None:
 async def _up(args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
-    config, adapters = _load(args.fleet)
+    config, adapters = _load(args.fleet, args.attach_instances)
+    # --log-level reaches the gateway's own loggers too (tokenfleet.access, tokenfleet.audit)
+    configure_logging(args.log_level, args.log_format or config.gateway.log_format)
     ops_port = args.ops_port if args.ops_port is not None else config.gateway.ops_port
     try:
         sock = bind_socket(args.host, args.port)
@@ -193,11 +199,32 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     up.add_argument("--planner", action=argparse.BooleanOptionalAction, default=None,
                     help="FleetMind's replica planner on or off (default: the fleet file's planner.enabled)")
     up.add_argument("--log-level", default="warning",
-                    choices=["critical", "error", "warning", "info", "debug"])
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="info shows one access line per request (tokenfleet.access) and admin changes "
+                         "(tokenfleet.audit)")
+    up.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                    help="text, or one JSON object per line (default: the fleet file's gateway.log_format)")
+    # Several replicas (gateway.replicas, README "Several replicas").
+    up.add_argument("--replicas", type=int, default=1,
+                    help="run N gateway replicas on consecutive ports from --port, in front of the fleet's "
+                         "workers launched once; they share state through --redis-url, else a private "
+                         "redis-server (default: %(default)s)")
+    up.add_argument("--haproxy-config", metavar="PATH",
+                    help="with --replicas: write an HAProxy config for the replicas here")
+    up.add_argument("--haproxy-bind", default="*:8000", metavar="ADDR:PORT",
+                    help="where that HAProxy listens (default: %(default)s)")
+    up.add_argument("--attach-instances", metavar="PATH", help=argparse.SUPPRESS)  # set by --replicas
     up.set_defaults(func=run_up)
     return up
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        _say("--replicas must be at least 1")
+        return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        if args.replicas > 1:
+            from gateway.replicas import up_replicas
+            config, adapters = _load(args.fleet)
+            return runner.run(up_replicas(args, config, adapters))
         return runner.run(_up(args))

@@ -85,6 +85,8 @@ class PlacementLoop:
         self._last_ended: tuple[int, int] | None = None
         self._task: asyncio.Task[None] | None = None
         self._work: set[asyncio.Task[None]] = set()
+        # With several replicas, only the holder of the planner lease acts (gateway.lease); None: always.
+        self.may_act: Callable[[], bool] | None = None
 
     # -- what the relay tells it ----------------------------------------------------
     def arrived(self, profile: RequestProfile) -> None:
@@ -118,6 +120,8 @@ class PlacementLoop:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.cycle_s)
+            if self.may_act is not None and not self.may_act():
+                continue  # another replica holds the lease: it plans; this one only records demand
             try:
                 await self.cycle()
             except Exception:  # a planner bug must not stop the gateway, nor the next cycle

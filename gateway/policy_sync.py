@@ -26,8 +26,9 @@ from fleetcore.policies import SiteChooser
 from fleetcore.region_policy import PolicySet, Residency
 from fleetcore.types import FleetView, RequestOutcome, RequestProfile, SiteDecision
 from gateway.errors import SERVER_ERROR, GatewayError
+from gateway.admin_store import SqliteKV, SqlitePolicyStore
 from gateway.policy_snapshot import SnapshotFile, state_dir
-from gateway.policy_store import KnownState, MemoryPolicyStore, PolicyStore, Snapshot, StoreUnavailable, fleet_identity
+from gateway.policy_store import KnownState, PolicyStore, Snapshot, StoreUnavailable, fleet_identity
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -169,14 +170,18 @@ class GuardedSiteChooser(SiteChooser):
 
 def build_policy_sync(config: FleetConfig, store: PolicyStore | None, chooser: SiteChooser,
                       interval_s: float = 0.5) -> PolicySync:
-    """The gateway's policy sync over `store` (None: an in-process store for one gateway, kept on
-    disk per fleet), with its snapshot file under the state directory."""
+    """The gateway's policy sync over `store` (None: a SQLite store for one gateway, per fleet,
+    under the state directory), with its snapshot file under the state directory."""
     directory = state_dir(config.gateway.state_dir)
     if store is None:
-        identity = "memory#" + fleet_identity([s.name for s in config.sites], [t.name for t in config.tenants],
-                                              [m.name for m in config.models], config.region_policies)
+        # One replica: the durable admin store, a SQLite file per fleet (gateway.admin_store). The
+        # lineage keeps the in-process store's name, so a gateway upgraded in place keeps its snapshot.
+        fleet_id = fleet_identity([s.name for s in config.sites], [t.name for t in config.tenants],
+                                  [m.name for m in config.models], config.region_policies)
+        identity = "memory#" + fleet_id
         snapshot_file = SnapshotFile(directory, identity)
-        store = MemoryPolicyStore(config.region_policies, known=snapshot_file.read())
+        kv = SqliteKV(directory / f"admin-{fleet_id}.sqlite3", timeout_s=config.gateway.store_timeout_s)
+        store = SqlitePolicyStore(kv, config.region_policies, identity=identity, known=snapshot_file.read())
     else:
         snapshot_file = SnapshotFile(directory, store.identity)
     retry_after = max(1, math.ceil(max(interval_s, config.gateway.store_timeout_s)))

@@ -183,6 +183,7 @@ class Target:
     site: str
     instance: Instance
     route: RouteDecision | None = None
+    site_reason: str = ""
 
 
 @dataclass(slots=True)
@@ -234,6 +235,9 @@ class Dispatch:
         outcome = self._outcome(ok, error, cancelled)
         r.metrics.record_outcome(profile.model, outcome)
         r.observe(outcome)
+        if self.parsed.obs is not None:
+            reason = self.stats.finish_reason
+            self.parsed.obs.attempt_ended(outcome, status, (reason,) if reason else None)
 
     def _outcome(self, ok: bool, error: str | None, cancelled: bool) -> RequestOutcome:
         now = self.relay.clock()
@@ -462,7 +466,7 @@ class Relay:
         st = self.state.get(choice.instance.instance_id) if choice.instance is not None else None
         if st is None or choice.site.site is None:
             return None
-        return Target(choice.site.site, st.instance, choice.route)
+        return Target(choice.site.site, st.instance, choice.route, choice.site.reason)
 
     def first_token(self, request_id: str) -> None:
         if self.admission is not None:
@@ -547,6 +551,8 @@ class Relay:
         d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
         self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
         self.shutdown.track(up)
+        if parsed.obs is not None:  # the attempt's CLIENT span starts before the send
+            parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
         handed_over = False
         try:
             d.resp = await watch.race(self._head(d, path))
@@ -591,6 +597,8 @@ class Relay:
             raise RuntimeError("the gateway's HTTP session is not started (lifespan not run)")
         headers = {"Content-Type": "application/json", "X-Request-Id": parsed.profile.request_id,
                    "Accept": "text/event-stream" if parsed.stream else "application/json"}
+        if parsed.obs is not None:
+            parsed.obs.inject(headers)  # W3C traceparent: the engine joins the client's trace
         try:
             return await self.session.post(instance.url + path, data=upstream_body(parsed, instance.model),
                                            headers=headers)
@@ -631,8 +639,9 @@ class Relay:
                                    f"engine instance {d.iid} connection broke while sending its answer") from None
         if status < 400:
             d.stats.usage = usage_of_body(body)
+            if d.parsed.obs is not None:
+                d.parsed.obs.whole_body(body)  # its finish reasons, read only for a traced request
             if d.parsed.requested_model is not None:
                 body = renamed_body(body, d.parsed.requested_model)
         d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")
         return Response(body, status_code=status, media_type=content_type, headers=d.headers())
-

@@ -15,7 +15,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fleetcore.fleet_config import FleetConfig, ModelConfig
 from fleetcore.model_tokenizer import PromptTokenizer
@@ -26,6 +26,9 @@ from gateway.auth import Caller
 from gateway.errors import bad_request, context_length_exceeded, model_not_found
 from gateway.json_body import parse_json_object
 from gateway.openai_fields import check_logprobs, check_unsupported, choice_count
+
+if TYPE_CHECKING:
+    from gateway.telemetry import RequestRecord
 
 Kind = Literal["chat", "completion", "embedding"]
 
@@ -47,6 +50,9 @@ class ParsedRequest:
     # The name the client asked for when it is not the model that serves (an alias, or the
     # original model of a fallback): responses carry it in `model`.
     requested_model: str | None = None
+    # What telemetry learns about the request on its way (gateway.telemetry); travels with it
+    # through admission's `replace`. None: no telemetry (tests that build requests directly).
+    obs: RequestRecord | None = None
 
     @property
     def stream(self) -> bool:

@@ -130,6 +130,16 @@ class GoodputLedger:
     def windows(self) -> list[int]:
         return sorted(self._cells)
 
+    def window_cells(self, window: int) -> dict[Key, Cell]:
+        """The cells of one window (read only: what a gateway replica shares with the others)."""
+        return self._cells.get(window, {})
+
+    def merge_cell(self, window: int, tenant: str, request_class: str, cell: Cell) -> None:
+        """Add `cell` to a window (a ledger built from the replicas' shared figures)."""
+        win = self._cells.setdefault(window, {})
+        win.setdefault((tenant, request_class), Cell()).add(cell)
+        self.totals.setdefault((tenant, request_class), Cell()).add(cell)
+
     def report(self, *, tenants: Collection[str] | None = None, request_class: str | None = None,
                since: float | None = None, until: float | None = None,
                per_window: bool = False) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 FLEET = """
 sites:
@@ -112,6 +113,7 @@ async def _oversized_run(url: str, pid: int) -> dict[str, Any]:
         return {"big": results, "small": small, "before": before, "after": _status(pid), "health": health}
 
 
+@pytest.mark.slow
 def test_an_8mb_prompt_is_refused_at_once_and_other_tenants_keep_being_served(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(FLEET)

@@ -85,6 +85,7 @@ def eu_sites(c: httpx.Client, url: str, n: int) -> dict[tuple[int, str | None], 
     return out
 
 
+@pytest.mark.slow
 def test_tokenfleet_up_keeps_eu_team_in_the_eu_through_redis_failures(tmp_path: Path, redis_proc: RedisProc) -> None:
     fleet = fleet_file(tmp_path)
     c = httpx.Client(timeout=10)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")
 
@@ -51,6 +52,7 @@ def read_until(proc: subprocess.Popen[str], pattern: str, timeout_s: float) -> r
     raise AssertionError(f"no line matching {pattern!r} in {seen}")
 
 
+@pytest.mark.slow
 def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(FLEET_FILE), "--port", "0"],
@@ -79,6 +81,7 @@ def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_check_reports_fleet_file_errors(tmp_path: Path) -> None:
     bad = tmp_path / "fleet.yaml"
     bad.write_text("sites: []\nmodels: []\n")

@@ -132,6 +132,7 @@ async def test_dashboard_data_is_admin_only_and_the_page_is_locked_down(gateway:
         assert (await c.get(f"{gateway}/dashboard/static/dashboard.html")).status_code == 404
 
 
+@pytest.mark.slow
 @pytestmark_live
 async def test_dashboard_renders_charts_with_data_in_headless_chromium(gateway: str, tmp_path: Path) -> None:
     async with httpx.AsyncClient(timeout=60) as c:

@@ -146,6 +146,7 @@ def fleets_and_policies(draw: st.DrawFn) -> tuple[FleetView, list[RegionPolicy],
     return view, policies, load
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(fleets_and_policies(), st.integers(0, 5), st.sampled_from(["r0", "r1", "r2", None]))
 def test_residency_never_violated(case: tuple[FleetView, list[RegionPolicy], dict[str, float]], steps: int,

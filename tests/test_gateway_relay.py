@@ -104,7 +104,10 @@ async def test_stream_relayed_in_order_with_headers(stub_upstream: Any, start_ga
     assert sent["headers"]["x-request-id"] == "trace-1"
     assert await wait_until(lambda: len(gw.router.outcomes) == 1)
     out = gw.router.outcomes[0]
-    assert out.ok and out.output_tokens == 6 and out.cached_tokens == 16 and out.ttft_s is not None
+    assert out.ok and out.output_tokens == 6 and out.cached_tokens == 16
+    # the stub sends its first token at once, then sleeps 0.05 s before each of the other five
+    assert out.ttft_s is not None and out.e2e_s is not None and 0 < out.ttft_s < out.e2e_s
+    assert out.e2e_s - out.ttft_s >= 5 * 0.05 - 0.01, (out.ttft_s, out.e2e_s)
     assert gw.inflight("i0") == 0
 
 

@@ -4,7 +4,6 @@ or never becomes ready (the source keeps its replica)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from gateway.fleet_state import FleetState
 from gateway.placement import PlacementLoop
 from slomax.ledger import GoodputLedger
 from tests.conftest import FakeAdapter, make_instance
+from tests.waits import wait_until
 from tokenpilot.registry import make_router
 
 CONFIG = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
@@ -89,8 +89,18 @@ async def test_a_drain_waits_for_requests_in_flight(fleet) -> None:
     loop, a, b = fleet
     for i in (0, 1):
         loop.state.begin(f"b/{MODEL}/{i}")
+    looks = 0  # how often the drain asked whether its replica is idle yet
+    idle = loop.state.idle
+
+    def counted_idle(instance_id: str) -> bool:
+        nonlocal looks
+        looks += 1
+        return idle(instance_id)
+
+    loop.state.idle = counted_idle  # type: ignore[method-assign]
     assert await loop.carry_out(Move(MODEL, "b", None))  # remove only
-    await asyncio.sleep(0.2)
+    # not a sleep hoping the drain had its chance: it has looked five times and still waits
+    await wait_until(lambda: looks >= 5, 5, "the drain to check its replica's in-flight count 5 times")
     assert b.removed == [] and steps(loop) == [("drain", "b")]
     assert "1 in flight" in loop.actions[0].detail
     victim = loop.actions[0].instance

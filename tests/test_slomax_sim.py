@@ -46,6 +46,7 @@ def noisy_mix() -> Workload:
     return assign(merge(chat, flood))
 
 
+@pytest.mark.slow
 def test_noisy_neighbour_simulated_others_interactive_p95_ttft_within_slo() -> None:
     fleet, wl = small_fleet(), noisy_mix()
     inputs = prepare(wl.requests, fleet)
@@ -63,6 +64,7 @@ def test_noisy_neighbour_simulated_others_interactive_p95_ttft_within_slo() -> N
     assert sm["throughput_tok_s"] >= 0.98 * fcfs["throughput_tok_s"]
 
 
+@pytest.mark.slow
 def test_rejections_in_records_carry_their_code() -> None:
     fleet, wl = small_fleet(), noisy_mix()
     res = FleetSimulator(fleet, make_policy("round_robin", 0, fleet),

@@ -58,7 +58,7 @@ WORDS = ("fleet token cache prefix model engine site queue route batch stream la
          "tensor kernel block decode prefill request answer signal vector memory compute river "
          "stone garden window silver orange quiet rapid gentle bright north south harbor meadow").split()
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.real_engine]
 _SHARED: dict[str, Any] = {}  # what one check leaves for the next (the cached prefix)
 
 
