@@ -37,8 +37,10 @@ from fastapi.responses import JSONResponse, Response
 from fleetcore.fleet_config import FleetConfig, hash_api_key
 from gateway.errors import GatewayError, bad_request
 from gateway.json_body import parse_json_object
+from gateway.logs import emit
 
 log = logging.getLogger("tokenfleet.gateway")
+audit_log = logging.getLogger("tokenfleet.audit")
 
 KEY_PREFIX = "sk-tf-"
 LAST_USED_FLUSH_S = 60.0
@@ -183,6 +185,12 @@ class JsonFileKeyStore(MemoryKeyStore):
         self._flushed = {r.id: r.last_used_at for r in self._records.values()}
 
 
+def _audit_line(action: str, actor: str, rec: KeyRecord) -> None:
+    """The same structured audit line as the other admin changes (`tokenfleet.audit`, gateway.admin)."""
+    emit(audit_log, logging.INFO, {"event": "api_key", "action": action, "actor": actor, "key_id": rec.id,
+                                   "tenant": rec.tenant})
+
+
 def new_secret() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
@@ -240,7 +248,7 @@ def install_key_routes(app: FastAPI, config: FleetConfig, store: KeyStore, requi
         secret = new_secret()
         rec = KeyRecord(f"key_{secrets.token_hex(8)}", tenant, hash_api_key(secret), name, now, expires)
         await store.put(rec, KeyAudit(now, actor, "create", rec.id, tenant))
-        log.info("api keys: %s created %s for tenant %s", actor, rec.id, tenant)
+        _audit_line("create", actor, rec)
         return JSONResponse({**rec.public(), "key": secret}, status_code=201)
 
     @app.get("/admin/v1/keys")
@@ -264,7 +272,7 @@ def install_key_routes(app: FastAPI, config: FleetConfig, store: KeyStore, requi
             now = clock()
             rec = replace(rec, revoked_at=now)
             await store.put(rec, KeyAudit(now, actor, "revoke", rec.id, rec.tenant))
-            log.info("api keys: %s revoked %s (tenant %s)", actor, rec.id, rec.tenant)
+            _audit_line("revoke", actor, rec)
         return JSONResponse(rec.public())
 
     @app.post("/admin/v1/keys/{key_id}/rotate")
@@ -279,7 +287,7 @@ def install_key_routes(app: FastAPI, config: FleetConfig, store: KeyStore, requi
         secret = new_secret()
         rec = replace(rec, sha256=hash_api_key(secret), rotated_at=now)
         await store.put(rec, KeyAudit(now, actor, "rotate", rec.id, rec.tenant))
-        log.info("api keys: %s rotated %s (tenant %s)", actor, rec.id, rec.tenant)
+        _audit_line("rotate", actor, rec)
         return JSONResponse({**rec.public(), "key": secret})
 
 

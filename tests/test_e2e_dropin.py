@@ -338,10 +338,11 @@ async def _admin(fleet: Fleet, method: str, path: str, body: Any = None, key: st
                                headers={"Authorization": f"Bearer {key}"} if key else {})
 
 
-async def test_keys_create_use_list_rotate_revoke(fleet: Fleet) -> None:
+async def test_keys_create_use_list_rotate_revoke(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
     from fleetcore.fleet_config import hash_api_key
     from gateway.keys import JsonFileKeyStore
 
+    caplog.set_level("INFO", logger="tokenfleet.audit")
     r = await _admin(fleet, "POST", "/admin/v1/keys", {"tenant": "acme", "name": "ci",
                                                         "expires_at": "2099-01-01T00:00:00Z"})
     assert r.status_code == 201
@@ -377,6 +378,10 @@ async def test_keys_create_use_list_rotate_revoke(fleet: Fleet) -> None:
     mine = [a["action"] for a in audit if a["key_id"] == key_id]
     assert mine == ["revoke", "rotate", "create"]
     assert all(a["actor"].startswith("admin:") for a in audit)
+    logged = [r.fields for r in caplog.records if r.name == "tokenfleet.audit"  # type: ignore[attr-defined]
+              and r.fields.get("key_id") == key_id]  # type: ignore[attr-defined]
+    assert [f["action"] for f in logged] == ["create", "rotate", "revoke"]
+    assert not any(key in r.getMessage() or new_key in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("method, path, body, key, status, param", [
