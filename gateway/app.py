@@ -270,7 +270,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, replicas.planner)
     install_key_routes(app, config, key_store, AdminAuth(config).require)
-    install_report_routes(app, config, gate, clock, telemetry.slo_log)
+    install_report_routes(app, config, gate, clock, telemetry.slo_log, keys=key_store)
     dashboard.install_dashboard_routes(app, config, dash_sampler, admission, placement)
     return app
 
@@ -311,7 +311,7 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
 
 
 def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
-    access = ReportAccess(ctx.config)  # tenant or admin, as for the goodput report
+    access = ReportAccess(ctx.config, ctx.auth.keys)  # tenant or admin, as for the goodput report
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from fleetcore.fleet_config import FleetConfig
 from gateway.admission import AdmissionGate
 from gateway.auth import bearer_token
+from gateway.keys import KeyStore, stored_caller_tenant
 from gateway.errors import GatewayError, bad_request, invalid_api_key
 from gateway.policy_store import StoreUnavailable
 from gateway.slo_log import SLOLog, as_row
@@ -66,9 +67,10 @@ def _forbidden(message: str) -> GatewayError:
 class ReportAccess:
     """Who is asking: an admin (sees all) or one tenant."""
 
-    def __init__(self, config: FleetConfig) -> None:
+    def __init__(self, config: FleetConfig, keys: KeyStore | None = None) -> None:
         self._admin = set(config.admin_key_hashes())
         self._tenants = {h: t.name for t in config.tenants for h in t.key_hashes()}
+        self._keys = keys  # tenant keys created by API (gateway.keys)
         self.open = not self._admin and not self._tenants
 
     def principal(self, headers: Mapping[str, str]) -> tuple[str | None, bool]:
@@ -82,6 +84,10 @@ class ReportAccess:
         if digest in self._admin:
             return None, True
         tenant = self._tenants.get(digest)
+        if tenant is None:
+            tenant, known = stored_caller_tenant(self._keys, digest, time.time())
+            if known and tenant is None:
+                raise invalid_api_key("This API key has been revoked or has expired.")
         if tenant is None:
             raise invalid_api_key("Incorrect API key provided.")
         return tenant, False
@@ -130,8 +136,9 @@ def _truthy(v: str | None) -> bool:
 
 
 def install_report_routes(app: FastAPI, config: FleetConfig, gate: AdmissionGate,
-                          clock: Callable[[], float], slo_log: SLOLog | None = None) -> None:
-    access = ReportAccess(config)
+                          clock: Callable[[], float], slo_log: SLOLog | None = None,
+                          keys: KeyStore | None = None) -> None:
+    access = ReportAccess(config, keys)
     classes = config.admission.class_names
 
     def selection(request: Request) -> tuple[str | None, str | None, float | None]:

@@ -410,3 +410,12 @@ async def test_expired_key_is_refused(fleet: Fleet) -> None:
     await asyncio.sleep(1.2)
     with pytest.raises(openai.AuthenticationError):
         await fleet.client(key).models.list()
+
+
+async def test_api_key_reads_its_tenants_report(fleet: Fleet) -> None:
+    created = (await _admin(fleet, "POST", "/admin/v1/keys", {"tenant": "acme"})).json()
+    report = await fleet.get("/v1/reports/goodput", key=created["key"])
+    assert report.status_code == 200 and report.json()["tenant"] == "acme"
+    assert (await fleet.get("/v1/reports/goodput?tenant=counted", key=created["key"])).status_code == 403
+    await _admin(fleet, "DELETE", f"/admin/v1/keys/{created['id']}")
+    assert (await fleet.get("/v1/reports/goodput", key=created["key"])).status_code == 401
