@@ -10,6 +10,7 @@ a 400 naming `model` (`gateway.requests.check_model_kind`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -98,6 +99,8 @@ def parse_embeddings_request(raw: bytes, *, config: FleetConfig, caller: Caller,
 
 async def serve_embeddings(ctx: GatewayContext, request: Request) -> Response:
     rid = new_request_id(request.headers)
+    # Traced and access-logged like chat (gateway.telemetry), as operation "embeddings".
+    obs = ctx.telemetry.begin(request.headers, "embeddings", rid) if ctx.telemetry is not None else None
     try:
         caller = ctx.auth.authenticate(request.headers)
         raw = await request.body()
@@ -107,12 +110,20 @@ async def serve_embeddings(ctx: GatewayContext, request: Request) -> Response:
                                         request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers,
                                         model_override=model)
             if len(raw) > 16 * 1024 and ctx.tokenize_pool is not None:  # off the loop, as gateway.app does
-                return await ctx.tokenize_pool.run(parse_embeddings_request, raw, **args)
-            return parse_embeddings_request(raw, **args)
+                p = await ctx.tokenize_pool.run(parse_embeddings_request, raw, **args)
+            else:
+                p = parse_embeddings_request(raw, **args)
+            return p if obs is None else replace(p, obs=obs)
 
         parsed = await parse()
     except GatewayError as e:
         e.headers.setdefault("x-request-id", rid)
         ctx.metrics.answered("", "", "", str(e.status))
+        if obs is not None:
+            obs.end(e.status, e.message)
         raise
-    return await serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, PATH, parse)
+    work = serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, PATH, parse)
+    if obs is None:
+        return await work
+    obs.parsed(parsed.profile)
+    return await obs.tel.serve(obs, work)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -282,6 +283,8 @@ def _client_param(e: GatewayError) -> GatewayError:
 
 async def serve_responses(ctx: GatewayContext, request: Request) -> Response:
     rid = new_request_id(request.headers)
+    # Traced and access-logged like chat (gateway.telemetry), as operation "responses".
+    obs = ctx.telemetry.begin(request.headers, "responses", rid) if ctx.telemetry is not None else None
     try:
         caller = ctx.auth.authenticate(request.headers)
         raw = await request.body()
@@ -295,18 +298,25 @@ async def serve_responses(ctx: GatewayContext, request: Request) -> Response:
                                         model_override=model)
             try:
                 if len(chat_raw) > _INLINE_PARSE_BYTES and ctx.tokenize_pool is not None:
-                    return await ctx.tokenize_pool.run(parse_request, "chat", chat_raw, **args)
-                return parse_request("chat", chat_raw, **args)
+                    p = await ctx.tokenize_pool.run(parse_request, "chat", chat_raw, **args)
+                else:
+                    p = parse_request("chat", chat_raw, **args)
             except GatewayError as e:
                 raise _client_param(e) from None
+            return p if obs is None else replace(p, obs=obs)
 
         parsed = await parse()
     except GatewayError as e:
         e.headers.setdefault("x-request-id", rid)
         ctx.metrics.answered("", "", "", str(e.status))
+        if obs is not None:
+            obs.end(e.status, e.message)
         raise
     shape = ResponseShape(body, str(body.get("model")))  # the name the client asked for, alias or not
-    resp = await serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, CHAT_PATH, parse)
+    work = serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, CHAT_PATH, parse)
+    if obs is not None:
+        obs.parsed(parsed.profile)
+    resp = await (work if obs is None else obs.tel.serve(obs, work))
     if isinstance(resp, StreamingResponse):
         # The relay's stream: usage, SLO and report accounting happen there, on the chat chunks.
         resp.body_iterator = translate_stream(resp.body_iterator, EventStream(shape))

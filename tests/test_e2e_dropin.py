@@ -419,3 +419,22 @@ async def test_api_key_reads_its_tenants_report(fleet: Fleet) -> None:
     assert (await fleet.get("/v1/reports/goodput?tenant=counted", key=created["key"])).status_code == 403
     await _admin(fleet, "DELETE", f"/admin/v1/keys/{created['id']}")
     assert (await fleet.get("/v1/reports/goodput", key=created["key"])).status_code == 401
+
+
+async def test_responses_and_embeddings_get_their_access_log_line(fleet: Fleet,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="tokenfleet.access")
+    client = fleet.client()
+    stream = await client.responses.create(model=MODEL, input="log me", max_output_tokens=4, stream=True,
+                                           extra_headers={"x-request-id": "req-resp-log"})
+    assert [e async for e in stream]
+    await client.embeddings.create(model=EMBED, input="log me too", extra_headers={"x-request-id": "req-emb-log"})
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model=MODEL, input="x", extra_headers={"x-request-id": "req-resp-bad"},
+                                      extra_body={"store": True})
+    by_id = {r.fields["request_id"]: r.fields for r in caplog.records  # type: ignore[attr-defined]
+             if r.name == "tokenfleet.access"}
+    assert (by_id["req-resp-log"]["op"], by_id["req-resp-log"]["status"]) == ("responses", "200")
+    assert by_id["req-resp-log"]["tokens_out"] > 0
+    assert (by_id["req-emb-log"]["op"], by_id["req-emb-log"]["model"]) == ("embeddings", EMBED)
+    assert by_id["req-resp-bad"]["status"] == "400"
