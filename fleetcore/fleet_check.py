@@ -166,4 +166,36 @@ def check_fleet_text(text: str) -> tuple[FleetConfig | None, list[Problem]]:
                     problems.append(Problem(_line(lines, path), ".".join(map(str, path)) or "(top level)", msg))
             else:
                 problems.append(_schema_problem(e, lines))
+        if not any(e["loc"] == () for e in err.errors()):
+            # Field errors stop pydantic before the cross-field checks: run the name checks on the
+            # raw data, so a typo in a field and an unknown site show up in the same pass.
+            problems += _raw_reference_problems(data, lines)
         return None, sorted(problems, key=lambda p: (p.line is None, p.line or 0))
+
+
+def _names(data: dict[str, Any], section: str) -> list[str]:
+    items = data.get(section)
+    return [str(i["name"]) for i in items if isinstance(i, dict) and "name" in i] if isinstance(items, list) else []
+
+
+def _raw_reference_problems(data: dict[str, Any], lines: dict[Path, int]) -> list[Problem]:
+    """Deployments naming unknown sites or models, on data that did not pass the schema."""
+    out: list[Problem] = []
+    sites, models = _names(data, "sites"), _names(data, "models")
+    aliases = data.get("aliases") if isinstance(data.get("aliases"), dict) else {}
+    deployments = data.get("deployments") if isinstance(data.get("deployments"), list) else []
+    for i, d in enumerate(deployments):
+        if not isinstance(d, dict):
+            continue
+        for key, known in (("site", sites), ("model", models)):
+            v = d.get(key)
+            if isinstance(v, str) and known and v not in known:
+                path: Path = ("deployments", i, key)
+                out.append(Problem(_line(lines, path), f"deployments.{i}.{key}",
+                                   f"unknown {key} {v!r} (known: {sorted(known)})" + did_you_mean(v, known)))
+    for alias, target in aliases.items():
+        name = str(target).partition("@")[0]
+        if models and name not in models and name not in aliases:
+            out.append(Problem(_line(lines, ("aliases", str(alias))), f"aliases.{alias}",
+                               f"{alias!r} -> unknown model {target!r}" + did_you_mean(name, models)))
+    return out

@@ -87,3 +87,11 @@ def test_cli_prints_every_problem(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "6 problem(s)" in r.stderr
     assert f"{bad}:10: deployments.0: unknown site 'eats'" in r.stderr
+
+
+def test_field_errors_and_unknown_names_in_one_pass() -> None:
+    text = SCHEMA_ERRORS.replace("model: llama\n    gpuu", "model: lama\n    gpuu")
+    _, problems = check_fleet_text(text)
+    got = {(p.line, p.where): p.message for p in problems}
+    assert got[(12, "deployments.1.gpuu")] == "unknown field 'gpuu' (did you mean 'gpu'?)"
+    assert got[(11, "deployments.1.model")].endswith("(did you mean 'llama'?)")
