@@ -47,6 +47,7 @@ LAST_USED_FLUSH_S = 60.0
 AUDIT_MAX = 1000
 FILE_NAME = "api_keys.json"
 _NAME_MAX = 200
+_LATEST = 253402300799.0  # 9999-12-31T23:59:59Z
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +215,8 @@ def _parse_expiry(value: Any, now: float) -> float | None:
         raise bad_request("`expires_at` must be an RFC 3339 time or unix seconds.", "expires_at")
     if not t > now:
         raise bad_request("`expires_at` is not in the future.", "expires_at")
+    if not t < _LATEST:  # beyond what a datetime can show (and NaN): a 400, not a 500 when listed
+        raise bad_request("`expires_at` must be before the year 10000.", "expires_at")
     return t
 
 

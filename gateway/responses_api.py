@@ -39,7 +39,7 @@ CHAT_PATH = "/v1/chat/completions"
 # Fields carried into the chat body as they are.
 _PASSED = ("model", "temperature", "top_p", "user", "metadata", "stream")
 _KNOWN = frozenset({*_PASSED, "input", "instructions", "max_output_tokens", "store", "previous_response_id",
-                    "background", "text", "stream_options", "parallel_tool_calls", "tools", "tool_choice",
+                    "background", "text", "parallel_tool_calls", "tools", "tool_choice",
                     "truncation", "service_tier"})
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -74,6 +74,8 @@ def to_chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or (
                 fmt is not None and fmt != {"type": "text"}):
             raise _unsupported("text", "is supported only as {\"format\": {\"type\": \"text\"}}")
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise bad_request("`metadata` must be an object.", "metadata")  # it is echoed in the response
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if k in body}
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")

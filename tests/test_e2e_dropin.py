@@ -6,6 +6,7 @@ fields the gateway cannot honour are a 400 naming them."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,6 +260,8 @@ async def test_responses_go_through_admission_and_reports(fleet: Fleet) -> None:
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"text": {"format": {"type": "json_object"}}}, "text"),
 ])
 async def test_responses_stateful_or_unknown_fields_are_a_400(fleet: Fleet, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -388,6 +391,8 @@ async def test_keys_create_use_list_rotate_revoke(fleet: Fleet, caplog: pytest.L
     ("POST", "/admin/v1/keys", {"tenant": "nobody"}, ADMIN, 400, "tenant"),
     ("POST", "/admin/v1/keys", {"tenant": "acme", "expires_at": "2001-01-01T00:00:00Z"}, ADMIN, 400, "expires_at"),
     ("POST", "/admin/v1/keys", {"tenant": "acme", "expires_at": "soon"}, ADMIN, 400, "expires_at"),
+    ("POST", "/admin/v1/keys", {"tenant": "acme", "expires_at": 1e300}, ADMIN, 400, "expires_at"),
+    ("POST", "/admin/v1/keys", [1, 2], ADMIN, 400, None),
     ("POST", "/admin/v1/keys", {"tenant": "acme", "colour": "red"}, ADMIN, 400, "colour"),
     ("POST", "/admin/v1/keys", {"tenant": "acme"}, KEY, 403, None),
     ("GET", "/admin/v1/keys", None, "", 401, None),
@@ -438,3 +443,25 @@ async def test_responses_and_embeddings_get_their_access_log_line(fleet: Fleet,
     assert by_id["req-resp-log"]["tokens_out"] > 0
     assert (by_id["req-emb-log"]["op"], by_id["req-emb-log"]["model"]) == ("embeddings", EMBED)
     assert by_id["req-resp-bad"]["status"] == "400"
+
+
+ODD_BODIES: list[Any] = [None, [], "x", 5, {}, {"model": None}, {"model": MODEL, "input": {"a": 1}},
+                         {"model": MODEL, "input": [None]}, {"model": MODEL, "input": [[1, -2]]},
+                         {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+                         {"model": MODEL, "input": "x", "instructions": ["a"]},
+                         {"model": MODEL, "input": "x", "text": "plain"},
+                         {"model": MODEL, "input": "x", "metadata": [1]},
+                         {"model": MODEL, "input": "x", "temperature": "hot"},
+                         {"model": EMBED, "input": [True, False]}, {"model": EMBED, "input": "x", "dimensions": True},
+                         {"tenant": ["acme"]}, {"tenant": "acme", "name": 7}, {"tenant": "acme", "expires_at": True}]
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/embeddings", "/admin/v1/keys"])
+async def test_odd_bodies_are_4xx_never_5xx(fleet: Fleet, path: str) -> None:
+    key = ADMIN if path.startswith("/admin") else KEY
+    async with httpx.AsyncClient(timeout=10) as c:
+        for body in ODD_BODIES:
+            r = await c.post(f"{fleet.url}{path}", content=json.dumps(body),
+                             headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            assert r.json()["error"]["message"]
