@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 import time
 import urllib.request
 from pathlib import Path
@@ -30,19 +31,24 @@ from typing import Any
 
 import yaml
 
+from fleetcore.fleet_config import PlannerSettings
+from fleetmind.planner import PlannerConfig
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCENARIO = REPO / "deploy" / "scenarios" / "demand-shift.yaml"
 KEY, ADMIN = "sk-bench", "sk-bench-admin"
-# The simulator's planner settings (fleetsim.cli.placement_controllers), in physical seconds.
-PLANNER_S = {"cycle_s": 30, "window_s": 60, "lead_s": 60, "cooldown_s": 60, "watch_s": 120, "block_s": 600}
-STARTUP_S = 60.0
+# The planner's fields that are durations: scaled with the workers' time (the simulator reads
+# the same `planner:` block unscaled, `fleetsim.cli.placement_controllers`).
+TIMED = ("cycle_s", "window_s", "lead_s", "cooldown_s", "watch_s", "block_s", "drain_timeout_s", "ready_timeout_s")
 
 
 def fleet_file(time_scale: float, planner: bool, out: Path) -> Path:
     fleet = yaml.safe_load(SCENARIO.read_text())
     for d in fleet["deployments"]:
-        d["options"] = {"time_scale": time_scale, "startup_s": STARTUP_S * time_scale}
+        opts = d.setdefault("options", {})
+        opts["startup_s"] = float(opts.get("startup_s", 0.0)) * time_scale
+        opts["time_scale"] = time_scale
     fleet["tenants"] = [{"name": "bench", "api_keys": [KEY]}]
     fleet["admin_api_keys"] = [ADMIN]
     # Goodput as the gateway judges it (the planner's signal) in wall time: SLOs scaled too.
@@ -50,8 +56,11 @@ def fleet_file(time_scale: float, planner: bool, out: Path) -> Path:
         "interactive": {"ttft_s": 1.0 * time_scale, "tpot_s": 0.05 * time_scale},
         "long_context": {"ttft_s": 8.0 * time_scale, "tpot_s": 0.08 * time_scale},
         "batch": {"deadline_s": 600.0 * time_scale}}}
-    fleet["planner"] = {"enabled": planner, "rollback_drop": 0.3,
-                        **{k: v * time_scale for k, v in PLANNER_S.items()}}
+    # The scenario's own planner block with the defaults it leaves out, times scaled.
+    settings = {**PlannerSettings().model_dump(), **asdict(PlannerConfig()), **fleet.get("planner", {})}
+    settings = {k: v for k, v in settings.items() if k in PlannerSettings.model_fields and v is not None}
+    fleet["planner"] = {**settings, "enabled": planner,
+                        **{k: settings[k] * time_scale for k in TIMED if k in settings}}
     out.write_text(yaml.safe_dump(fleet, sort_keys=False))
     return out
 

@@ -22,12 +22,13 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
 from fleetmind.demand import DemandModel
-from fleetmind.planner import planner_for
+from fleetmind.placement_cycle import placement_cycle_for
 from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
 from slomax import ADMISSION_NAMES, make_admission
@@ -86,14 +87,14 @@ def make_placement(name: str, fleet: FleetConfig, router: Any) -> FleetMind:
 
 
 def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, Any]]:
-    """FleetMind's long cycle for `fleetmind+planner`: the planner every 30 s, replicas taking
-    60 s to start, each move watched for 2 minutes (the fleet file's `planner:` block may
-    retune it)."""
+    """FleetMind's long cycle for `fleetmind+planner`: the same placement cycle as the live
+    gateway's, tuned by the fleet file's `planner:` block (its `enabled` and `mode` aside: asking
+    for this placement runs it), replicas starting in their deployment's `startup_s`."""
     if name != "fleetmind+planner":
         return []
-    demand = DemandModel(fleet)
-    planner = planner_for(fleet, demand, window_s=60, lead_s=60, cooldown_s=60, watch_s=120, rollback_drop=0.3)
-    loop = PlannerLoop(planner, demand, cycle_s=fleet.planner.cycle_s, startup_s=60.0)
+    core = placement_cycle_for(fleet, DemandModel(fleet))
+    core.mode = "auto"
+    loop = PlannerLoop(core, fleet)
     return [(loop.cycle_s, loop)]
 
 
@@ -335,6 +336,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             if controllers:
                 row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
                                        "reason": e.reason} for e in controllers[0][1].planner.log]
+                row["planner_actions"] = [asdict(a) for a in controllers[0][1].core.actions]
             rows.append(row)
             curves.append((label, ttft_values_ms(res.records)))
             slo = row["slo_attainment"]

@@ -14,6 +14,7 @@ import pytest
 from engine_adapters.base import AdapterError, Instance
 from fleetcore.fleet_config import load_fleet_file
 from fleetmind.demand import DemandModel
+from fleetmind.placement_cycle import CycleSettings, PlacementCycle
 from fleetmind.planner import Move, Planner
 from gateway.fleet_state import FleetState
 from gateway.placement import PlacementLoop
@@ -63,8 +64,8 @@ async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Placement
     a, b = StandInAdapter("a", 1, **opts), StandInAdapter("b", 2)
     state = FleetState(CONFIG, [a, b], poll_interval_s=0.02)
     await state.start()
-    loop = PlacementLoop(Planner(), DemandModel(CONFIG), state, make_router("round_robin"), GoodputLedger(),
-                         time.monotonic, poll_s=0.01, ready_timeout_s=0.3, drain_timeout_s=5)
+    core = PlacementCycle(Planner(), DemandModel(CONFIG), CycleSettings(ready_timeout_s=0.3, drain_timeout_s=5))
+    loop = PlacementLoop(core, state, make_router("round_robin"), GoodputLedger(), time.monotonic, poll_s=0.01)
     try:
         yield loop, a, b
     finally:
