@@ -95,7 +95,7 @@ def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, An
     core = placement_cycle_for(fleet, DemandModel(fleet))
     core.mode = "auto"
     loop = PlannerLoop(core, fleet)
-    return [(loop.cycle_s, loop)]
+    return [(core.settings.cycle_s, loop)]
 
 
 def residency_violations(records: Sequence[RequestRecord], policies: PolicySet, fleet: FleetConfig) -> int:
@@ -335,7 +335,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             row["by_site"] = by_site(res.records, summary["span_s"])
             if controllers:
                 row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
-                                       "reason": e.reason} for e in controllers[0][1].planner.log]
+                                       "reason": e.reason} for e in controllers[0][1].core.planner.log]
                 row["planner_actions"] = [asdict(a) for a in controllers[0][1].core.actions]
             rows.append(row)
             curves.append((label, ttft_values_ms(res.records)))

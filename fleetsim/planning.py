@@ -21,7 +21,6 @@ from typing import Any
 
 from fleetcore.fleet_config import FleetConfig
 from fleetmind.placement_cycle import Command, PlacementCycle, Replica
-from fleetmind.planner import Planner
 
 from .simulator import FleetSimulator
 
@@ -44,14 +43,6 @@ class PlannerLoop:
     fleet: FleetConfig
     _seen: int = 0
     _open: list[Any] = field(default_factory=list)  # requests arrived and not yet ended
-
-    @property
-    def planner(self) -> Planner:
-        return self.core.planner
-
-    @property
-    def cycle_s(self) -> float:
-        return self.core.settings.cycle_s
 
     def __call__(self, sim: FleetSimulator, now: float) -> None:
         self._observe(sim)

@@ -29,7 +29,7 @@ from typing import Any
 from engine_adapters.base import EngineAdapter
 from fleetcore.types import RequestOutcome, RequestProfile
 from fleetmind.placement_cycle import MODES, Action, Command, Mode, PlacementCycle, Replica
-from fleetmind.planner import Move, Planner
+from fleetmind.planner import Move
 from gateway.background import cancel_and_wait
 from gateway.fleet_state import FleetState
 from gateway.routing import forget_instances, register_instances
@@ -55,24 +55,12 @@ class PlacementLoop:
         self._work: set[asyncio.Task[None]] = set()
 
     @property
-    def planner(self) -> Planner:
-        return self.core.planner
-
-    @property
     def mode(self) -> Mode:
         return self.core.mode
 
     @property
-    def cycle_s(self) -> float:
-        return self.core.settings.cycle_s
-
-    @property
     def actions(self) -> list[Action]:
         return list(self.core.actions)
-
-    @property
-    def action_counts(self) -> dict[str, int]:
-        return dict(self.core.action_counts)
 
     # -- what the relay tells it ----------------------------------------------------
     def arrived(self, profile: RequestProfile) -> None:
@@ -96,7 +84,7 @@ class PlacementLoop:
         self._work.clear()
 
     async def _run(self) -> None:
-        next_cycle = self.clock() + self.cycle_s
+        next_cycle = self.clock() + self.core.settings.cycle_s
         while True:
             wake = next_cycle
             if self.core.busy:  # readiness comes from health checks, not events: look again soon
@@ -104,7 +92,7 @@ class PlacementLoop:
             await self._wait(wake - self.clock())
             try:
                 if self.clock() >= next_cycle:
-                    next_cycle = self.clock() + self.cycle_s
+                    next_cycle = self.clock() + self.core.settings.cycle_s
                     await self.cycle()
                 else:
                     await self.advance()
@@ -142,9 +130,9 @@ class PlacementLoop:
 
     async def carry_out(self, move: Move) -> bool:
         """Carry out `move` now (not watched by the planner); True when a replica started or drained."""
-        before = self.action_counts
+        before = dict(self.core.action_counts)
         await self._execute(self.core.carry_out(move, self.clock(), self._replicas()))
-        after = self.action_counts
+        after = dict(self.core.action_counts)
         return any(after.get(k, 0) > before.get(k, 0) for k in ("start", "drain"))
 
     def set_mode(self, mode: Mode, actor: str) -> None:
@@ -225,9 +213,9 @@ class PlacementLoop:
         return {
             "enabled": True,
             "mode": self.mode,
-            "cycle_s": self.cycle_s,
+            "cycle_s": self.core.settings.cycle_s,
             "placement": [{"site": s, "model": m, "replicas": n} for (s, m), n in sorted(placement.items())],
             "entries": [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
-                         "reason": e.reason} for e in self.planner.log[-limit:]],
+                         "reason": e.reason} for e in self.core.planner.log[-limit:]],
             "actions": [asdict(a) for a in self.actions[-limit:]],
         }
