@@ -23,7 +23,10 @@ nothing new to it; what it runs finishes); `stop` one. A move is carried out
 make-before-break: one `start` per replica moved; once the new replica is up (ready) the
 least busy replica of the model at the source drains, and it is stopped when idle or after
 `drain_timeout_s`. A new replica not up within `ready_timeout_s` is stopped and the source
-keeps its own. The executor reports back `started` / `start_failed` / `stopped` /
+keeps its own. A planned move is handed to the planner's watch (`Planner.applied`) once
+all its new replicas are up or given up: until then the placement serves as before, so
+judging the move from the moment its starts were asked for would blame it for what
+demand did during the start-up. The executor reports back `started` / `start_failed` / `stopped` /
 `stop_failed`; each step is logged as an `Action` (start, ready, drain, stop, failed,
 skipped, mode) next to the planner's own log (plan, apply, keep, rollback, advise).
 """
@@ -121,7 +124,8 @@ class _Move:
     move: Move
     plan: bool  # a plan of this cycle (applied/advised on outcome), not a rollback
     to_start: int
-    started: int = 0
+    pending: int = 0  # replicas started and not yet up or given up
+    ready: int = 0
 
 
 @dataclass(slots=True)
@@ -209,7 +213,7 @@ class PlacementCycle:
         undo = self.planner.check(now)
         if undo is not None:
             out += self._begin(undo, False, now, replicas)
-        if self._starting:  # a move's starts are still being answered: one change at a time
+        if self._unsettled():  # one change at a time: the last one has not taken effect yet
             return out
         move = self.planner.plan(placement, now)
         if move is None:
@@ -244,6 +248,8 @@ class PlacementCycle:
                 self._act(now, "ready", what, r.site, iid, f"ready after {now - ld.since:.1f} s")
                 if ld.move.move.from_site is not None:
                     out += self._retire(ld.move.move, now, by_id.values(), after=iid)
+                ld.move.ready += 1
+                self._resolved(ld.move, now)
             elif now - ld.since >= self.settings.ready_timeout_s:
                 del self._loading[iid]
                 site = ld.move.move.to_site or ""
@@ -251,6 +257,7 @@ class PlacementCycle:
                                                           "stopped, the source keeps its replica")
                 self._draining[iid] = _Draining(what, site, ld.move.move.model, now, stopping=True)
                 out.append(Command("stop", what, site, ld.move.move.model, instance_id=iid))
+                self._resolved(ld.move, now)
         for iid, d in self._draining.items():
             if d.stopping:
                 continue
@@ -272,7 +279,7 @@ class PlacementCycle:
     # -- what the executor reports ----------------------------------------------------------
     def started(self, step: int, instance_id: str, now: float, detail: str = "loading") -> list[Command]:
         m = self._starting.pop(step)
-        m.started += 1
+        m.pending += 1
         site = m.move.to_site or ""
         self._act(now, "start", m.move.describe(), site, instance_id, detail)
         self._loading[instance_id] = _Loading(m, instance_id, now)
@@ -283,6 +290,7 @@ class PlacementCycle:
         its replicas."""
         m = self._starting.pop(step)
         self._act(now, "skipped" if skipped else "failed", m.move.describe(), m.move.to_site, None, why)
+        m.to_start = 0
         self._settle(m, now)
         return []
 
@@ -312,7 +320,6 @@ class PlacementCycle:
 
     def _next_start(self, m: _Move, now: float) -> list[Command]:
         if m.to_start <= 0:
-            self._settle(m, now)
             return []
         m.to_start -= 1
         self._step += 1
@@ -320,14 +327,24 @@ class PlacementCycle:
         assert m.move.to_site is not None
         return [Command("start", m.move.describe(), m.move.to_site, m.move.model, step=self._step)]
 
+    def _resolved(self, m: _Move, now: float) -> None:
+        m.pending -= 1
+        self._settle(m, now)
+
     def _settle(self, m: _Move, now: float) -> None:
-        """All of a planned move's starts are answered: the planner watches it if any replica started."""
-        if not m.plan:
+        """Once every replica of a planned move is up (or given up), the move has taken effect:
+        make-before-break leaves the placement as it was until then, so the planner's watch (and
+        the goodput baseline before it) starts now, not when the starts were asked for."""
+        if not m.plan or m.to_start > 0 or m.pending > 0 or any(x is m for x in self._starting.values()):
             return
-        if m.started:
+        m.plan = False  # settled once
+        if m.ready:
             self.planner.applied(m.move, now)
         else:
             self.planner.advised(m.move, now, "could not be carried out (see actions)")
+
+    def _unsettled(self) -> bool:
+        return any(m.plan for m in self._starting.values()) or any(ld.move.plan for ld in self._loading.values())
 
     def _retire(self, move: Move, now: float, replicas: Iterable[Replica], after: str | None) -> list[Command]:
         """Drain one replica of the move's model at its source; none when there is none to drain."""
@@ -340,7 +357,9 @@ class PlacementCycle:
             return []
         # Prefer one that is not serving (still loading: a rollback of a fresh move), then the least busy.
         r = min(victims, key=lambda v: (v.up, v.inflight, v.instance_id))
-        self._loading.pop(r.instance_id, None)
+        ld = self._loading.pop(r.instance_id, None)
+        if ld is not None:  # given back before it served
+            self._resolved(ld.move, now)
         because = f" (replaced by {after})" if after else ""
         self._act(now, "drain", what, r.site, r.instance_id, f"draining with {r.inflight} in flight{because}")
         self._draining[r.instance_id] = _Draining(what, r.site, r.model, now)

@@ -125,8 +125,10 @@ def test_a_start_that_fails_drops_the_rest_of_the_move_and_the_planner_is_told()
     assert [k for k, _ in kinds(c)] == ["start", "failed"] and not c._starting
 
 
-def test_a_planned_move_is_watched_only_once_a_replica_started() -> None:
-    planner = Planner(config=PlannerConfig(window_s=1, lead_s=0, target_utilisation=0.1, cooldown_s=100))
+def test_a_planned_move_is_watched_from_when_it_takes_effect() -> None:
+    """Make-before-break: until the new replicas are up nothing has changed, so the watch (and
+    its baseline) starts when they are, and no other move is planned meanwhile."""
+    planner = Planner(config=PlannerConfig(window_s=1, lead_s=0, target_utilisation=0.1, cooldown_s=0))
     c = PlacementCycle(planner, DemandModel(CONFIG))
     placement = {("a", MODEL): 1, ("b", MODEL): 3}
     reps = [rep("a/0"), rep("b/0"), rep("b/1"), rep("b/2")]
@@ -141,7 +143,14 @@ def test_a_planned_move_is_watched_only_once_a_replica_started() -> None:
     assert c.cycle(10.0, placement, reps) == []  # one change at a time while starts are unanswered
     more = c.started(cmds[0].step, "a/new1", 10.0)
     c.start_failed(more[0].step, 10.0, "no free GPUs")
-    assert [e.kind for e in planner.log] == ["plan", "apply"] and planner._watch is not None
+    assert [e.kind for e in planner.log] == ["plan"]  # a/new1 is still loading
+    reps.append(rep("a/new1", up=False))
+    assert c.cycle(20.0, placement, reps) == [] and [e.kind for e in planner.log] == ["plan"]
+    reps[-1] = rep("a/new1")
+    done = c.advance(25.0, reps)
+    assert [x.kind for x in done] == ["drain", "stop"]  # an idle source replica stops at once
+    assert [e.kind for e in planner.log] == ["plan", "apply"]
+    assert planner._watch is not None and planner._watch.started == 25.0
 
 
 def test_a_move_that_cannot_start_at_all_is_advised_not_watched() -> None:
@@ -190,8 +199,8 @@ def test_timings_come_from_the_fleet_files_planner_block() -> None:
 
 
 def test_a_slow_start_keeps_the_goodput_baseline_from_before_the_move() -> None:
-    """Applied only when the start is answered, which may be later than the planner's window:
-    the baseline is still the level seen before the move (0 would disable the rollback)."""
+    """Applied only when the new replica is up, which may be later than the planner's window:
+    the baseline is still the last level seen (0 would disable the rollback)."""
     planner = Planner(config=PlannerConfig(window_s=2, watch_s=3, rollback_drop=0.5))
     c = PlacementCycle(planner, DemandModel(CONFIG))
     c.goodput_from([Cell(completed=10, met_slo=9)])
@@ -200,5 +209,6 @@ def test_a_slow_start_keeps_the_goodput_baseline_from_before_the_move() -> None:
     c.cycle(1.0, {}, [])  # 0.9 met
     [start] = c.carry_out(Move(MODEL, "b", "a"), 1.0, [rep("b/0")])
     c._starting[start.step].plan = True  # as if planned this cycle
-    c.started(start.step, "a/new", 6.0)  # the launch took 5 s, longer than the window
+    c.started(start.step, "a/new", 2.0)
+    c.advance(6.0, [rep("b/0"), rep("a/new")])  # up 4 s later, longer than the window
     assert planner.log[-1].kind == "apply" and planner.log[-1].reason == "goodput before: 0.90"
