@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=0.1)
     ap.add_argument("--window", type=float, default=2400, help="physical seconds of the trace to replay")
     ap.add_argument("--json")
+    ap.add_argument("--static-row", metavar="FILE",
+                    help="reuse the live static row from an earlier run's live-False.json (the planner plays "
+                         "no part in it; a live run takes ~15 minutes on a 2-core machine)")
     args = ap.parse_args()
     trace = Path(tempfile.gettempdir()) / "scenarios" / "demand-shift.jsonl"
     if not trace.exists():
@@ -137,7 +140,8 @@ def main() -> None:
         tmp = Path(d)
         n = requests_before(trace, args.window)
         sim = simulated(trace, n, tmp)
-        live = [run_one(trace, args.time_scale, p, n, tmp) for p in (False, True)]
+        static = rows_of(Path(args.static_row))[0] if args.static_row else run_one(trace, args.time_scale, False, n, tmp)
+        live = [static, run_one(trace, args.time_scale, True, n, tmp)]
     print(f"\ndemand-shift, first {args.window:g} s ({n} requests), live at time scale {args.time_scale:g} "
           "(physical units)")
     print(f"{'run':<22} {'done':>6} {'TTFT p50':>10} {'TTFT p95':>10} {'goodput':>9} {'SLO':>7}  moves")
