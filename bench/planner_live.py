@@ -23,9 +23,11 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+import threading
 import time
 import urllib.request
+from collections import deque
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,10 @@ def run_one(trace: Path, time_scale: float, planner: bool, n: int, tmp: Path) ->
                 break
         if url is None:
             raise RuntimeError("tokenfleet up did not start")
+        # Keep reading what the gateway logs: a pipe nobody reads fills up (64 KiB) and the
+        # gateway then blocks on its next log line, stopping the whole run.
+        tail: deque[str] = deque(maxlen=200)
+        threading.Thread(target=tail.extend, args=(up.stdout,), daemon=True).start()
         out = tmp / f"live-{planner}.json"
         label = "planner" if planner else "static"
         subprocess.run([str(BIN / "tokenfleet"), "bench", "live", "--trace", str(trace), "--target", url,
