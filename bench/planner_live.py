@@ -111,6 +111,7 @@ def run_one(trace: Path, time_scale: float, planner: bool, n: int, tmp: Path) ->
                         "--key", KEY, "--time-scale", str(time_scale), "--max-requests", str(n),
                         "--label", label, "--json", str(out), "--no-progress"], check=True)
         row = rows_of(out)[0]
+        print(f"  {label} row: {json.dumps(row)}", flush=True)  # kept in the log should a later run fail
         row["planner_log"] = admin_get(url, "/admin/v1/planner") if planner else None
         return row
     finally:
