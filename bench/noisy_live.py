@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
+from fleetcore.sse import StreamReader
 from workloads.prompts import prompt_text
 
 FLEET = REPO / "bench" / "fleet_noisy_live.yaml"
@@ -76,16 +76,15 @@ async def stream_one(session: aiohttp.ClientSession, url: str, key: str, prompt:
         if r.status != 200:
             err = (await r.json(content_type=None)).get("error", {})
             return Result(r.status, code=err.get("code"))
-        first = last = None
-        n = 0
-        async for line in r.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("choices") and obj["choices"][0].get("text"):
-                now = time.monotonic()
-                first = first if first is not None else now
-                last, n = now, n + 1
+        reader = StreamReader()
+        async for data in r.content.iter_any():
+            reader.feed(data, time.monotonic())
+            if reader.finished:
+                break
+        else:
+            reader.close(time.monotonic())
+        st = reader.stats
+        first, last, n = st.first_token_at, st.last_token_at, st.output_tokens()
         ttft = first - t0 if first is not None else None
         tpot = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
         return Result(200, ttft, tpot)
@@ -115,7 +114,7 @@ async def run(admission: str, flood: int = 48, chats: int = 60, fleet_path: Path
     from gateway.app import create_app
     from slomax import from_fleet, make_admission
     from slomax.config import Knobs
-    from tests.servers import serve_app
+    from gateway.embedded import serve_app
 
     config = load_fleet_file(fleet_path)
     # Engines 4x faster than real time: the valve's starting target scaled alike (0.25 s x 0.25).

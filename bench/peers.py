@@ -80,6 +80,7 @@ import aiohttp
 import yaml
 
 from fleetcore.fleet_config import FleetConfig, parse_fleet
+from fleetcore.slo import DEFAULT_SLOS
 from fleetsim.cli import make_policy
 from fleetsim.live import LiveRun, Target, live_row, new_session, prepare_workload, replay
 from fleetsim.metrics import summarize_all
@@ -267,7 +268,7 @@ def _load_and_say(self):
     got_http = self.http_protocol_class.__module__.rsplit(".", 1)[-1].removesuffix("_impl")
     print(f"gateway-stack {got_http}+{got_loop}", flush=True)
 uvicorn.Config.load = _load_and_say
-from gateway.cli import main
+from tokenfleet.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 GATEWAY_STACK_HTTP = ("auto", "h11", "httptools")
@@ -520,7 +521,7 @@ async def _overhead_run(p: _Path, wl: Workload, session: aiohttp.ClientSession, 
     cpu0, busy0 = _cpu_seconds([p.proc], include_self=False), _system_busy_s()
     run = await replay(wl, target, session=session, timeout_s=30)
     cpu, busy = _cpu_seconds([p.proc], include_self=False) - cpu0, _system_busy_s() - busy0
-    s = summarize_all(run.records)
+    s = summarize_all(run.records, DEFAULT_SLOS)  # the bench fleets define no classes of their own
     s["cpu_ms_per_req"] = 1e3 * cpu / max(1, len(run.records))
     s["machine_busy_cores"] = busy / max(run.wall_s, 1e-9)
     print(f"overhead  {mode:<9} round {r + 1} {p.name:<46} {s['completed']}/{s['requests']} ok  "
@@ -587,7 +588,7 @@ def simulate_rows(shape: FleetShape, wl: Workload, policies: Sequence[str], seed
     out: dict[str, dict[str, Any]] = {}
     for name in policies:
         res = FleetSimulator(fleet, make_policy(name, seed, fleet)).run(inputs)
-        s = summarize_all(res.records)
+        s = summarize_all(res.records, fleet.admission.slos())
         out[name] = {"ttft_ms": s["ttft_ms"], "cache_hit_rate": s["cache_hit_rate"], "completed": s["completed"],
                      "wall_s": round(res.wall_s, 2)}
     return out

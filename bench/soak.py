@@ -67,7 +67,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.peers import Processes, _cpu_seconds, _system_busy_s, _wait_for_log  # noqa: E402
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, load_fleet_file  # noqa: E402
-from fleetsim.live import _StreamState, new_session  # noqa: E402
+from fleetcore.sse import StreamReader  # noqa: E402
+from fleetsim.live import new_session  # noqa: E402
 from fleetsim.metrics import percentiles  # noqa: E402
 from gateway.loop_monitor import LAG_BUCKETS, LoopMonitor  # noqa: E402
 from workloads import prompt_text  # noqa: E402
@@ -248,11 +249,14 @@ async def _read(resp: aiohttp.ClientResponse, s: Spec) -> Result:
         if not isinstance(obj, dict) or not obj.get("choices"):
             return Result("lost", "200_body_without_choices", 200, raw[:200].decode(errors="replace"))
         return Result("ok", "json", 200)
-    st = _StreamState()
-    async for line in resp.content:
-        st.feed(line, 0.0)
-        if st.done:
+    reader = StreamReader()
+    async for data in resp.content.iter_any():
+        reader.feed(data, 0.0)
+        if reader.stats.done:  # read on past an error event: it must be followed by [DONE]
             break
+    else:
+        reader.close(0.0)
+    st = reader.stats
     if st.done:
         return Result("error_event", st.error[:80], 200) if st.error else Result("ok", "stream", 200)
     if st.error:
@@ -548,7 +552,7 @@ async def amain(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = soak_fleet(src, args.time_scale or None, workdir / "fleet.yaml")
     procs = Processes(workdir)
-    argv = [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet), "--port", "0"]
+    argv = [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet), "--port", "0"]
     if args.planner is not None:
         argv.append("--planner" if args.planner else "--no-planner")
     print(f"soak: starting {shlex.join(argv)} (log {workdir / 'gateway.log'})", file=sys.stderr, flush=True)

@@ -61,8 +61,8 @@ def restart_policy(config: FleetConfig) -> RestartPolicy:
 
 def _check_sim_hardware(spec: str, gpu: str, tp: int, where: str) -> None:
     """Fail at load time, not at launch, when the simulated model cannot exist."""
-    from engine_adapters.sim import hardware
-    from engine_adapters.sim.physics import StepTimer
+    from fleetcore import hardware
+    from fleetcore.roofline import StepTimer
     try:
         StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp).kv_capacity_tokens()
     except ValueError as e:

@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fleetcore.slo import DEFAULT_SLOS
+from fleetcore.slo import DEFAULT_SLOS, ClassSLO
 
 CLASS_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -105,6 +105,16 @@ class AdmissionConfig(_Strict):
     @property
     def class_names(self) -> set[str]:
         return set(DEFAULT_SLOS) | set(self.classes)
+
+    def slos(self) -> dict[str, ClassSLO]:
+        """The fleet's SLO map: every class's bounds, the fleet file's over the defaults (a bound
+        it leaves out keeps the default's; a new class has only the bounds it sets). One map,
+        built here, for everything that judges or plans by SLO — admission, FleetMind's spill
+        rule, the planner's goodput, the simulator's reports — so they all agree."""
+        out = dict(DEFAULT_SLOS)
+        for name, c in self.classes.items():
+            out[name] = out.get(name, ClassSLO()).overridden(c.ttft_s, c.tpot_s, c.deadline_s)
+        return out
 
 
 class _TenantLike(Protocol):

@@ -192,6 +192,9 @@ class GatewaySettings(_Strict):
                     "caps of its own, so a flood on the public port cannot starve them (none: no ops "
                     "listener; `tokenfleet up --ops-port` overrides)")
     max_json_depth: int = Field(default=64, ge=4, description="nesting of a request body")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="gateway log lines: text, or one JSON object per line "
+                                    "(`tokenfleet up --log-format` overrides)")
     # --- work before routing ---
     tokenize_workers: int = Field(default=2, ge=1, description="threads that tokenize prompts off the event loop")
     tokenize_queue: int = Field(default=256, ge=1, description="prompts waiting for a tokenizer thread; more: 503")
@@ -201,6 +204,23 @@ class GatewaySettings(_Strict):
     state_dir: str | None = Field(
         default=None, description="where last-known-good admin state is kept on local disk "
                                   "(default: $TOKENFLEET_STATE_DIR, else ~/.local/state/tokenfleet)")
+    # --- several replicas (README "Several replicas"); all of it off without a Redis URL ---
+    redis_url: str | None = Field(
+        default=None, description="Redis shared by the gateway replicas of one fleet: budgets, goodput ledger, "
+                                  "admin state, planner lease (`tokenfleet up --redis-url` also sets the policy "
+                                  "store; none: one replica, admin state in SQLite under state_dir)")
+    redis_prefix: str = Field(default="tokenfleet", min_length=1, description="key prefix of the shared state")
+    shared_budgets: bool = Field(default=True, description="tenant budgets exact fleet-wide in Redis (off: each "
+                                                          "replica enforces the whole budget on its own)")
+    replica_heartbeat_s: float = Field(default=1.0, gt=0, description="how often a replica announces itself")
+    replica_ttl_s: float = Field(default=3.0, gt=0, description="a replica not heard of for this long is gone "
+                                                                "(budget shares and stream counts drop it)")
+    ledger_push_s: float = Field(default=0.5, gt=0, le=10, description="how often a replica pushes its goodput "
+                                                                       "ledger deltas to Redis")
+    lease_ttl_s: float = Field(default=5.0, gt=0, description="the planner leader lease; a holder that cannot "
+                                                              "renew stops acting before it runs out")
+    lease_renew_s: float = Field(default=1.0, gt=0, description="how often the holder renews (at most a third "
+                                                                "of lease_ttl_s)")
     # --- health ---
     health_interval_s: float = Field(default=0.5, gt=0, description="how often each engine is checked")
     health_timeout_s: float = Field(default=2.0, gt=0, description="a check slower than this is a miss")
@@ -213,6 +233,15 @@ class GatewaySettings(_Strict):
                                          "ended with an error event")
     engine_restart_backoff_s: float = Field(default=1.0, gt=0, description="first wait before restarting a dead engine")
     engine_restart_backoff_max_s: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_lease(self) -> GatewaySettings:
+        # Three renewals per lease: one lost or slow renewal never costs the lease.
+        if self.lease_renew_s * 3 > self.lease_ttl_s * (1 + 1e-9):
+            raise ValueError("gateway.lease_renew_s must be at most a third of gateway.lease_ttl_s")
+        if self.replica_heartbeat_s * 2 > self.replica_ttl_s * (1 + 1e-9):
+            raise ValueError("gateway.replica_heartbeat_s must be at most half of gateway.replica_ttl_s")
+        return self
 
 
 class FleetConfig(_Strict):

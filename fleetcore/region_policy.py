@@ -5,13 +5,15 @@ A policy names a tenant and a model, or `*` for any. Every policy that matches a
 request applies and their allowed sets are *intersected* — a tenant-wide residency
 rule cannot be widened by a model-wide one. Home and spill settings come from the
 most specific matching policy (tenant+model, then tenant, then model, then `*`).
-This module holds the schema and its checks against a fleet; FleetMind
-(`fleetmind.residency`) resolves and enforces it.
+This module holds the schema, its checks against a fleet, and its resolution into
+allowed sites (`PolicySet.resolve`; the type a site chooser's `residency` answers in);
+FleetMind (`fleetmind.site_choice`) enforces it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -89,3 +91,45 @@ def check_policy(p: RegionPolicy, sites: Sequence[SiteLike], models: Collection[
     if outside:
         errors.append(f"spill_sites: {outside} are outside what the policy allows")
     return errors
+
+
+# --- resolution: pure and cheap (cached per policy-set version, one dict lookup a request) ---
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    allowed: frozenset[str]  # sites the request may run in at all
+    home: str | None  # the policy's home site (None: nearest allowed to the client)
+    spill: bool  # may it leave home?
+    spill_sites: frozenset[str]  # where it may spill to (within `allowed`)
+    policies: tuple[str, ...]  # which policies applied, for explanations
+
+
+class PolicySet:
+    """An immutable, versioned set of region policies (the admin API swaps whole sets)."""
+
+    def __init__(self, policies: Sequence[RegionPolicy] = (), version: int = 0) -> None:
+        self.policies = tuple(policies)
+        self.version = version
+        self._cache: dict[tuple[str, str, tuple[str, ...]], Residency] = {}
+
+    def resolve(self, tenant: str, model: str, sites: Sequence[SiteLike]) -> Residency:
+        key = (tenant, model, tuple(s.name for s in sites))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._resolve(tenant, model, sites)
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = hit
+        return hit
+
+    def _resolve(self, tenant: str, model: str, sites: Sequence[SiteLike]) -> Residency:
+        applying = sorted((p for p in self.policies if p.matches(tenant, model)),
+                          key=lambda p: p.specificity, reverse=True)
+        allowed = frozenset(s.name for s in sites if all(p.allows(s) for p in applying))
+        top = applying[0] if applying else None
+        spill = top.spill if top else True
+        spill_sites = allowed if top is None or top.spill_sites is None else allowed & frozenset(top.spill_sites)
+        home = top.home_site if top and top.home_site in allowed else None
+        return Residency(allowed, home, spill, spill_sites if spill else frozenset(),
+                         tuple(f"{p.tenant}/{p.model}" for p in applying))

@@ -39,6 +39,13 @@ class ClassSLO:
             return False
         return True
 
+    def overridden(self, ttft_s: float | None, tpot_s: float | None, deadline_s: float | None) -> ClassSLO:
+        """These bounds with the given ones in their place (None keeps this one's): how a fleet
+        file's class, or a tenant's, tunes an SLO it inherits."""
+        return ClassSLO(ttft_s if ttft_s is not None else self.ttft_s,
+                        tpot_s if tpot_s is not None else self.tpot_s,
+                        deadline_s if deadline_s is not None else self.deadline_s)
+
 
 DEFAULT_SLOS: Mapping[str, ClassSLO] = {
     INTERACTIVE: ClassSLO(ttft_s=1.0, tpot_s=0.050),

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from engine_adapters.sim import hardware
-from engine_adapters.sim.physics import StepTimer
+from fleetcore import hardware
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.roofline import StepTimer
 from fleetmind.site_choice import rtt_ms
 
 log = logging.getLogger("tokenfleet.fleetmind")

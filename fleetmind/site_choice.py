@@ -7,9 +7,11 @@ Filter, then score, then decide with hysteresis:
    requested model and version.
 2. Score each: network RTT from the client's entry region + the TTFT predicted at
    that site's best instance (queueing and prefill of the part it has not cached;
-   from the instance router's `predict`, so cache state counts) + transfer cost
+   from the instance router's `predict`, so cache state counts; a router without a
+   cost model predicts None and queue depth stands in) + transfer cost
    (egress $/GB of the request, weighted into seconds).
-3. Stay home unless home would miss the class's TTFT SLO and another allowed site
+3. Stay home unless home would miss the class's TTFT SLO (the fleet's SLO map,
+   `fleetcore.admission_config.AdmissionConfig.slos`) and another allowed site
    scores clearly better (`margin`). Spilling is a per (tenant, model, home) mode
    with hysteresis: it starts when home's predicted TTFT passes `enter_ratio` x SLO
    and ends only after home has stayed under `exit_ratio` x SLO for `hold_s`, so
@@ -25,8 +27,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from fleetcore.slo import DEFAULT_SLOS, ClassSLO, class_by_length
-from fleetcore.types import Candidate, FleetView, InstanceSnapshot, RequestOutcome, RequestProfile, SiteDecision, SiteSnapshot
+from fleetcore.fleet_config import FleetConfig
+from fleetcore.policies import InstanceRouter, SiteChooser
+from fleetcore.slo import ClassSLO, class_by_length
+from fleetcore.types import Candidate, FleetView, InstanceSnapshot, RequestProfile, SiteDecision, SiteSnapshot
 from fleetmind.residency import PolicySet, Residency
 
 UNKNOWN_RTT_MS = 1000.0
@@ -46,7 +50,7 @@ def rtt_ms(site: _HasRtt, client_region: str | None) -> float:
     return rtt
 
 
-class NearestReadySite:
+class NearestReadySite(SiteChooser):
     """Baseline: the nearest site with a ready instance; no residency policy, no load."""
 
     name = "nearest_ready"
@@ -65,11 +69,6 @@ class NearestReadySite:
             return SiteDecision(None, f"no site has a ready instance of {profile.model!r}")
         best = min(scored, key=lambda c: (c.score, c.name))
         return SiteDecision(best.name, f"nearest ready site ({best.score:.0f} ms)", scored)
-
-
-class SitePredictor(Protocol):
-    def predict(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
-                now: float) -> tuple[float, int] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,18 +100,29 @@ class _Row:
     cached: int
 
 
-class FleetMind:
+class FleetMind(SiteChooser):
     name = "fleetmind"
 
-    def __init__(self, policies: PolicySet | None = None, predictor: SitePredictor | None = None,
-                 slos: Mapping[str, ClassSLO] = DEFAULT_SLOS, config: FleetMindConfig | None = None,
+    def __init__(self, policies: PolicySet | None = None, predictor: InstanceRouter | None = None, *,
+                 slos: Mapping[str, ClassSLO], config: FleetMindConfig | None = None,
                  egress_cost_per_gb: Mapping[str, float] | None = None) -> None:
+        """`slos`: the fleet's class SLOs (the spill rule's TTFT bound) — the same map admission
+        holds requests to, so a fleet's own classes spill by their own targets."""
         self.policies = policies or PolicySet()
         self.predictor = predictor
         self.slos = slos
         self.config = config or FleetMindConfig()
         self.egress = dict(egress_cost_per_gb or {})
         self._modes: dict[tuple[str, str, str], _Mode] = {}
+
+    @classmethod
+    def from_fleet(cls, fleet: FleetConfig, predictor: InstanceRouter | None, *,
+                   config: FleetMindConfig | None = None, policy_version: int = 0) -> FleetMind:
+        """FleetMind over a fleet file: its region policies, its SLO map, its sites' egress prices
+        (the gateway's and the simulator's composition roots both build it here)."""
+        return cls(PolicySet(fleet.region_policies, version=policy_version), predictor,
+                   slos=fleet.admission.slos(), config=config,
+                   egress_cost_per_gb={s.name: s.egress_cost_per_gb for s in fleet.sites})
 
     def set_policies(self, policies: PolicySet) -> None:
         """Swap the whole policy set (admin API); takes effect on the next request."""
@@ -153,9 +163,6 @@ class FleetMind:
         best = min([home, *spill_rows], key=lambda r: (r.score, r.site.name))
         reason = "spill: home would miss its TTFT SLO" if best is not home else "spilling, home is best now"
         return SiteDecision(best.site.name, reason, cands)
-
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
 
     # -- internals ------------------------------------------------------------------
     def _score_sites(self, profile: RequestProfile, view: FleetView, res: Residency, now: float,

@@ -2,7 +2,7 @@
 
     tokenfleet simulate --trace FILE [--trace-format mooncake|azure|auto]
         [--fleet FILE] [--policy P1,P2,...] [--rate-scale X]
-        [--max-requests N] [--seed S] [--json OUT.json] [--plot OUT.png]
+        [--max-requests N] [--seed S] [--json OUT.json] [--plot DIR]
 
 This command line is a contract outside checks rely on. Extra options:
 `--timeout S` (client gives up S seconds after arrival), `--describe-capacity`
@@ -21,12 +21,14 @@ import argparse
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
+from fleetcore.policies import InstanceRouter
+from fleetcore.slo import ClassSLO
 from fleetmind.demand import DemandModel
 from fleetmind.placement_cycle import placement_cycle_for
 from fleetmind.residency import PolicySet
@@ -35,13 +37,12 @@ from slomax import ADMISSION_NAMES, make_admission
 from slomax import from_fleet as slomax_config
 from tokenpilot.registry import ROUTER_NAMES, make_router
 
-from .metrics import RequestRecord, summarize, summarize_all, ttft_values_ms
+from .metrics import RequestRecord, summarize, summarize_all
 from .planning import PlannerLoop
+from .plots import PlotUnavailable, Run, require_matplotlib, write_plots
 from .report import (
-    PlotUnavailable,
     build_report,
     format_table,
-    plot_ttft_cdf,
     result_row,
     write_json,
 )
@@ -61,11 +62,11 @@ TRACE_FORMATS = ("mooncake", "azure", "auto", "canonical")
 # --- policies -------------------------------------------------------------------------
 
 
-def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
-    """A fresh, seeded router, told the fleet's engines when it keeps per-instance priors
-    (`register_instance`), as the gateway's composition root does."""
+def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> InstanceRouter:
+    """A fresh, seeded router, told the fleet's engines (`register_instance`: a no-op for a
+    router that keeps no per-instance priors), as the gateway's composition root does."""
     router = make_router(name, seed=seed)
-    if fleet is not None and hasattr(router, "register_instance"):
+    if fleet is not None:
         for s in fleet_instances(fleet):
             router.register_instance(s.instance_id, spec_prior(s))
     return router
@@ -76,14 +77,11 @@ def make_policy(name: str, seed: int, fleet: FleetConfig | None = None) -> Any:
 PLACEMENTS = ("fleetmind", "home", "fleetmind+planner")
 
 
-def make_placement(name: str, fleet: FleetConfig, router: Any) -> FleetMind:
-    """The site chooser for a `--placement`: `fleetmind` spills when home would miss its SLO;
-    `home` never leaves the home site (same residency and readiness filters);
-    `fleetmind+planner` also moves replicas (`placement_controllers`)."""
-    predictor = router if hasattr(router, "predict") else None
-    return FleetMind(PolicySet(fleet.region_policies), predictor,
-                     config=FleetMindConfig(never_spill=name == "home"),
-                     egress_cost_per_gb={s.name: s.egress_cost_per_gb for s in fleet.sites})
+def make_placement(name: str, fleet: FleetConfig, router: InstanceRouter) -> FleetMind:
+    """The site chooser for a `--placement`: `fleetmind` spills when home would miss its SLO
+    (the fleet's own SLO map); `home` never leaves the home site (same residency and
+    readiness filters); `fleetmind+planner` also moves replicas (`placement_controllers`)."""
+    return FleetMind.from_fleet(fleet, router, config=FleetMindConfig(never_spill=name == "home"))
 
 
 def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, Any]]:
@@ -106,10 +104,11 @@ def residency_violations(records: Sequence[RequestRecord], policies: PolicySet, 
                if r.site and r.site not in policies.resolve(r.tenant, r.model or default_model, fleet.sites).allowed)
 
 
-def by_site(records: Sequence[RequestRecord], span_s: float) -> dict[str, dict[str, Any]]:
+def by_site(records: Sequence[RequestRecord], span_s: float,
+            slos: Mapping[str, ClassSLO]) -> dict[str, dict[str, Any]]:
     out = {}
     for site in sorted({r.site for r in records if r.site}):
-        part = summarize([r for r in records if r.site == site], span_s)
+        part = summarize([r for r in records if r.site == site], span_s, slos)
         out[site] = {k: part[k] for k in ("requests", "completed", "ttft_ms", "throughput_tok_s",
                                           "goodput_tok_s", "slo_attainment", "cache_hit_rate")}
     return out
@@ -175,7 +174,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed for randomised policies (default 0)")
     p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="OUT.png", help="draw TTFT CDFs per policy (needs matplotlib)")
+    p.add_argument("--plot", metavar="DIR", help="draw the figures into DIR: TTFT/TPOT CDFs with SLO lines, goodput "
+                   "over time, per-site and per-class bars (needs matplotlib: pip install 'tokenfleet[plot]'); "
+                   "a name ending in .png is the TTFT CDF, the others beside it")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="client timeout: a request not finished S seconds after arrival is cancelled")
     p.add_argument("--describe-capacity", action="store_true",
@@ -185,9 +186,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `simulate` on a `tokenfleet` subparsers object; it dispatches to `run_simulate`."""
+    # The one-line help is tokenfleet.cli's (it lists commands without importing them).
     p = subparsers.add_parser(
-        "simulate", help="replay a trace through routing policies on a simulated fleet",
-        description="Replay a request trace through each routing policy on a simulated fleet "
+        "simulate", description="Replay a request trace through each routing policy on a simulated fleet "
                     "(discrete-event, virtual time) and compare TTFT, TPOT, goodput and SLO attainment.")
     _add_arguments(p)
     p.set_defaults(func=run_simulate)
@@ -262,6 +263,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err("--timeout must be positive")
     if not Path(args.trace).is_file():
         return _err(f"trace file not found: {args.trace}")
+    if args.plot:
+        try:  # now, not after a run that may take minutes
+            require_matplotlib()
+        except PlotUnavailable as e:
+            return _err(str(e))
     try:
         wl = load_trace(args.trace, args.trace_format)
     except (ValueError, OSError) as e:
@@ -306,8 +312,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     _say(f"prepared  {len(inputs)} requests (block hashes) in {time.perf_counter() - t0:.1f} s")
 
     rows: list[dict[str, Any]] = []
-    curves = []
+    runs: list[Run] = []
     policies = PolicySet(fleet.region_policies)
+    slos = fleet.admission.slos()  # the fleet's SLO map: what admission, FleetMind and the report judge by
     for placement in placements:
         for name, admission in ((n, a) for n in names for a in admissions):
             random.seed(args.seed)  # for any policy that draws from the module RNG
@@ -326,19 +333,19 @@ def run_simulate(args: argparse.Namespace) -> int:
             res = sim.run(inputs)
             for w in res.warnings[:5]:
                 print(f"tokenfleet simulate: warning: {label}: {w}", file=sys.stderr)
-            summary = summarize_all(res.records)
+            summary = summarize_all(res.records, slos)
             row = result_row(name, summary, res.wall_s, {
                 "steps": res.steps, "preemptions": res.preemptions, "span_s": round(summary["span_s"], 3)})
             row["placement"] = placement
             row["admission"] = admission
             row["residency_violations"] = residency_violations(res.records, policies, fleet)
-            row["by_site"] = by_site(res.records, summary["span_s"])
+            row["by_site"] = by_site(res.records, summary["span_s"], slos)
             if controllers:
                 row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
                                        "reason": e.reason} for e in controllers[0][1].core.planner.log]
                 row["planner_actions"] = [asdict(a) for a in controllers[0][1].core.actions]
             rows.append(row)
-            curves.append((label, ttft_values_ms(res.records)))
+            runs.append(Run(label, row, res.records))
             slo = row["slo_attainment"]
             _say(f"ran       {label:<22} wall {res.wall_s:6.1f} s  ({res.steps} engine steps, "
                  f"{summary['span_s']:.0f} s simulated)  goodput {row['goodput_tok_s']:.0f} tok/s  "
@@ -355,12 +362,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         _say(f"\nwrote {args.json}")
     if args.plot:
         try:
-            plot_ttft_cdf(curves, args.plot, title=f"{desc['name']} x{args.rate_scale:g} on {fleet_path.name}")
-        except PlotUnavailable as e:
-            return _err(str(e))
+            written = write_plots(args.plot, runs, slos, title=f"{desc['name']} x{args.rate_scale:g} on {fleet_path.name}")
         except OSError as e:
             return _err(f"cannot write {args.plot}: {e.strerror}")
-        _say(f"wrote {args.plot}")
+        _say(f"wrote {', '.join(map(str, written))}")
     return 0
 
 

@@ -38,7 +38,8 @@ the class SLOs; `wall_s` and the `live` block stay in wall time.
 What is measured, per request, on the client (times from the moment the request
 was written, as vLLM's and SGLang's serving benchmarks do):
 
-* TTFT: until the first streamed chunk that carries output text.
+* TTFT: until the first streamed chunk that carries output: text, reasoning or a
+  tool call, read as the gateway reads it (`fleetcore.sse`).
 * TPOT: (last token chunk - first token chunk) / (completion_tokens - 1).
 * end-to-end: until the stream ended ([DONE]).
 * `queue_s` holds the *client-side* wait for a concurrency slot (the endpoint's
@@ -70,6 +71,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from fleetcore.slo import DEFAULT_SLOS
+from fleetcore.sse import StreamReader, StreamStats
 from workloads import Workload, head, load_trace, prompt_text, scale_rate, window
 
 from .metrics import RequestRecord, percentiles, summarize_all
@@ -172,71 +175,6 @@ def request_body(row: Any, target: Target, seed: int = 0) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class _StreamState:
-    """What the client saw of one streamed response."""
-
-    first: float | None = None
-    last: float | None = None
-    chunks: int = 0  # chunks carrying output text
-    done: bool = False
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-
-    def feed(self, line: bytes, now: float) -> None:
-        if not line.startswith(b"data:"):
-            return  # blank separators, comments, `event:` lines
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            self.error = f"unparseable stream chunk {payload[:80]!r}"
-            return
-        if not isinstance(obj, dict):
-            return
-        if obj.get("error"):
-            err = obj["error"]
-            self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
-            return
-        for choice in obj.get("choices") or ():
-            if _choice_text(choice):
-                if self.first is None:
-                    self.first = now
-                self.last = now
-                self.chunks += 1
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        if obj.get("usage"):
-            self.usage = obj["usage"]
-
-
-def _choice_text(choice: Mapping[str, Any]) -> str:
-    """Output text of a streamed choice (completion `text` or chat `delta.content`)."""
-    if not isinstance(choice, Mapping):
-        return ""
-    text = choice.get("text")
-    if text is None:
-        delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, Mapping) else None
-    return text if isinstance(text, str) else ""
-
-
-def _usage_counts(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int]:
-    """(prompt_tokens, completion_tokens, cached_tokens) of a usage block; None where absent."""
-    if not usage:
-        return None, None, 0
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (prompt if isinstance(prompt, int) else None,
-            completion if isinstance(completion, int) else None,
-            cached if isinstance(cached, int) else 0)
-
-
-@dataclass(slots=True)
 class _Sent:
     """Dispatcher bookkeeping of one request (seconds from the replay's t0)."""
 
@@ -258,7 +196,7 @@ async def _send_one(session: aiohttp.ClientSession, target: Target, s: _Sent, da
     headers["X-Request-Id"] = rec.request_id
     if row.region:
         headers["x-tokenfleet-region"] = row.region
-    st = _StreamState()
+    reader = StreamReader()
     clock = time.perf_counter
     start = clock()
     s.sent = start - t0
@@ -271,40 +209,43 @@ async def _send_one(session: aiohttp.ClientSession, target: Target, s: _Sent, da
                     rec.status = "rejected"
                     rec.reason = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                     return _ended(rec, clock() - t0)
-                async for line in resp.content:
-                    st.feed(line, clock())
-                    if st.done or st.error:
+                async for data in resp.content.iter_any():
+                    reader.feed(data, clock())
+                    if reader.finished:
                         break
+                else:
+                    reader.close(clock())
     except TimeoutError:
         rec.reason = f"client timeout after {timeout_s:g} s"
     except (aiohttp.ClientError, ConnectionError) as e:
         rec.reason = f"{type(e).__name__}: {e}"[:300]
     end = clock()
-    _fill(rec, st, start, end)
+    _fill(rec, reader.stats, start, end)
     return _ended(rec, end - t0)
 
 
-def _fill(rec: RequestRecord, st: _StreamState, start: float, end: float) -> None:
+def _fill(rec: RequestRecord, st: StreamStats, start: float, end: float) -> None:
     """Timings and token counts from the stream; the status is completed only on a clean end."""
-    prompt, completion, cached = _usage_counts(st.usage)
-    if prompt is not None:
-        rec.prompt_tokens = prompt
-    rec.cached_tokens = cached
-    rec.output_tokens = completion if completion is not None else st.chunks
-    if st.first is not None:
-        rec.ttft_s = st.first - start
+    counts = st.counts()
+    if counts.prompt_tokens is not None:
+        rec.prompt_tokens = counts.prompt_tokens
+    rec.cached_tokens = counts.cached_tokens
+    rec.output_tokens = st.output_tokens()
+    first, last = st.first_token_at, st.last_token_at
+    if first is not None:
+        rec.ttft_s = first - start
     if st.error:
-        rec.reason = f"stream error: {st.error}"
+        rec.reason = f"stream error: {st.error[:300]}"
         return
     if rec.reason is not None:
         return
-    if not (st.done or st.finish_reason) or st.first is None:
-        rec.reason = "stream ended without output" if st.first is None else "stream ended early"
+    if not (st.done or st.finish_reason) or first is None:
+        rec.reason = "stream ended without output" if first is None else "stream ended early"
         return
     rec.status = "completed"
     rec.e2e_s = end - start
-    if rec.output_tokens > 1 and st.last is not None:
-        rec.tpot_s = (st.last - st.first) / (rec.output_tokens - 1)
+    if rec.output_tokens > 1 and last is not None:
+        rec.tpot_s = (last - first) / (rec.output_tokens - 1)
 
 
 def _ended(rec: RequestRecord, at: float) -> RequestRecord:
@@ -474,7 +415,9 @@ def to_physical(records: Sequence[RequestRecord], time_scale: float) -> list[Req
 def live_row(label: str, run: LiveRun, target: Target, time_scale: float = 1.0) -> dict[str, Any]:
     """One `results` entry in `simulate`'s shape (times in physical seconds when the target's
     engines run at `time_scale`), plus the `live` block; `wall_s` stays wall-clock."""
-    summary = summarize_all(to_physical(run.records, time_scale))
+    # The target's fleet file is not known here (any OpenAI endpoint): its classes are judged
+    # by the vocabulary's default SLOs.
+    summary = summarize_all(to_physical(run.records, time_scale), DEFAULT_SLOS)
     row = result_row(label, summary, run.wall_s)
     row["span_s"] = round(summary["span_s"], 3)
     row["live"] = run.live_block(target)
@@ -548,8 +491,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` (with its `live` subcommand) on `tokenfleet`'s subparsers; dispatch with
     `run_bench(args)`."""
-    bench = subparsers.add_parser("bench", help="benchmark a running endpoint",
-                                  description="Benchmarks against running endpoints.")
+    # The one-line help is tokenfleet.cli's (it lists commands without importing them).
+    bench = subparsers.add_parser("bench", description="Benchmarks against running endpoints.")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     live = sub.add_parser("live", help="replay a trace against an OpenAI-compatible endpoint",
                           description=__doc__.split("\n\n")[0])

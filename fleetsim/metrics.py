@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fleetcore.slo import DEFAULT_SLOS, ClassSLO, class_by_length
+from fleetcore.slo import ClassSLO, class_by_length
 
 Status = Literal["completed", "rejected", "cancelled"]
 
@@ -70,8 +70,9 @@ class RequestRecord:
         return self.request_class or class_by_length(self.prompt_tokens)
 
 
-def slo_met(r: RequestRecord, slos: Mapping[str, ClassSLO] = DEFAULT_SLOS) -> bool:
-    """A completed request within its class SLO (and its own deadline). Unknown class: no bound."""
+def slo_met(r: RequestRecord, slos: Mapping[str, ClassSLO]) -> bool:
+    """A completed request within its class SLO (and its own deadline). Unknown class: no bound.
+    `slos`: the fleet's SLO map (`AdmissionConfig.slos`), the one admission judged it by."""
     if r.status != "completed":
         return False
     slo = slos.get(r.klass)
@@ -109,7 +110,7 @@ def run_span(records: Sequence[RequestRecord]) -> float:
 
 
 def summarize(records: Sequence[RequestRecord], span_s: float,
-              slos: Mapping[str, ClassSLO] = DEFAULT_SLOS) -> dict[str, Any]:
+              slos: Mapping[str, ClassSLO]) -> dict[str, Any]:
     """The flat metric block of one group of requests (the fields of a result row)."""
     n = len(records)
     done = [r for r in records if r.status == "completed"]
@@ -151,7 +152,7 @@ def _grouped(records: Sequence[RequestRecord], key: Callable[[RequestRecord], st
 
 
 def summarize_all(records: Sequence[RequestRecord],
-                  slos: Mapping[str, ClassSLO] = DEFAULT_SLOS) -> dict[str, Any]:
+                  slos: Mapping[str, ClassSLO]) -> dict[str, Any]:
     """Overall metrics plus `by_class` and `by_tenant` blocks (same fields, same span)."""
     span = run_span(records)
     out = summarize(records, span, slos)

@@ -1,4 +1,4 @@
-"""The benchmark report: the `--json` document, the stdout table, the TTFT CDF plot.
+"""The benchmark report: the `--json` document and the stdout table (figures: `fleetsim.plots`).
 
 JSON shape (a contract `simulate` and `bench live` share)::
 
@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from fleetcore.slo import DEFAULT_SLOS
 
 RESULT_KEYS = ("policy", "requests", "completed", "rejected", "cancelled", "ttft_ms", "tpot_ms", "e2e_ms",
                "queue_ms", "throughput_tok_s", "goodput_tok_s", "slo_attainment", "cache_hit_rate", "wall_s",
@@ -87,7 +85,8 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
     """Fixed-width table, one row per policy, ratios against the first policy.
 
     `good/1st` is goodput over the first policy's; `p95/1st` is TTFT p95 over the
-    first policy's (lower is better). Followed by SLO attainment and goodput per class.
+    first policy's (lower is better). Followed by a per-class table: for each class, `CLASS n`
+    (its requests), `SLO%`, `good/s` (goodput tok/s) and `ttft95` (ms).
     """
     if not results:
         return "(no results)"
@@ -113,57 +112,18 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
     classes = sorted({c for r in results for c in r.get("by_class", {})})
     if classes:
         lines.append("")
-        head = f"{'per class':<22}" + "".join(f"  {c[:12]:>12} SLO%  good/s  ttft95" for c in classes)
+        # Each class's first column counts its requests: the header says so (`CLASS n`).
+        head = f"{'per class':<22}" + "".join(f"  {(c[:12] + ' n'):>14} {'SLO%':>5}  good/s  ttft95" for c in classes)
         lines.append(head)
         for r in results:
             cells = []
             for c in classes:
                 g = r.get("by_class", {}).get(c)
                 if g is None:
-                    cells.append(f"  {'':>12} {'-':>4}  {'-':>6}  {'-':>6}")
+                    cells.append(f"  {'-':>14} {'-':>5}  {'-':>6}  {'-':>6}")
                     continue
                 slo = None if g["slo_attainment"] is None else 100 * g["slo_attainment"]
-                cells.append(f"  {g['requests']:>12} {_num(slo, '.1f'):>4}  {_num(g['goodput_tok_s'], '.0f'):>6}"
+                cells.append(f"  {g['requests']:>14} {_num(slo, '.1f'):>5}  {_num(g['goodput_tok_s'], '.0f'):>6}"
                              f"  {_num(g['ttft_ms']['p95'], '.0f'):>6}")
             lines.append(f"{row_label(r)[:22]:<22}" + "".join(cells))
     return "\n".join(lines)
-
-
-# --- plot -------------------------------------------------------------------------
-
-
-class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed (it is not a dependency of TokenFleet)."""
-
-
-def plot_ttft_cdf(curves: Sequence[tuple[str, np.ndarray]], path: str | Path, title: str = "") -> None:
-    """One TTFT CDF per policy (log x axis), saved as PNG. matplotlib is imported only here."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only, never a window
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib, which TokenFleet does not install: "
-                              "pip install matplotlib") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for name, ttft_ms in curves:
-        if len(ttft_ms) == 0:
-            continue
-        y = np.arange(1, len(ttft_ms) + 1) / len(ttft_ms)
-        ax.step(np.sort(ttft_ms), y, where="post", label=name)
-    # Class TTFT targets as reference lines: where a curve crosses them is that class's attainment bound.
-    for name, slo in DEFAULT_SLOS.items():
-        if slo.ttft_s is not None:
-            ax.axvline(slo.ttft_s * 1e3, color="grey", linestyle="--", linewidth=0.8)
-            ax.text(slo.ttft_s * 1e3, 0.02, f" {name} SLO", rotation=90, fontsize=7, color="grey", va="bottom")
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms, log scale)")
-    ax.set_ylabel("fraction of completed requests")
-    ax.set_ylim(0, 1)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)

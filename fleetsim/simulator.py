@@ -27,6 +27,9 @@ What is modelled, and how:
   `num_waiting` and `kv_usage` are read from the engine at the decision instant.
   The simulator sees the engines' *true* state (no scrape lag), which favours
   load-aware policies slightly compared with the live gateway.
+* Placement: `fleetmind.place`, the gateway's own site → pool → instance choice (admission's
+  `avoid_instances` hint gives way when it leaves nothing; no attempt fails here, so
+  nothing is excluded).
 * Feedback: `RequestOutcome`s go to the router, site chooser and admission
   hook's `observe` when the gateway sees the request end, as in the gateway.
 
@@ -44,9 +47,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from engine_adapters.sim import hardware
 from engine_adapters.sim.engine import EngineConfig, SimEngine, SimRequest, StepResult
+from fleetcore import hardware
 from fleetcore.fleet_config import FleetConfig, SiteConfig
+from fleetcore.policies import Admission, InstanceRouter, SiteChooser
 from fleetcore.prefix import synthetic_block_hashes
 from fleetcore.slo import class_by_length
 from fleetcore.types import (
@@ -56,11 +60,10 @@ from fleetcore.types import (
     InstanceSnapshot,
     RequestOutcome,
     RequestProfile,
-    SiteDecision,
     SiteSnapshot,
 )
+from fleetmind.place import place
 from fleetmind.site_choice import NearestReadySite, rtt_ms
-from tokenpilot.policy import InstanceRouter
 from tokenpilot.priors import EnginePrior, prior_from_physics
 
 from .metrics import RequestRecord, Status
@@ -91,13 +94,6 @@ class TraceLike(Protocol):
     def model(self) -> str | None: ...
     @property
     def deadline_s(self) -> float | None: ...
-
-
-class SiteChooser(Protocol):
-    """`fleetmind` site choice, as the gateway calls it."""
-
-    def choose(self, profile: RequestProfile, view: FleetView, now: float,
-               exclude_instances: Collection[str] = ()) -> SiteDecision: ...
 
 
 @dataclass(slots=True)
@@ -183,38 +179,11 @@ def prepare(requests: Sequence[TraceLike], fleet: FleetConfig, *, timeout_s: flo
 
 
 # --- admission hook -------------------------------------------------------------
+# The contract (`Admission`: its two queue modes, `holds_queue`) is fleetcore.policies';
 # AdmissionDecision / AdmissionAction live in fleetcore.types (the gateway acts on them too).
 
 
-class Admission(Protocol):
-    """Gateway admission (SLOMax plugs in here), in one of two modes.
-
-    `admit` is asked at every arrival. "admit" dispatches at once; "reject" ends the
-    request with the reason; "queue" holds it.
-
-    * Hook-owned queues (the hook has `poll`, as SLOMax and slomax.FCFS do): the hook
-      keeps its queued requests and says when each may start. The simulator calls
-      `poll(now, view)` after every arrival it queued and every request end, and at
-      the time `next_wakeup(now)` names (if the hook has it); each returned decision
-      names its `request_id` ("admit" dispatches it, "reject" ends it). A client
-      timeout of a queued request calls `cancel(request_id, now)`; a hook with
-      `on_dispatched(request_id, instance_id, now)` hears where each request was routed,
-      one with `on_first_token(request_id, now)` when its prefill was through (at the
-      engine step that made its first token). An "admit" may name `avoid_instances`:
-      site choice and routing skip them, unless that leaves no instance.
-    * Simulator FIFO (a hook with only `admit`): queued requests wait in one gateway
-      FIFO and are offered again, oldest first, whenever a dispatched request ends at
-      the gateway (finished or cancelled), until one is queued again.
-
-    Either way a client timeout cancels a queued request too; one still queued when
-    the run ends counts as rejected; `observe(outcome)`, if the hook has it, gets
-    every outcome of a dispatched request.
-    """
-
-    def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision: ...
-
-
-class AdmitAll:
+class AdmitAll(Admission):
     """FCFS, admit everything: the gateway without admission control."""
 
     name = "admit_all"
@@ -370,16 +339,13 @@ class FleetSimulator:
         for i in self._insts:
             self._max_len[i.model] = max(self._max_len.get(i.model, 0), i.max_model_len)
         self._rtt_memo: dict[tuple[str, str], float] = {}
-        self._observers = [getattr(p, "observe", None) for p in (self.router, self.site_chooser, self.admission)]
+        self._observers = [p.observe for p in (self.router, self.site_chooser, self.admission)]
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self._queue: deque[_Req] = deque()
         self._active: dict[str, _Req] = {}  # request id -> request an engine is serving
         # Hook-owned queues (see Admission): requests the hook holds, and its wake-up.
-        self._poll = getattr(self.admission, "poll", None)
-        self._wakeup = getattr(self.admission, "next_wakeup", None)
-        self._first_token = getattr(self.admission, "on_first_token", None)
-        self._routed = getattr(self.admission, "on_dispatched", None)
+        self._hook_queues = self.admission.holds_queue
         self._held: dict[str, _Req] = {}
         self._wake_at = float("inf")
         self.steps = 0
@@ -440,9 +406,7 @@ class FleetSimulator:
         for s, insts in self._site_insts:
             if s.name == site:
                 insts.append(inst)
-        register = getattr(self.router, "register_instance", None)
-        if register is not None:
-            register(iid, spec_prior(spec))
+        self.router.register_instance(iid, spec_prior(spec))
         self._push(now + startup_s, _READY, inst, on_ready)
         return iid
 
@@ -475,8 +439,7 @@ class FleetSimulator:
 
     def _observe(self, outcome: RequestOutcome) -> None:
         for fn in self._observers:
-            if fn is not None:
-                fn(outcome)
+            fn(outcome)
 
     def _outcome(self, r: _Req, now: float, *, cancelled: bool) -> RequestOutcome:
         arrival = r.inp.arrival_s
@@ -512,48 +475,35 @@ class FleetSimulator:
         if need > self._max_len[inp.model]:
             self._undispatchable(r, now, f"context_length_exceeded: {need} tokens > {self._max_len[inp.model]}")
             return
-        site = self.site_chooser.choose(profile, view, now, exclude_instances=avoid)
-        if site.site is None and avoid:  # avoiding left nothing: the admission hint gives way
-            avoid = ()
-            site = self.site_chooser.choose(profile, view, now, exclude_instances=())
-        if site.site is None:
-            self._undispatchable(r, now, site.reason)
-            return
-        pool = view.site(site.site).pool(profile.model, profile.model_version)
-        if avoid:
-            pool = tuple(i for i in pool if i.instance_id not in avoid) or pool
-        route = self.router.route(profile, pool, now)
-        inst = self._by_id.get(route.instance_id) if route.instance_id else None
-        if inst is None or inst.site != site.site:
-            self._undispatchable(r, now, route.reason or "router chose no instance")
+        choice = place(profile, view, now, self.site_chooser, self.router, avoid=avoid)
+        inst = self._by_id.get(choice.instance.instance_id) if choice.instance is not None else None
+        if inst is None or choice.site.site is None:
+            self._undispatchable(r, now, choice.reason)
             return
         if need > inst.max_model_len:
             self._undispatchable(r, now, f"context_length_exceeded on {inst.iid}")
             return
         r.status = "running"
         r.inst = inst
-        r.site = site.site
+        r.site = inst.site
         r.dispatch_s = now
-        r.half_rtt = self._rtt(site.site, inp.region) / 2.0
+        r.half_rtt = self._rtt(inst.site, inp.region) / 2.0
         inst.inflight += 1
         self._push(now + r.half_rtt, _REACH, r)
-        if self._routed is not None:
-            self._routed(inp.request_id, inst.iid, now)
+        self.admission.on_dispatched(inp.request_id, inst.iid, now)
 
     def _undispatchable(self, r: _Req, now: float, reason: str) -> None:
         """Admitted, but nowhere to send it: rejected, and admission hears it failed (it counted
         the request in flight and must let it go, as the gateway's relay does)."""
         self._reject(r, now, reason)
-        observe = getattr(self.admission, "observe", None)
-        if observe is not None:
-            observe(RequestOutcome(request_id=r.inp.request_id, instance_id="", site="", ok=False,
-                                   prompt_tokens=r.inp.prompt_tokens, e2e_s=now - r.inp.arrival_s,
-                                   error=reason))
+        self.admission.observe(RequestOutcome(request_id=r.inp.request_id, instance_id="", site="", ok=False,
+                                              prompt_tokens=r.inp.prompt_tokens, e2e_s=now - r.inp.arrival_s,
+                                              error=reason))
 
     def _poll_admission(self, now: float) -> None:
         """Act on the hook's decisions for requests it holds, then book its next wake-up."""
-        assert self._poll is not None
-        for d in self._poll(now, self.view()):
+        assert self._hook_queues
+        for d in self.admission.poll(now, self.view()):
             r = self._held.pop(d.request_id or "", None)
             if r is None or r.status != "queued":
                 continue
@@ -563,11 +513,10 @@ class FleetSimulator:
                 self._reject(r, now, self._reason(d))
             else:
                 self._held[r.inp.request_id] = r
-        if self._wakeup is not None:
-            t = self._wakeup(now)
-            if t is not None and t < self._wake_at:
-                self._wake_at = max(t, now)
-                self._push(self._wake_at, _POLL, None)
+        t = self.admission.next_wakeup(now)
+        if t is not None and t < self._wake_at:
+            self._wake_at = max(t, now)
+            self._push(self._wake_at, _POLL, None)
 
     @staticmethod
     def _reason(d: AdmissionDecision) -> str:
@@ -576,7 +525,7 @@ class FleetSimulator:
 
     def _after_release(self, now: float) -> None:
         """A dispatched request ended at the gateway: queued work may start."""
-        if self._poll is not None:
+        if self._hook_queues:
             if self._held:
                 self._poll_admission(now)
         elif self._queue:
@@ -608,7 +557,7 @@ class FleetSimulator:
         now = 0.0
         ticks = 0
         progress = self.progress
-        first_token = self._first_token
+        first_token = self.admission.on_first_token
         self.requests = reqs
         for ctl in self.controllers:
             self._push((inputs[0].arrival_s if n else 0.0) + ctl[0], _TICK, ctl)
@@ -629,8 +578,7 @@ class FleetSimulator:
                                 r.first = now
                                 r.cached = ev.cached_tokens
                                 r.engine_wait = res.start - r.reach_s
-                                if first_token is not None:
-                                    first_token(ev.request_id, now)
+                                first_token(ev.request_id, now)
                             r.last = now
                             if ev.finished:
                                 del active[ev.request_id]
@@ -727,7 +675,7 @@ class FleetSimulator:
             self._push(now + inp.timeout_s, _CANCEL, r)
         if not self._offer(r, now):
             r.status = "queued"
-            if self._poll is not None:
+            if self._hook_queues:
                 self._held[inp.request_id] = r
                 self._poll_admission(now)
             else:
@@ -740,9 +688,7 @@ class FleetSimulator:
             r.reason = "client timeout while queued"
             r.end = now
             if self._held.pop(r.inp.request_id, None) is not None:
-                cancel = getattr(self.admission, "cancel", None)
-                if cancel is not None:
-                    cancel(r.inp.request_id, now)
+                self.admission.cancel(r.inp.request_id, now)
             return
         if r.status != "running":
             return
@@ -797,7 +743,7 @@ def estimate_capacity(fleet: FleetConfig, requests: Sequence[TraceLike]) -> dict
     Returns, per cache case, the offered load at the workload's own rate, the
     rate-scale that would saturate the fleet, and the rate-scales for 60/80/95%.
     """
-    from engine_adapters.sim.physics import StepTimer
+    from fleetcore.roofline import StepTimer
 
     reqs = list(requests)
     if not reqs:

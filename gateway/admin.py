@@ -25,7 +25,9 @@ naming it. Calls that need the policy store answer 503 `policy_store_unavailable
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 from dataclasses import asdict
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -38,6 +40,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.region_policy import RegionPolicy, check_policy
 from fleetcore.types import RequestProfile
 from gateway.auth import bearer_token
+from gateway.logs import emit
 from gateway.errors import GatewayError, bad_request, invalid_api_key
 from gateway.placement import Mode
 from gateway.policy_store import AuditEntry, Snapshot, StoreUnavailable, VersionConflict, now_unix
@@ -99,6 +102,10 @@ async def _bounded(op: Awaitable[_T], retry_after_s: int) -> _T:
         return await op
     except StoreUnavailable as e:
         raise policy_store_unavailable(str(e), retry_after_s) from None
+
+
+# Admin changes, at info: who changed what (the durable record is the store's audit log).
+audit_log = logging.getLogger("tokenfleet.audit")
 
 
 def _forbidden() -> GatewayError:
@@ -164,12 +171,15 @@ class RegionPolicyAdmin:
         except VersionConflict as e:
             raise GatewayError(412, f"{e}; re-read and retry.", code="version_conflict") from None
         await self.sync.accept(Snapshot(version, tuple(policies)))
+        emit(audit_log, logging.INFO, {"event": "region_policy", "action": action, "actor": actor,
+                                       "tenant": tenant, "model": model, "version": version})
         return version, before
 
 
 def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyAdmin, relay: Any,
                          placement: Any = None) -> None:
-    """`placement`: the gateway's `PlacementLoop`, or None when the planner is off."""
+    """`placement`: the planner the admin API talks to (`gateway.replica_state.PlannerAdmin` over the gateway's
+    `PlacementLoop`: its mode durable, the lease holder's log on any replica), or None when it is off."""
     auth = AdminAuth(config)
 
     def if_match(request: Request) -> int | None:
@@ -231,8 +241,7 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
             request_class=body.request_class, client_region=body.region or config.entry_region)
         view = relay.state.view()
         decision = relay.site_chooser.choose(profile, view, relay.clock())
-        residency = getattr(relay.site_chooser, "residency", None)
-        res = residency(profile, view) if residency else None
+        res = relay.site_chooser.residency(profile, view)  # None: the chooser applies no region policy
         return JSONResponse({
             "site": decision.site, "reason": decision.reason,
             "allowed_sites": sorted(res.allowed) if res else None,
@@ -255,7 +264,12 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
         if placement is None:
             raise GatewayError(409, "The placement planner is not enabled in this gateway (fleet file "
                                     "`planner.enabled`, or `tokenfleet up --planner`).", code="planner_disabled")
-        placement.set_mode(body.mode, actor)
+        before = placement.mode
+        result = placement.set_mode(body.mode, actor)
+        if asyncio.iscoroutine(result):  # gateway.replica_state.PlannerAdmin: kept in the durable admin store
+            await result
+        emit(audit_log, logging.INFO, {"event": "planner_mode", "actor": actor, "before": before,
+                                       "mode": placement.mode})
         return JSONResponse({"mode": placement.mode})
 
     @app.get("/admin/v1/fleet")
@@ -276,8 +290,7 @@ def fleet_view(config: FleetConfig, relay: Any) -> list[dict[str, Any]]:
     probed = state.probe_rtt_ms()
     view = state.view()
     now = relay.clock()
-    predict = getattr(relay.router, "predict", None)
-    index = getattr(relay.router, "index", None)
+    router = relay.router
     counts = sorted(state.pools().items())
     out = []
     for s in config.sites:
@@ -288,15 +301,16 @@ def fleet_view(config: FleetConfig, relay: Any) -> list[dict[str, Any]]:
                 continue
             ready = snap.pool(model, version)
             row: dict[str, Any] = {"model": model, "version": version, **asdict(c)}
-            if predict is not None and ready:
+            if ready:
                 profile = RequestProfile(request_id="fleet-view", model=model, model_version=version,
                                          prompt_tokens=_PROBE_PROMPT_TOKENS)
-                guess = predict(profile, ready, now)
+                guess = router.predict(profile, ready, now)  # None: no cost model, or none eligible
                 row["predicted_ttft_s"] = round(guess[0], 4) if guess is not None else None
-            if index is not None:
-                ids = [i.instance_id for i in snap.instances if i.model == model and i.version == version]
-                row["cache_blocks"] = sum(index.entries(i) for i in ids)
-                row["cache_exact_instances"] = sum(1 for i in ids if index.is_exact(i, now))
+            ids = [i.instance_id for i in snap.instances if i.model == model and i.version == version]
+            blocks = [router.cache_blocks(i) for i in ids]
+            if all(b is not None for b in blocks):  # a router with an index it can report
+                row["cache_blocks"] = sum(b for b in blocks if b is not None)
+                row["cache_exact_instances"] = sum(1 for i in ids if router.cache_exact(i, now))
             pools.append(row)
         out.append({"site": s.name, "region": s.region, "jurisdiction": s.jurisdiction, "gpus": s.gpus,
                     "rtt_ms": dict(s.rtt_ms), "probe_rtt_ms": probed.get(s.name),

@@ -24,29 +24,21 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
-from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, RequestProfile
+from fleetcore.types import AdmissionDecision, RequestOutcome, RequestProfile
+from gateway.budget_store import Charge, SharedBudgets
 from gateway.errors import GatewayError, bad_request, overloaded, rate_limited
 from gateway.fleet_state import FleetState
 from gateway.requests import CLASS_HEADER, ParsedRequest
+from slomax import LedgeredAdmission
 
 log = logging.getLogger("tokenfleet.gateway")
+R = TypeVar("R")
 
-
-class AdmissionPolicy(Protocol):
-    """What the gate needs of a policy (slomax.SLOMax, slomax.FCFS)."""
-
-    name: str
-    ledger: Any
-
-    def admit(self, profile: RequestProfile, view: FleetView, now: float) -> AdmissionDecision: ...
-    def poll(self, now: float, view: FleetView | None = None) -> list[AdmissionDecision]: ...
-    def observe(self, outcome: RequestOutcome) -> None: ...
-    def cancel(self, request_id: str, now: float) -> bool: ...
-    def next_wakeup(self, now: float) -> float | None: ...
-    def note_retry(self, request_id: str) -> None: ...
-    def snapshot(self, now: float) -> dict[str, Any]: ...
+# What the gate runs: the admission contract (`fleetcore.policies.Admission`, hook-owned
+# queues) with a goodput ledger the reports read (slomax.SLOMax, slomax.FCFS).
+AdmissionPolicy = LedgeredAdmission
 
 
 def decision_error(d: AdmissionDecision) -> GatewayError:
@@ -71,6 +63,10 @@ class AdmissionGate:
         self._last: dict[str, RequestOutcome] = {}  # latest attempt outcome per admitted request
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        # Budgets shared by the gateway's replicas (gateway.budget_store), when it has several.
+        self.shared_budgets: SharedBudgets | None = None
+        self._charges: dict[str, Charge] = {}  # admitted request -> what Redis charged for it
+        self.shared_ledger: Any = None  # gateway.ledger_sync.LedgerSync: the replicas' goodput, when shared
 
     # -- entering -------------------------------------------------------------------------
 
@@ -83,8 +79,31 @@ class AdmissionGate:
         """
         profile = parsed.profile
         rid = profile.request_id
-        d = self._call("admit", profile, self.state.view(), self.clock()) or AdmissionDecision("admit")
-        if d.action == "queue":
+        entered = self.clock()
+        shared = self.shared_budgets
+        # Fleet-wide budgets first (one bounded round trip); the policy gets the verdict, stays pure.
+        charge = await shared.before_admit(profile) if shared is not None else None
+        try:
+            d = self._call(self.policy.admit, profile, self.state.view(), entered) or AdmissionDecision("admit")
+        finally:
+            if shared is not None:
+                shared.after_admit(profile)
+        try:
+            parsed, avoid = await self._decided(parsed, d, race, entered)
+        except BaseException:
+            if charge is not None and shared is not None:
+                shared.settle(charge, 0)  # never ran: its tokens (not its request) go back
+            raise
+        if charge is not None:
+            self._charges[rid] = charge
+        return parsed, avoid
+
+    async def _decided(self, parsed: ParsedRequest, d: AdmissionDecision,
+                       race: Callable[[Any], Any], entered: float) -> tuple[ParsedRequest, tuple[str, ...]]:
+        profile = parsed.profile
+        rid = profile.request_id
+        queued = d.action == "queue"
+        if queued:
             fut: asyncio.Future[AdmissionDecision] = asyncio.get_running_loop().create_future()
             self._waiting[rid] = fut
             self.pump()  # someone ahead of it may be able to start now
@@ -94,13 +113,18 @@ class AdmissionGate:
                 # The client left (or the handler was cancelled): leave the queue at once. Had
                 # the policy just let it go, `pump` already ended it (its future was done).
                 self._waiting.pop(rid, None)
-                self._call("cancel", rid, self.clock())
+                self._call(self.policy.cancel, rid, self.clock())
                 self.pump()
+                if parsed.obs is not None:
+                    parsed.obs.admitted("left", self.clock() - entered, profile)
                 raise
-        if d.action == "reject":
-            raise decision_error(d)
         if d.request_class and d.request_class != profile.request_class:
             parsed = replace(parsed, profile=replace(profile, request_class=d.request_class))
+        if parsed.obs is not None:  # the verdict, the class and the time it waited, for telemetry
+            verdict = "rejected" if d.action == "reject" else ("queued" if queued else "admitted")
+            parsed.obs.admitted(verdict, self.clock() - entered, parsed.profile, d.code)
+        if d.action == "reject":
+            raise decision_error(d)
         self._admitted[rid] = parsed.profile
         return parsed, d.avoid_instances
 
@@ -108,15 +132,15 @@ class AdmissionGate:
 
     def routed(self, request_id: str, instance_id: str) -> None:
         if request_id in self._admitted:
-            self._call("on_dispatched", request_id, instance_id, self.clock())
+            self._call(self.policy.on_dispatched, request_id, instance_id, self.clock())
 
     def first_token(self, request_id: str) -> None:
         if request_id in self._admitted:
-            self._call("on_first_token", request_id, self.clock())
+            self._call(self.policy.on_first_token, request_id, self.clock())
 
     def retried(self, request_id: str) -> None:
         if request_id in self._admitted:
-            self._call("note_retry", request_id)
+            self._call(self.policy.note_retry, request_id)
 
     def attempt_ended(self, outcome: RequestOutcome) -> None:
         if outcome.request_id in self._admitted:
@@ -132,7 +156,11 @@ class AdmissionGate:
             outcome = RequestOutcome(request_id=request_id, instance_id="", site="", ok=False,
                                      prompt_tokens=profile.prompt_tokens,
                                      e2e_s=max(0.0, self.clock() - profile.arrival), error="not dispatched")
-        self._call("observe", outcome)
+        charge = self._charges.pop(request_id, None)
+        if charge is not None and self.shared_budgets is not None:
+            used = (outcome.prompt_tokens or profile.prompt_tokens) + outcome.output_tokens
+            self.shared_budgets.settle(charge, used if outcome.instance_id else 0)
+        self._call(self.policy.observe, outcome)
         self.pump()
 
     # -- the queue ------------------------------------------------------------------------
@@ -140,19 +168,19 @@ class AdmissionGate:
     def pump(self) -> None:
         """Let the policy decide about waiting requests, and book its next wake-up."""
         now = self.clock()
-        for d in self._call("poll", now, self.state.view()) or ():
+        for d in self._call(self.policy.poll, now, self.state.view()) or ():
             rid = d.request_id or ""
             fut = self._waiting.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(d)
             elif d.action == "admit":
                 # Let go after its client left: end it at once so its capacity comes back.
-                self._call("observe", RequestOutcome(request_id=rid, instance_id="", site="", ok=False,
+                self._call(self.policy.observe, RequestOutcome(request_id=rid, instance_id="", site="", ok=False,
                                                      cancelled=True, error="client gone before start"))
         self._schedule(now)
 
     def _schedule(self, now: float) -> None:
-        at = self._call("next_wakeup", now)
+        at = self._call(self.policy.next_wakeup, now)
         if at is None or not self._waiting:
             return
         if self._timer is not None and self._timer_at <= at and not self._timer.cancelled():
@@ -176,13 +204,10 @@ class AdmissionGate:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: Callable[..., R], *args: Any) -> R | None:
         """Call the policy; a policy bug must not fail requests (it admits, and is logged)."""
-        fn = getattr(self.policy, method, None)
-        if fn is None:
-            return None
         try:
-            return fn(*args)
+            return method(*args)
         except Exception:
-            log.exception("admission policy %s.%s failed", type(self.policy).__name__, method)
+            log.exception("admission policy %s.%s failed", type(self.policy).__name__, method.__name__)
             return None

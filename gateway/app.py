@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -23,11 +24,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig, GatewaySettings
+from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
 from gateway.admission_metrics import AdmissionCollector
 from gateway.auth import Authenticator, Caller
+from gateway import dashboard
 from gateway.errors import GatewayError, body_too_large, install_handlers
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
@@ -38,7 +41,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
-from gateway.relay import DecisionLog, Relay, SiteChooser
+from gateway.relay import DecisionLog, Relay
+from gateway.replica_state import Replicas
+from gateway.telemetry import Telemetry
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
 from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from gateway.openapi import chat_body, completion_body
@@ -47,7 +52,6 @@ from fleetmind.demand import DemandModel
 from fleetmind.placement_cycle import placement_cycle_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
-from tokenpilot.policy import InstanceRouter
 
 # Bodies up to this size parse and tokenize inline (well under a millisecond per KB);
 # larger ones go to the bounded tokenizer pool, so no request stalls the loop for long.
@@ -70,6 +74,7 @@ class GatewayContext:
     placement: PlacementLoop | None = None  # FleetMind's replica planner, when the fleet file enables it
     tokenize_pool: TokenizePool | None = None  # parses large bodies off the event loop (bounded)
     loop_monitor: LoopMonitor | None = None  # event-loop stalls (/metrics; health checks count only responsive time)
+    telemetry: Telemetry | None = None  # traces, OTel metrics, access log, SLO misses (gateway.telemetry)
 
 
 class BodySizeLimit:
@@ -149,7 +154,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                decision_log_size: int = 256,
                clock: Callable[[], float] = time.monotonic, policy_store: PolicyStore | None = None,
                tokenizers: Mapping[str, PromptTokenizer] | None = None,
-               admission: AdmissionPolicy | None = None, planner: bool | None = None) -> FastAPI:
+               admission: AdmissionPolicy | None = None, planner: bool | None = None,
+               dashboard_sample_s: float | None = None,
+               telemetry_env: Mapping[str, str] | None = None) -> FastAPI:
     """The gateway app over adapters that are already launched (the caller stops them).
 
     `tokenizers` defaults to the models' own tokenizers found via the fleet file
@@ -158,6 +165,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     `planner` turns FleetMind's replica planner on or off (default: the fleet file's
     `planner.enabled`); it moves replicas through the adapters (`gateway.placement`).
     `max_body_bytes` defaults to the fleet file's `gateway.max_body_bytes`.
+    `dashboard_sample_s`: how often /dashboard's time series is sampled (`gateway.dashboard`, 5 s).
+    `telemetry_env` (default: the process environment) holds the `OTEL_*` variables that
+    turn traces and OTLP metrics on (`gateway.telemetry`).
     """
     if max_body_bytes is None:
         max_body_bytes = config.gateway.max_body_bytes
@@ -171,6 +181,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     if admission is None:
         admission = make_admission(config.admission.policy, slomax_config(config))
     gate = AdmissionGate(admission, state, clock)
+    slo_config = getattr(admission, "config", None)  # SLOMax and FCFS: the classes' SLOs per tenant
+    telemetry = Telemetry.from_env(os.environ if telemetry_env is None else telemetry_env, metrics.registry,
+                                   clock=clock, slo_of=slo_config.slo if slo_config is not None else None)
     metrics.registry.register(AdmissionCollector(admission, clock))
     chooser = site_chooser if site_chooser is not None else build_site_chooser(config, router)
     # Region policies: newest version from the store, durable on disk; no known policies, no routing.
@@ -186,13 +199,18 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         placement = PlacementLoop(core, state, relay.router, admission.ledger, clock)
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
+    # Several replicas: budgets, ledger, lease and admin state shared through Redis (gateway.replica_state).
+    replicas = Replicas(config, gate, placement, metrics.registry, clock, policy_store or policy_sync.store,
+                        getattr(policy_sync.store, "kv", None))
+    dash_recorder, dash_sampler = dashboard.wire(admission.ledger, dashboard_sample_s)
+    relay.listeners.append(dash_recorder)
     g = config.gateway
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
-                         loop_monitor)
+                         loop_monitor, telemetry)
 
-    kv_feed = KVEventFeed(state, relay.router, clock) if hasattr(relay.router, "observe_kv_events") else None
+    kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager
@@ -200,12 +218,14 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         loop_monitor.start()
         relay.session = _client_session(config.gateway)
         await policy_sync.start()
+        await replicas.start()
         try:
             await state.start()
             if kv_feed is not None:
                 await kv_feed.start()
             if placement is not None:
                 placement.start()
+            dash_sampler.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").
@@ -213,9 +233,11 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             gc.freeze()
             yield
         finally:
+            await dash_sampler.stop()
             if placement is not None:
                 await placement.stop()
             gate.close()
+            await replicas.stop()
             await policy_sync.stop()
             if kv_feed is not None:
                 await kv_feed.stop()
@@ -225,18 +247,21 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             relay.session = None
             pool.close()
             loop_monitor.stop()
+            await telemetry.shutdown()
 
     # The contract for clients and fuzzers: /openapi.json, /docs (Swagger UI), /redoc.
     app = FastAPI(title="TokenFleet gateway", lifespan=lifespan, version="1",
                   description="OpenAI-compatible gateway: /v1 for tenants (API key), /admin/v1 for "
                               "operators (admin key); errors are OpenAI-shaped `{\"error\": {...}}`.")
     app.state.tokenfleet = ctx
+    app.state.replicas = replicas  # shared state of several replicas (gateway.replica_state): tests, tools
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
-    install_admin_routes(app, config, policy_admin, relay, placement)
-    install_report_routes(app, config, gate, clock)
+    install_admin_routes(app, config, policy_admin, relay, replicas.planner)
+    install_report_routes(app, config, gate, clock, telemetry.slo_log)
+    dashboard.install_dashboard_routes(app, config, dash_sampler, admission, placement)
     return app
 
 
@@ -298,14 +323,20 @@ def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
 
 async def _serve(ctx: GatewayContext, request: Request, kind: Kind, path: str) -> Response:
     rid = new_request_id(request.headers)
+    obs = ctx.telemetry.begin(request.headers, kind, rid) if ctx.telemetry is not None else None
     try:
         caller = ctx.auth.authenticate(request.headers)
         parsed = await _parse(ctx, request, kind, caller, rid)
     except GatewayError as e:
         e.headers.setdefault("x-request-id", rid)
         ctx.metrics.answered("", "", "", str(e.status))
+        if obs is not None:  # auth failures and bad bodies get their access log line too
+            obs.end(e.status, e.message)
         raise
-    return await ctx.relay.handle(request, parsed, path)
+    if obs is None:
+        return await ctx.relay.handle(request, parsed, path)
+    obs.parsed(parsed.profile)
+    return await obs.tel.serve(obs, ctx.relay.handle(request, replace(parsed, obs=obs), path))
 
 
 async def _parse(ctx: GatewayContext, request: Request, kind: Kind, caller: Caller,

@@ -1,5 +1,7 @@
-"""`tokenfleet` command line: `up` runs a fleet and its gateway; `simulate` replays a trace through
-the routing policies in virtual time; `check` validates a fleet file."""
+"""`tokenfleet up`: launch the fleet's engines and serve the gateway in front of them.
+
+The live composition root's command; `tokenfleet.cli` imports this module only for `up`,
+so nothing here may import the simulator or the load generator."""
 
 from __future__ import annotations
 
@@ -10,19 +12,17 @@ import logging
 import math
 import os
 import signal
-import socket
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from engine_adapters.base import AdapterError, EngineAdapter
 from engine_adapters.registry import build_adapters, launch_all, stop_all
-from fleetsim.cli import add_simulate_parser, run_simulate
-from fleetsim.live import add_bench_parser, run_bench
-from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError, load_fleet_file
-from gateway.listener import ListenerCollector, build_listeners, protocol_class, raise_fd_limit
+from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, load_fleet_file
+from gateway.listener import ListenerCollector, bind_socket, build_listeners, protocol_class, raise_fd_limit
+from gateway.logs import LOG_FORMATS, configure_logging
 from gateway.routing import DEFAULT_ROUTER, build_router
 from gateway.shutdown import Shutdown
 from tokenpilot.registry import ROUTER_NAMES
@@ -34,22 +34,13 @@ def _say(msg: str) -> None:
     print(f"tokenfleet: {msg}", flush=True)
 
 
-def _load(path: str | None) -> tuple[FleetConfig, list[EngineAdapter]]:
+def _load(path: str | None, attach: str | None = None) -> tuple[FleetConfig, list[EngineAdapter]]:
     fleet_path = Path(path) if path else DEFAULT_FLEET_FILE
     config = load_fleet_file(fleet_path)
+    if attach:  # a replica of `up --replicas`: attach to the workers its parent launched
+        from gateway.replicas import apply_attach
+        config = apply_attach(config, attach)
     return config, build_adapters(config)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
-    # without it Nagle holds each small SSE event behind the client's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 # uvicorn's own graceful timeout runs this much past the gateway's grace, so that it never cancels a
@@ -110,15 +101,17 @@ def _dev_key(config: FleetConfig) -> str | None:
 async def _up(args: argparse.Namespace) -> int:
     from gateway.app import create_app
 
-    config, adapters = _load(args.fleet)
+    config, adapters = _load(args.fleet, args.attach_instances)
+    # --log-level reaches the gateway's own loggers too (tokenfleet.access, tokenfleet.audit)
+    configure_logging(args.log_level, args.log_format or config.gateway.log_format)
     ops_port = args.ops_port if args.ops_port is not None else config.gateway.ops_port
     try:
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port)
     except OSError as e:
         _say(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
         return 2
     try:
-        ops_sock = _bind(args.ops_host or args.host, ops_port) if ops_port is not None else None
+        ops_sock = bind_socket(args.ops_host or args.host, ops_port) if ops_port is not None else None
     except OSError as e:
         sock.close()
         _say(f"cannot listen on {args.ops_host or args.host}:{ops_port} (ops): {e.strerror}")
@@ -187,18 +180,9 @@ async def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> int:
-    config, _ = _load(args.fleet)
-    n = sum(d.instance_count for d in config.deployments)
-    print(f"{args.fleet or DEFAULT_FLEET_FILE}: ok — {len(config.sites)} site(s), "
-          f"{len(config.models)} model(s), {n} instance(s), {len(config.tenants)} tenant(s)")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenfleet", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="launch the fleet's engines and the gateway in front of them")
+def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `up` on `tokenfleet`'s subparsers; `args.func` runs it."""
+    up = subparsers.add_parser("up", description=__doc__.split("\n\n")[0])
     up.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080, help="0 picks a free port")
@@ -215,32 +199,32 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--planner", action=argparse.BooleanOptionalAction, default=None,
                     help="FleetMind's replica planner on or off (default: the fleet file's planner.enabled)")
     up.add_argument("--log-level", default="warning",
-                    choices=["critical", "error", "warning", "info", "debug"])
-    chk = sub.add_parser("check", help="validate a fleet file")
-    chk.add_argument("--fleet", help=f"fleet file (default: {DEFAULT_FLEET_FILE})")
-    add_simulate_parser(sub)
-    add_bench_parser(sub)
-    return p
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="info shows one access line per request (tokenfleet.access) and admin changes "
+                         "(tokenfleet.audit)")
+    up.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                    help="text, or one JSON object per line (default: the fleet file's gateway.log_format)")
+    # Several replicas (gateway.replicas, README "Several replicas").
+    up.add_argument("--replicas", type=int, default=1,
+                    help="run N gateway replicas on consecutive ports from --port, in front of the fleet's "
+                         "workers launched once; they share state through --redis-url, else a private "
+                         "redis-server (default: %(default)s)")
+    up.add_argument("--haproxy-config", metavar="PATH",
+                    help="with --replicas: write an HAProxy config for the replicas here")
+    up.add_argument("--haproxy-bind", default="*:8000", metavar="ADDR:PORT",
+                    help="where that HAProxy listens (default: %(default)s)")
+    up.add_argument("--attach-instances", metavar="PATH", help=argparse.SUPPRESS)  # set by --replicas
+    up.set_defaults(func=run_up)
+    return up
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        if args.command == "up":
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                return runner.run(_up(args))
-        if args.command == "simulate":
-            return run_simulate(args)
-        if args.command == "bench":
-            return run_bench(args)
-        return _check(args)
-    except FleetConfigError as e:
-        print(e, file=sys.stderr)
+def run_up(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        _say("--replicas must be at least 1")
         return 2
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        if args.replicas > 1:
+            from gateway.replicas import up_replicas
+            config, adapters = _load(args.fleet)
+            return runner.run(up_replicas(args, config, adapters))
+        return runner.run(_up(args))

@@ -6,6 +6,10 @@
         &window=15m            the last 15 minutes (seconds, or a number with s/m/h/d); default: all kept
         &per_window=true       one row per ledger window (report_window_s, 60 s by default)
         &format=csv            or `Accept: text/csv`; JSON otherwise
+    GET /v1/reports/goodput/misses   why it missed: the latest requests that missed their SLO
+        ?window= &class= &tenant=   as above (a tenant key sees only its own); &limit=100 (at most 1000)
+                                    (id, class, TTFT, TPOT, queue wait, site, instance, reason; newest
+                                    first, from a bounded ring) and latency percentiles per class
     GET /admin/v1/admission    admin key only: the policy's live state (limits, queues, in flight)
 
 Access: no key 401; a tenant key sees only its own tenant; an admin key (fleet file
@@ -39,6 +43,8 @@ from fleetcore.fleet_config import FleetConfig
 from gateway.admission import AdmissionGate
 from gateway.auth import bearer_token
 from gateway.errors import GatewayError, bad_request, invalid_api_key
+from gateway.policy_store import StoreUnavailable
+from gateway.slo_log import SLOLog, as_row
 from slomax.ledger import COUNTERS, REJECT_REASONS, Cell, row
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -124,12 +130,12 @@ def _truthy(v: str | None) -> bool:
 
 
 def install_report_routes(app: FastAPI, config: FleetConfig, gate: AdmissionGate,
-                          clock: Callable[[], float]) -> None:
+                          clock: Callable[[], float], slo_log: SLOLog | None = None) -> None:
     access = ReportAccess(config)
     classes = config.admission.class_names
 
-    @app.get("/v1/reports/goodput")
-    async def goodput_report(request: Request) -> Response:
+    def selection(request: Request) -> tuple[str | None, str | None, float | None]:
+        """(tenant, class, window span) the caller may read; 401/403/400 otherwise."""
         tenant, admin = access.principal(request.headers)
         q = request.query_params
         want = q.get("tenant")
@@ -140,21 +146,54 @@ def install_report_routes(app: FastAPI, config: FleetConfig, gate: AdmissionGate
         cls = q.get("class")
         if cls is not None and cls not in classes:
             raise bad_request(f"Unknown class {cls!r}; known: {', '.join(sorted(classes))}.", "class")
-        now = clock()
         window = q.get("window")
-        span = parse_duration(window) if window else None
+        return want, cls, parse_duration(window) if window else None
+
+    @app.get("/v1/reports/goodput")
+    async def goodput_report(request: Request) -> Response:
+        want, cls, span = selection(request)
+        q = request.query_params
+        now = clock()
         ledger = gate.policy.ledger
-        rows = ledger.report(tenants=None if want is None else {want}, request_class=cls,
-                             since=None if span is None else now - span, per_window=_truthy(q.get("per_window")))
-        _to_wall(rows, time.time() - now)
+        tenants = None if want is None else {want}
+        rows, source = None, "local"
+        if gate.shared_ledger is not None and gate.shared_ledger.shared.up:
+            try:  # every replica's figures (gateway.ledger_sync), windows already in unix time
+                rows = await gate.shared_ledger.report(tenants=tenants, request_class=cls, per_window=_truthy(
+                    q.get("per_window")), since_unix=None if span is None else time.time() - span)
+                source = "shared"
+                _to_wall(rows, 0.0)
+            except StoreUnavailable:
+                rows = None  # Redis went away: this replica's own ledger, as for a single gateway
+        if rows is None:
+            rows = ledger.report(tenants=tenants, request_class=cls,
+                                 since=None if span is None else now - span, per_window=_truthy(q.get("per_window")))
+            _to_wall(rows, time.time() - now)
         fmt = (q.get("format") or "").lower()
         if fmt not in ("", "json", "csv"):
             raise bad_request(f"`format` must be json or csv; got {fmt!r}.", "format")
         if fmt == "csv" or (not fmt and "text/csv" in request.headers.get("accept", "")):
             return Response(to_csv(rows), media_type="text/csv; charset=utf-8")
         return JSONResponse({"object": "goodput_report", "policy": gate.policy.name, "tenant": want, "class": cls,
-                             "window_s": span, "ledger_window_s": ledger.window_s, "generated_at": _iso(time.time()),
+                             "window_s": span, "ledger_window_s": ledger.window_s, "source": source, "generated_at": _iso(time.time()),
                              "rows": rows, "totals": _totals(rows)})
+
+    @app.get("/v1/reports/goodput/misses")
+    async def slo_misses(request: Request) -> JSONResponse:
+        want, cls, span = selection(request)
+        try:
+            limit = max(0, min(int(request.query_params.get("limit", "100")), 1000))
+        except ValueError:
+            raise bad_request("`limit` must be an integer.", "limit") from None
+        log = slo_log if slo_log is not None else SLOLog(0, 0)
+        now = clock()
+        since = None if span is None else now - span
+        offset = time.time() - now
+        misses = log.misses(since=since, tenant=want, request_class=cls, limit=limit)
+        return JSONResponse({"object": "slo_misses", "tenant": want, "class": cls, "window_s": span,
+                             "kept": log.capacity, "generated_at": _iso(time.time()),
+                             "misses": [as_row(f, offset) for f in misses],
+                             "latency": log.latency(since=since, tenant=want, request_class=cls)})
 
     @app.get("/admin/v1/admission")
     async def admission_state(request: Request) -> JSONResponse:

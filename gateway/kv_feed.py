@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
 
+from fleetcore.policies import InstanceRouter
 from gateway.background import cancel_and_wait
 from gateway.fleet_state import FleetState
 
@@ -20,13 +20,8 @@ log = logging.getLogger("tokenfleet.gateway")
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 
 
-class KVEventSink(Protocol):
-    def observe_kv_events(self, instance_id: str, seq: int, events: Sequence[Mapping[str, Any]],
-                          now: float) -> None: ...
-
-
 class KVEventFeed:
-    def __init__(self, state: FleetState, sink: KVEventSink, clock: Callable[[], float],
+    def __init__(self, state: FleetState, sink: InstanceRouter, clock: Callable[[], float],
                  resync_s: float = 1.0) -> None:
         self.state = state
         self.sink = sink

@@ -47,7 +47,8 @@ from gateway.errors import INVALID_REQUEST, SERVER_ERROR, error_body
 log = logging.getLogger("tokenfleet.listener")
 
 # What the ops listener serves (exact paths; a trailing slash means "and everything under it").
-OPS_PATHS = ("/health", "/metrics", "/admin/", "/debug/")
+# /dashboard too: the operators' page belongs where only they reach it (gateway/dashboard.py).
+OPS_PATHS = ("/health", "/metrics", "/admin/", "/debug/", "/dashboard", "/dashboard/")
 # The ops listener's own caps: a scraper, a load balancer's health checks, an operator's curl.
 OPS_MAX_CONNECTIONS = 64
 OPS_MAX_CONNECTIONS_PER_CLIENT = 16
@@ -78,6 +79,23 @@ class ListenerLimits:
     def ops(cls, gw: GatewaySettings) -> ListenerLimits:
         return cls("ops", OPS_MAX_CONNECTIONS, OPS_MAX_CONNECTIONS_PER_CLIENT, gw.header_timeout_s,
                    gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes, OPS_PATHS)
+
+
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A non-blocking listening TCP socket (IPv6 when `host` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it Nagle holds each small SSE event behind the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 def raise_fd_limit() -> int:

@@ -53,6 +53,8 @@ class PlacementLoop:
         self._logged = 0
         self._task: asyncio.Task[None] | None = None
         self._work: set[asyncio.Task[None]] = set()
+        # With several replicas, only the holder of the planner lease acts (gateway.lease); None: always.
+        self.may_act: Callable[[], bool] | None = None
 
     @property
     def mode(self) -> Mode:
@@ -90,6 +92,9 @@ class PlacementLoop:
             if self.core.busy:  # readiness comes from health checks, not events: look again soon
                 wake = min(wake, self.clock() + self.poll_s, self.core.next_due() or wake)
             await self._wait(wake - self.clock())
+            if self.clock() >= next_cycle and self.may_act is not None and not self.may_act():
+                next_cycle = self.clock() + self.core.settings.cycle_s
+                continue  # another replica holds the lease: it plans; this one only records demand
             try:
                 if self.clock() >= next_cycle:
                     next_cycle = self.clock() + self.core.settings.cycle_s

@@ -143,6 +143,7 @@ class RedisPolicyStore:
         from redis.backoff import NoBackoff
 
         self.timeout_s = timeout_s
+        self.url = url  # the replicas' other shared state lives in the same Redis (gateway.replica_state)
         # No retries inside redis-py: one attempt per deadline; the watch loop is the retry.
         # A bounded pool: when every connection is stuck, the next call fails instead of queueing.
         self._redis = aioredis.from_url(url, decode_responses=True, socket_timeout=timeout_s,

@@ -20,14 +20,15 @@ import asyncio
 import logging
 import math
 from collections.abc import Collection
-from typing import Any
 
 from fleetcore.fleet_config import FleetConfig
-from fleetcore.types import FleetView, RequestProfile, SiteDecision
-from fleetmind.residency import PolicySet
+from fleetcore.policies import SiteChooser
+from fleetcore.region_policy import PolicySet, Residency
+from fleetcore.types import FleetView, RequestOutcome, RequestProfile, SiteDecision
 from gateway.errors import SERVER_ERROR, GatewayError
+from gateway.admin_store import SqliteKV, SqlitePolicyStore
 from gateway.policy_snapshot import SnapshotFile, state_dir
-from gateway.policy_store import KnownState, MemoryPolicyStore, PolicyStore, Snapshot, StoreUnavailable, fleet_identity
+from gateway.policy_store import KnownState, PolicyStore, Snapshot, StoreUnavailable, fleet_identity
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -49,7 +50,7 @@ def policy_store_unavailable(detail: str, retry_after_s: int) -> GatewayError:
 
 
 class PolicySync:
-    def __init__(self, store: PolicyStore, chooser: Any, snapshot_file: SnapshotFile | None, *,
+    def __init__(self, store: PolicyStore, chooser: SiteChooser, snapshot_file: SnapshotFile | None, *,
                  interval_s: float = 0.5, retry_after_s: int = 1) -> None:
         self.store = store
         self.interval_s = interval_s
@@ -75,9 +76,7 @@ class PolicySync:
         if snap.version <= self._applied:
             return  # versions only go forward
         self._applied = snap.version
-        set_policies = getattr(self._chooser, "set_policies", None)
-        if set_policies is not None:
-            set_policies(PolicySet(snap.policies, snap.version))
+        self._chooser.set_policies(PolicySet(snap.policies, snap.version))
 
     async def accept(self, snap: Snapshot) -> None:
         """A snapshot read from (or just committed to) the store: route by it and keep it on disk."""
@@ -144,33 +143,45 @@ def _same(a: KnownState, b: KnownState | None) -> bool:
     return b is not None and a.version == b.version and a.audit[:1] == b.audit[:1]
 
 
-class GuardedSiteChooser:
-    """The site chooser, refusing to choose while the gateway knows no region policies."""
+class GuardedSiteChooser(SiteChooser):
+    """The site chooser, refusing to choose while the gateway knows no region policies; the
+    rest of the contract goes straight to the chooser it guards."""
 
-    def __init__(self, inner: Any, sync: PolicySync) -> None:
+    def __init__(self, inner: SiteChooser, sync: PolicySync) -> None:
         self.inner = inner
+        self.name = inner.name
         self._sync = sync
 
     def choose(self, profile: RequestProfile, view: FleetView, now: float,
                exclude_instances: Collection[str] = ()) -> SiteDecision:
         if not self._sync.known:
             raise region_policy_unavailable(self._sync.retry_after_s)
-        return self.inner.choose(profile, view, now, exclude_instances=exclude_instances)  # type: ignore[no-any-return]
+        return self.inner.choose(profile, view, now, exclude_instances=exclude_instances)
 
-    def __getattr__(self, name: str) -> Any:  # residency, set_policies, observe, name ...
-        return getattr(self.inner, name)
+    def observe(self, outcome: RequestOutcome) -> None:
+        self.inner.observe(outcome)
+
+    def residency(self, profile: RequestProfile, view: FleetView) -> Residency | None:
+        return self.inner.residency(profile, view)
+
+    def set_policies(self, policies: PolicySet) -> None:
+        self.inner.set_policies(policies)
 
 
-def build_policy_sync(config: FleetConfig, store: PolicyStore | None, chooser: Any,
+def build_policy_sync(config: FleetConfig, store: PolicyStore | None, chooser: SiteChooser,
                       interval_s: float = 0.5) -> PolicySync:
-    """The gateway's policy sync over `store` (None: an in-process store for one gateway, kept on
-    disk per fleet), with its snapshot file under the state directory."""
+    """The gateway's policy sync over `store` (None: a SQLite store for one gateway, per fleet,
+    under the state directory), with its snapshot file under the state directory."""
     directory = state_dir(config.gateway.state_dir)
     if store is None:
-        identity = "memory#" + fleet_identity([s.name for s in config.sites], [t.name for t in config.tenants],
-                                              [m.name for m in config.models], config.region_policies)
+        # One replica: the durable admin store, a SQLite file per fleet (gateway.admin_store). The
+        # lineage keeps the in-process store's name, so a gateway upgraded in place keeps its snapshot.
+        fleet_id = fleet_identity([s.name for s in config.sites], [t.name for t in config.tenants],
+                                  [m.name for m in config.models], config.region_policies)
+        identity = "memory#" + fleet_id
         snapshot_file = SnapshotFile(directory, identity)
-        store = MemoryPolicyStore(config.region_policies, known=snapshot_file.read())
+        kv = SqliteKV(directory / f"admin-{fleet_id}.sqlite3", timeout_s=config.gateway.store_timeout_s)
+        store = SqlitePolicyStore(kv, config.region_policies, identity=identity, known=snapshot_file.read())
     else:
         snapshot_file = SnapshotFile(directory, store.identity)
     retry_after = max(1, math.ceil(max(interval_s, config.gateway.store_timeout_s)))

@@ -1,10 +1,12 @@
 """A request's way through the gateway after validation: admission → site → instance → upstream → client.
 
 - Admission (`gateway.admission`, SLOMax by default): may queue or refuse the request
-  before anything is chosen; its hint `avoid_instances` is excluded from the first choice
+  before anything is chosen; its hint `avoid_instances` is excluded from the choice
   when that leaves a candidate. It hears where the request went, its first token, retries
   and each attempt's outcome, and gets its capacity back once the response is over.
-- Choice: the site chooser picks a site, the router an instance in that site's pool.
+- Choice: `fleetmind.place` (the simulator's too): the site chooser picks a site, the
+  router an instance in that site's pool; failed attempts are excluded, the avoid hint
+  gives way when it leaves nothing.
 - Forward: aiohttp to `instance.url + path`, with the model renamed to the served
   name and, for streams, `stream_options.include_usage` forced on (the usage chunk
   is how the gateway learns output and cached tokens); the client sees that chunk
@@ -33,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, TypeVar
+from typing import Any, AsyncIterator, TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -42,7 +44,10 @@ from starlette.types import Receive, Scope, Send
 
 from engine_adapters.base import Instance
 from fleetcore.fleet_config import FleetConfig
-from fleetcore.types import Candidate, FleetView, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
+from fleetcore.policies import InstanceRouter, SiteChooser
+from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_body
+from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
+from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
@@ -51,7 +56,6 @@ from gateway.fleet_state import FleetState
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
 from gateway.shutdown import Shutdown
-from tokenpilot.policy import InstanceRouter
 
 log = logging.getLogger("tokenfleet.gateway")
 T = TypeVar("T")
@@ -59,11 +63,6 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 2  # the first try plus one retry elsewhere
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 _ERROR_SNIPPET = 300
-
-
-class SiteChooser(Protocol):
-    def choose(self, profile: RequestProfile, view: FleetView, now: float,
-               exclude_instances: Collection[str] = ()) -> SiteDecision: ...
 
 
 class ClientGone(Exception):
@@ -82,112 +81,6 @@ class RetryableFailure(Exception):
         self.detail = detail
         self.public = public
         self.timed_out = timed_out
-
-
-# --- SSE parsing (pure) ---
-
-class SSESplitter:
-    """Cuts a byte stream into whole SSE events (each keeps its own terminator, bytes untouched)."""
-
-    _SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
-        events: list[bytes] = []
-        while True:
-            cut = self._next_cut()
-            if cut < 0:
-                return events
-            events.append(self._buf[:cut])
-            self._buf = self._buf[cut:]
-
-    def _next_cut(self) -> int:
-        best = -1
-        for sep in self._SEPARATORS:
-            i = self._buf.find(sep)
-            if i >= 0 and (best < 0 or i + len(sep) < best):
-                best = i + len(sep)
-        return best
-
-    def flush(self) -> list[bytes]:
-        """What is left at end of stream, if it holds anything but whitespace."""
-        rest, self._buf = self._buf, b""
-        return [rest + b"\n\n"] if rest.strip() else []
-
-
-@dataclass(frozen=True, slots=True)
-class SSEEvent:
-    data: str | None
-    done: bool = False
-    obj: dict[str, Any] | None = None
-
-
-def parse_sse_event(raw: bytes) -> SSEEvent:
-    lines = raw.decode("utf-8", errors="replace").splitlines()
-    data = [ln[5:].removeprefix(" ") for ln in lines if ln.startswith("data:")]
-    if not data:
-        return SSEEvent(None)
-    text = "\n".join(data)
-    if text.strip() == "[DONE]":
-        return SSEEvent(text, done=True)
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return SSEEvent(text)
-    return SSEEvent(text, obj=obj if isinstance(obj, dict) else None)
-
-
-# --- what a response tells us (pure) ---
-
-@dataclass(slots=True)
-class StreamStats:
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    token_events: int = 0
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-
-    def observe(self, obj: Mapping[str, Any], now: float) -> bool:
-        """Account one chunk; True when it is the usage-only chunk (no choices)."""
-        if isinstance(obj.get("error"), Mapping):
-            self.error = str(obj["error"].get("message", "upstream error"))
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-        choices = obj.get("choices")
-        if any(_carries_token(c) for c in choices or () if isinstance(c, Mapping)):
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
-            self.token_events += 1
-        return isinstance(usage, dict) and not choices
-
-    def output_tokens(self) -> int:
-        return usage_tokens(self.usage)[1] if self.usage else self.token_events
-
-
-def _carries_token(choice: Mapping[str, Any]) -> bool:
-    if choice.get("text"):
-        return True
-    delta = choice.get("delta")
-    return isinstance(delta, Mapping) and any(
-        delta.get(k) for k in ("content", "reasoning_content", "tool_calls", "function_call"))
-
-
-def usage_tokens(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
-    """(prompt, completion, cached prompt) tokens of an OpenAI `usage` object."""
-    if not usage:
-        return 0, 0, 0
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), _int(cached)
-
-
-def _int(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def upstream_body(parsed: ParsedRequest, served_model: str) -> bytes:
@@ -289,6 +182,7 @@ class Target:
     site: str
     instance: Instance
     route: RouteDecision | None = None
+    site_reason: str = ""
 
 
 @dataclass(slots=True)
@@ -340,17 +234,20 @@ class Dispatch:
         outcome = self._outcome(ok, error, cancelled)
         r.metrics.record_outcome(profile.model, outcome)
         r.observe(outcome)
+        if self.parsed.obs is not None:
+            reason = self.stats.finish_reason
+            self.parsed.obs.attempt_ended(outcome, status, (reason,) if reason else None)
 
     def _outcome(self, ok: bool, error: str | None, cancelled: bool) -> RequestOutcome:
         now = self.relay.clock()
         arrival = self.parsed.profile.arrival
-        prompt, completion, cached = usage_tokens(self.stats.usage)
-        out_tokens = completion if self.stats.usage else self.stats.token_events
+        counts, out_tokens = self.stats.counts(), self.stats.output_tokens()
         first, last = self.stats.first_token_at, self.stats.last_token_at
         tpot = (last - first) / (out_tokens - 1) if first is not None and last is not None and out_tokens > 1 else None
         return RequestOutcome(
             request_id=self.parsed.profile.request_id, instance_id=self.iid, site=self.target.site,
-            ok=ok, prompt_tokens=prompt or self.parsed.profile.prompt_tokens, cached_tokens=cached,
+            ok=ok, prompt_tokens=counts.prompt_tokens or self.parsed.profile.prompt_tokens,
+            cached_tokens=counts.cached_tokens,
             output_tokens=out_tokens, ttft_s=(first - arrival) if first is not None else None,
             mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled)
 
@@ -374,7 +271,6 @@ class RelayStream:
         self.include_usage = include_usage
         self._splitter = SSESplitter()
         self._pending = b""
-        self._saw_done = False
 
     async def _read(self, deadline: float | None = None) -> bytes:
         assert self.d.resp is not None
@@ -383,15 +279,12 @@ class RelayStream:
 
     def _process(self, events: list[bytes]) -> bytes:
         out: list[bytes] = []
-        first_seen = self.d.stats.first_token_at is not None
+        stats = self.d.stats
+        first_seen = stats.first_token_at is not None
         for raw in events:
-            if self._saw_done:
+            if stats.done:
                 break
-            ev = parse_sse_event(raw)
-            if ev.done:
-                self._saw_done = True
-            elif ev.obj is not None and self.d.stats.observe(ev.obj, self.d.relay.clock()) \
-                    and not self.include_usage:
+            if stats.account(parse_sse_event(raw), self.d.relay.clock()) and not self.include_usage:
                 continue  # the usage chunk the gateway asked for on its own behalf
             out.append(raw)
         if not first_seen and self.d.stats.first_token_at is not None:
@@ -402,7 +295,7 @@ class RelayStream:
         """Read until the first whole event; failing here is still retryable."""
         iid = self.d.iid
         try:
-            while not self._pending and not self._saw_done:
+            while not self._pending and not self.d.stats.done:
                 data = await self._read(self.d.first_byte_at)
                 if not data:
                     self._pending = self._process(self._splitter.flush())
@@ -422,14 +315,14 @@ class RelayStream:
             chunk, self._pending = self._pending, b""
             yield self._checked(chunk)
         try:
-            while not self._saw_done:
+            while not self.d.stats.done:
                 data = await self._read()
                 if not data:
                     break
                 chunk = self._process(self._splitter.feed(data))
                 if chunk:
                     yield self._checked(chunk)
-            if not self._saw_done:
+            if not self.d.stats.done:
                 tail = self._process(self._splitter.flush())
                 if tail:
                     yield tail
@@ -450,13 +343,13 @@ class RelayStream:
             yield self._fail("stream_broken", "upstream_error",
                              f"engine instance {self.d.iid} connection broke mid-stream", detail)
             return
-        if not self._saw_done:
+        if not self.d.stats.done:
             message = f"engine instance {self.d.iid} ended the stream without [DONE]"
             yield self._fail("stream_truncated", "upstream_error", message, message)
 
     def _checked(self, chunk: bytes) -> bytes:
         """Finish the dispatch as soon as [DONE] passes by, before handing the last bytes on."""
-        if self._saw_done:
+        if self.d.stats.done:
             error = self.d.stats.error
             self.d.finish(ok=error is None, status="200" if error is None else "stream_error", error=error)
         return chunk
@@ -553,29 +446,22 @@ class Relay:
         if self.admission is not None:
             self.admission.attempt_ended(outcome)  # the policy hears the final one, at release
         for policy in (self.router, self.site_chooser, *self.listeners):
-            observe = getattr(policy, "observe", None)
-            if observe is None:
-                continue
             try:
-                observe(outcome)
+                policy.observe(outcome)
             except Exception:
                 log.exception("%s.observe failed", type(policy).__name__)
 
-    def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int) -> Target | None:
-        view = self.state.view()
-        now = self.clock()
-        site = self.site_chooser.choose(profile, view, now, exclude_instances=excluded)
-        if site.site is None:
-            self.decisions.add(profile, attempt, excluded, site, None)
+    def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int,
+               avoid: Collection[str] = ()) -> Target | None:
+        """Site and instance for this attempt (`fleetmind.place`); every try goes to the decision log."""
+        choice: Choice = place(profile, self.state.view(), self.clock(), self.site_chooser, self.router,
+                               exclude=excluded, avoid=avoid)
+        for t in choice.tries():
+            self.decisions.add(profile, attempt, t.excluded, t.site, t.route)
+        st = self.state.get(choice.instance.instance_id) if choice.instance is not None else None
+        if st is None or choice.site.site is None:
             return None
-        pool = tuple(i for i in view.site(site.site).pool(profile.model, profile.model_version)
-                     if i.instance_id not in excluded)
-        route = self.router.route(profile, pool, now)
-        self.decisions.add(profile, attempt, excluded, site, route)
-        st = self.state.get(route.instance_id) if route.instance_id else None
-        if st is None or route.instance_id not in {i.instance_id for i in pool}:
-            return None
-        return Target(site.site, st.instance, route)
+        return Target(choice.site.site, st.instance, choice.route, choice.site.reason)
 
     def first_token(self, request_id: str) -> None:
         if self.admission is not None:
@@ -628,9 +514,8 @@ class Relay:
         excluded: list[str] = []
         last: RetryableFailure | None = None
         for attempt in range(MAX_ATTEMPTS):
-            target = self.choose(parsed.profile, [*excluded, *avoid], attempt) if avoid else None
-            if target is None:  # admission's hint to avoid busy instances gives way when it leaves none
-                target = self.choose(parsed.profile, excluded, attempt)
+            # failed attempts are excluded; admission's hint to avoid busy instances gives way when it leaves none
+            target = self.choose(parsed.profile, excluded, attempt, avoid)
             if target is None:
                 if attempt == 0:
                     raise no_ready_instance(parsed.profile.model, self.retry_after_s)
@@ -661,6 +546,8 @@ class Relay:
         d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
         self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
         self.shutdown.track(up)
+        if parsed.obs is not None:  # the attempt's CLIENT span starts before the send
+            parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
         handed_over = False
         try:
             d.resp = await watch.race(self._head(d, path))
@@ -705,6 +592,8 @@ class Relay:
             raise RuntimeError("the gateway's HTTP session is not started (lifespan not run)")
         headers = {"Content-Type": "application/json", "X-Request-Id": parsed.profile.request_id,
                    "Accept": "text/event-stream" if parsed.stream else "application/json"}
+        if parsed.obs is not None:
+            parsed.obs.inject(headers)  # W3C traceparent: the engine joins the client's trace
         try:
             return await self.session.post(instance.url + path, data=upstream_body(parsed, instance.model),
                                            headers=headers)
@@ -744,15 +633,8 @@ class Relay:
             raise RetryableFailure("body", _describe(e),
                                    f"engine instance {d.iid} connection broke while sending its answer") from None
         if status < 400:
-            d.stats.usage = _usage_of(body)
+            d.stats.usage = usage_of_body(body)
+            if d.parsed.obs is not None:
+                d.parsed.obs.whole_body(body)  # its finish reasons, read only for a traced request
         d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")
         return Response(body, status_code=status, media_type=content_type, headers=d.headers())
-
-
-def _usage_of(body: bytes) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    return usage if isinstance(usage, dict) else None

@@ -13,7 +13,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fleetcore.fleet_config import FleetConfig, ModelConfig
 from fleetcore.model_tokenizer import PromptTokenizer
@@ -23,6 +23,9 @@ from fleetcore.types import RequestProfile
 from gateway.auth import Caller
 from gateway.errors import bad_request, context_length_exceeded, model_not_found
 from gateway.json_body import parse_json_object
+
+if TYPE_CHECKING:
+    from gateway.telemetry import RequestRecord
 
 Kind = Literal["chat", "completion"]
 
@@ -41,6 +44,9 @@ class ParsedRequest:
     profile: RequestProfile
     model: ModelConfig
     include_usage: bool  # the client itself asked for the streamed usage chunk
+    # What telemetry learns about the request on its way (gateway.telemetry); travels with it
+    # through admission's `replace`. None: no telemetry (tests that build requests directly).
+    obs: RequestRecord | None = None
 
     @property
     def stream(self) -> bool:

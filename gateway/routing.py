@@ -12,7 +12,6 @@ from collections.abc import Iterable
 
 from engine_adapters.base import Instance
 from fleetcore.fleet_config import FleetConfig
-from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind
 from tokenpilot.policy import InstanceRouter
 from tokenpilot.priors import EnginePrior, prior_from_physics
@@ -34,20 +33,14 @@ def instance_prior(inst: Instance) -> EnginePrior:
 
 
 def register_instances(router: InstanceRouter, instances: Iterable[Instance]) -> None:
-    register = getattr(router, "register_instance", None)
-    if register is None:
-        return
     for inst in instances:
-        register(inst.instance_id, instance_prior(inst))
+        router.register_instance(inst.instance_id, instance_prior(inst))
 
 
 def forget_instances(router: InstanceRouter, instance_ids: Iterable[str]) -> None:
     """Instances gone from the fleet: the router drops what it indexed for them."""
-    forget = getattr(router, "forget_instance", None)
-    if forget is None:
-        return
     for iid in instance_ids:
-        forget(iid)
+        router.forget_instance(iid)
 
 
 def reset_instances(router: InstanceRouter, instances: Iterable[Instance]) -> None:
@@ -65,8 +58,6 @@ def build_router(name: str, instances: Iterable[Instance], seed: int = 0) -> Ins
 
 
 def build_site_chooser(config: FleetConfig, router: InstanceRouter) -> FleetMind:
-    """FleetMind over the fleet file's region policies, comparing sites with the router's own
-    TTFT predictions when it makes them (TokenPilot does)."""
-    predictor = router if hasattr(router, "predict") else None
-    return FleetMind(PolicySet(config.region_policies, version=1), predictor,  # type: ignore[arg-type]
-                     egress_cost_per_gb={s.name: s.egress_cost_per_gb for s in config.sites})
+    """FleetMind over the fleet file's region policies and SLO map, comparing sites with the
+    router's own TTFT predictions when it makes them (TokenPilot does; others predict None)."""
+    return FleetMind.from_fleet(config, router, policy_version=1)

@@ -18,7 +18,7 @@ from slomax.admission import SLOMax
 from slomax.classify import Classification, UnknownClass, classify
 from slomax.config import ClassPolicy, Knobs, SLOMaxConfig, TenantPolicy, from_fleet
 from slomax.fcfs import FCFS
-from slomax.ledger import GoodputLedger
+from slomax.ledger import GoodputLedger, LedgeredAdmission
 
 ADMISSION_NAMES: tuple[str, ...] = ("fcfs", "slomax")
 
@@ -39,6 +39,7 @@ __all__ = [
     "Classification",
     "GoodputLedger",
     "Knobs",
+    "LedgeredAdmission",
     "SLOMax",
     "SLOMaxConfig",
     "TenantPolicy",

@@ -50,9 +50,9 @@ from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, Reques
 
 from .budgets import BudgetBook, TenantBudget
 from .classify import Classification, UnknownClass, classify_profile
-from .config import SLOMaxConfig, from_fleet
+from .config import Budgets, SLOMaxConfig, from_fleet
 from .controller import Controller, ControllerConfig, Knob, Signals
-from .ledger import GoodputLedger
+from .ledger import GoodputLedger, LedgeredAdmission
 from .predict import Ewma
 from .queues import ClassQueues, Entry, PrefillBudget
 from .valve import EngineValve
@@ -126,10 +126,11 @@ class _Pool:
         return tokens / sp if sp else 0.0
 
 
-class SLOMax:
+class SLOMax(LedgeredAdmission):
     """Class-based admission with tenant budgets, early rejection and goodput feedback."""
 
     name = "slomax"
+    holds_queue = True  # its class queues: it says when each held request may start (`poll`)
 
     def __init__(self, config: SLOMaxConfig | None = None) -> None:
         self.config = config or SLOMaxConfig()
@@ -236,6 +237,18 @@ class SLOMax:
         """Expected uncached prompt tokens: the prefill this request will cost."""
         hit = pool.hit[cls].value or 0.0
         return max(1.0, prompt_tokens * (1.0 - hit))
+
+    # -- budgets, for a gateway that shares them between replicas -------------------------
+
+    def budget_charge(self, profile: RequestProfile) -> tuple[str, int, Budgets] | None:
+        """(tenant, tokens, budgets) that `admit` would charge this request, or None when its
+        tenant has no limit: what the gateway asks the fleet-wide budget store about."""
+        tenant = self.config.tenant(profile.tenant)
+        budgets = self.budgets.budgets_of(tenant.name)
+        if budgets.unlimited:
+            return None
+        out = profile.max_tokens if profile.max_tokens is not None else self.config.knobs.default_output_tokens
+        return tenant.name, profile.prompt_tokens + out, budgets
 
     # -- admit -------------------------------------------------------------------------
 

@@ -9,6 +9,13 @@ Tokens are charged at admission as prompt + output budget (max_tokens, or a defa
 when the request sets none) and settled when the request ends: unused output budget
 is given back, and a request turned away before it ran gets all its tokens back (its
 request still counts against requests/min: the tenant did ask).
+
+Several gateway replicas share one budget (README "Several replicas"). The book stays
+pure: the gateway asks the fleet-wide store and hands the verdict in (`preset`), which the
+next check of that tenant returns instead of its local buckets; the local buckets are still
+charged, so they know this replica's own use. When the store is gone the gateway sets a
+`share` (1 / live replicas): every limit is scaled to it, so N replicas together stay
+within the budget (concurrency rounds up: at most N streams over).
 """
 
 from __future__ import annotations
@@ -89,19 +96,38 @@ OK = BudgetVerdict(True)
 class TenantBudget:
     """One tenant's budgets and what it has in flight."""
 
-    def __init__(self, budgets: Budgets, now: float) -> None:
+    def __init__(self, budgets: Budgets, now: float, share: float = 1.0) -> None:
         self.budgets = budgets
         self.tokens = TokenBucket.per_minute(budgets.tokens_per_minute, now) if budgets.tokens_per_minute else None
         self.requests = (TokenBucket.per_minute(budgets.requests_per_minute, now)
                          if budgets.requests_per_minute else None)
         self.streams = 0  # admitted (or queued) and not yet ended
+        self.share = 1.0
+        self.preset: BudgetVerdict | None = None  # the fleet-wide verdict for the next check
+        if share != 1.0:
+            self.set_share(share, now)
+
+    def set_share(self, share: float, now: float) -> None:
+        """Enforce `share` (0 < share <= 1) of every limit from `now` on."""
+        if not 0 < share <= 1:
+            raise ValueError("a budget share is in (0, 1]")
+        self.share = share
+        b = self.budgets
+        for bucket, amount in ((self.tokens, b.tokens_per_minute), (self.requests, b.requests_per_minute)):
+            if bucket is not None and amount:
+                bucket.reconfigure(amount * share, amount * share / 60.0, now)
 
     def check(self, tokens: int, now: float) -> BudgetVerdict:
-        """Would a request of `tokens` (prompt + output budget) fit now? No side effects."""
+        """Would a request of `tokens` (prompt + output budget) fit now? No side effects but one:
+        a preset (fleet-wide) verdict is used once."""
+        if self.preset is not None:
+            verdict, self.preset = self.preset, None
+            return verdict
         b = self.budgets
-        if b.concurrent_streams is not None and self.streams >= b.concurrent_streams:
+        streams_limit = None if b.concurrent_streams is None else math.ceil(b.concurrent_streams * self.share)
+        if streams_limit is not None and self.streams >= streams_limit:
             return BudgetVerdict(False, "budget_concurrency", "requests",
-                                 f"concurrent streams limit reached: {self.streams} of {b.concurrent_streams} "
+                                 f"concurrent streams limit reached: {self.streams} of {streams_limit} "
                                  "in flight", 1.0)
         if self.requests is not None and not self.requests.can_take(1, now):
             wait = self.requests.wait_s(1, now)
@@ -144,12 +170,28 @@ class BudgetBook:
     def __init__(self, budgets: dict[str, Budgets]) -> None:
         self._config = budgets
         self._tenants: dict[str, TenantBudget] = {}
+        self.share = 1.0  # of every limit this book enforces (local share: 1 / live replicas)
 
     def get(self, tenant: str, now: float) -> TenantBudget:
         tb = self._tenants.get(tenant)
         if tb is None:
-            tb = self._tenants[tenant] = TenantBudget(self._config.get(tenant, Budgets()), now)
+            tb = self._tenants[tenant] = TenantBudget(self._config.get(tenant, Budgets()), now, self.share)
         return tb
+
+    def budgets_of(self, tenant: str) -> Budgets:
+        return self._config.get(tenant, Budgets())
+
+    def set_share(self, share: float, now: float) -> None:
+        """Scale every tenant's limits to `share` of the configured ones (1.0: the whole budget)."""
+        if share == self.share:
+            return
+        self.share = share
+        for tb in self._tenants.values():
+            tb.set_share(share, now)
+
+    def preset(self, tenant: str, verdict: BudgetVerdict | None, now: float) -> None:
+        """The verdict the next check of `tenant` returns (None: its local buckets decide)."""
+        self.get(tenant, now).preset = verdict
 
     def snapshot(self, now: float) -> dict[str, dict[str, float | int | None]]:
         out: dict[str, dict[str, float | int | None]] = {}

@@ -123,20 +123,15 @@ class SLOMaxConfig:
         return {c: self.slo(tenant, c) for c in self.classes}
 
 
-def _merge_slo(base: ClassSLO, ttft_s: float | None, tpot_s: float | None, deadline_s: float | None) -> ClassSLO:
-    return ClassSLO(ttft_s if ttft_s is not None else base.ttft_s,
-                    tpot_s if tpot_s is not None else base.tpot_s,
-                    deadline_s if deadline_s is not None else base.deadline_s)
-
-
 def from_fleet(fleet: FleetConfig, knobs: Knobs | None = None) -> SLOMaxConfig:
     """The fleet file's admission settings over SLOMax's defaults."""
     adm = fleet.admission
+    fleet_slos = adm.slos()  # the fleet's SLO map, the one FleetMind and the reports use too
     classes = dict(DEFAULT_CLASSES)
     for name, c in adm.classes.items():
         base = classes.get(name) or ClassPolicy(name, ClassSLO(), rank=1)
         classes[name] = replace(
-            base, slo=_merge_slo(base.slo, c.ttft_s, c.tpot_s, c.deadline_s),
+            base, slo=fleet_slos[name],
             share=c.share if c.share is not None else base.share,
             protected=c.protected if c.protected is not None else base.protected,
             max_share=c.max_share if c.max_share is not None else base.max_share,
@@ -145,7 +140,7 @@ def from_fleet(fleet: FleetConfig, knobs: Knobs | None = None) -> SLOMaxConfig:
     tenants: dict[str, TenantPolicy] = {}
     for t in fleet.tenants:
         b = t.budgets
-        slos = {cls: _merge_slo(classes[cls].slo, s.ttft_s, s.tpot_s, s.deadline_s) for cls, s in t.slos.items()}
+        slos = {cls: classes[cls].slo.overridden(s.ttft_s, s.tpot_s, s.deadline_s) for cls, s in t.slos.items()}
         tenants[t.name] = TenantPolicy(
             t.name, t.default_class, t.priority,
             Budgets(b.tokens_per_minute, b.requests_per_minute, b.concurrent_streams) if b else Budgets(),

@@ -13,11 +13,12 @@ from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, Reques
 from .admission import met_slo
 from .classify import Classification, UnknownClass, classify_profile
 from .config import SLOMaxConfig
-from .ledger import GoodputLedger
+from .ledger import GoodputLedger, LedgeredAdmission
 
 
-class FCFS:
+class FCFS(LedgeredAdmission):
     name = "fcfs"
+    holds_queue = True  # it never queues; hook-owned mode is how the gateway runs it too
 
     def __init__(self, config: SLOMaxConfig | None = None) -> None:
         self.config = config or SLOMaxConfig()
@@ -44,15 +45,6 @@ class FCFS:
             deadline = profile.arrival + slo.deadline_s
         self._reqs[profile.request_id] = (profile.tenant, cls, profile.arrival, deadline)
         return AdmissionDecision("admit", "", cls)
-
-    def poll(self, now: float, view: FleetView | None = None) -> list[AdmissionDecision]:
-        return []
-
-    def cancel(self, request_id: str, now: float) -> bool:
-        return False
-
-    def next_wakeup(self, now: float) -> float | None:
-        return None
 
     def note_retry(self, request_id: str) -> None:
         r = self._reqs.get(request_id)

@@ -19,6 +19,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetcore.policies import Admission
+
 COUNTERS = ("arrived", "admitted", "queued", "rejected", "completed", "met_slo", "cancelled", "failed",
             "retried", "output_tokens", "goodput_tokens")
 REJECT_REASONS = ("budget_tokens", "budget_requests", "budget_concurrency", "slo_unattainable",
@@ -128,6 +130,16 @@ class GoodputLedger:
     def windows(self) -> list[int]:
         return sorted(self._cells)
 
+    def window_cells(self, window: int) -> dict[Key, Cell]:
+        """The cells of one window (read only: what a gateway replica shares with the others)."""
+        return self._cells.get(window, {})
+
+    def merge_cell(self, window: int, tenant: str, request_class: str, cell: Cell) -> None:
+        """Add `cell` to a window (a ledger built from the replicas' shared figures)."""
+        win = self._cells.setdefault(window, {})
+        win.setdefault((tenant, request_class), Cell()).add(cell)
+        self.totals.setdefault((tenant, request_class), Cell()).add(cell)
+
     def report(self, *, tenants: Collection[str] | None = None, request_class: str | None = None,
                since: float | None = None, until: float | None = None,
                per_window: bool = False) -> list[dict[str, Any]]:
@@ -174,3 +186,11 @@ def row(tenant: str, request_class: str, cell: Cell, start: float, end: float) -
 def totals_rows(ledger: GoodputLedger) -> Iterable[tuple[str, str, Cell]]:
     for (tenant, cls), cell in sorted(ledger.totals.items()):
         yield tenant, cls, cell
+
+
+class LedgeredAdmission(Admission):
+    """An admission policy (`fleetcore.policies.Admission`) that books every request it sees in
+    a goodput ledger — what the gateway's goodput report, metrics and placement planner read.
+    SLOMax and FCFS are both, so either serves the gateway and the reports read alike."""
+
+    ledger: GoodputLedger

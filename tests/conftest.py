@@ -22,6 +22,7 @@ from aiohttp import web
 
 from engine_adapters.base import EngineAdapter, Instance, LoadSnapshot
 from fleetcore.fleet_config import FleetConfig, parse_fleet
+from gateway.listener import bind_socket
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -251,17 +252,18 @@ async def gateway_server() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
     running: list[tuple[uvicorn.Server, asyncio.Task[None], socket.socket]] = []
 
     async def start(app: Any) -> str:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = bind_socket("127.0.0.1", 0)  # as production binds: TCP_NODELAY on every connection
         port = sock.getsockname()[1]
         config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
         server = _TestServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         running.append((server, task, sock))
+        deadline = time.monotonic() + 30
         while not server.started:
             if task.done():
                 task.result()
                 raise RuntimeError("gateway did not start")
+            assert time.monotonic() < deadline, "the gateway did not start within 30 s"
             await asyncio.sleep(0.01)
         return f"http://127.0.0.1:{port}"
 

@@ -14,11 +14,13 @@ import pytest_asyncio
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
 from tests.servers import serve_app
+from tests.waits import wait_until
 
 FLEET_FILE = Path(__file__).with_name("fleet_3sites.yaml")
 ADMIN = {"Authorization": "Bearer sk-admin"}
 ACME = {"Authorization": "Bearer sk-acme"}
 MODEL = "llama-3.1-8b"
+BLOCK_SIZE = 16  # tests/fleet_3sites.yaml: engine block_size
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -125,7 +127,28 @@ async def test_fleet_view_shows_probed_rtts(gateway: str) -> None:
     assert sites["use1"]["probe_rtt_ms"] < 62
     pool = sites["use1"]["pools"][0]
     assert (pool["model"], pool["version"], pool["ready"], pool["starting"], pool["draining"]) == (MODEL, "v1", 1, 0, 0)
-    assert 0 < pool["predicted_ttft_s"] < 5 and pool["cache_blocks"] >= 0
+    assert 0 < pool["predicted_ttft_s"] < 5
+
+
+async def test_fleet_view_counts_the_prefix_blocks_a_request_leaves_in_the_cache(gateway: str) -> None:
+    """`cache_blocks` is the pool's cache index: a fresh prompt served there adds its full blocks."""
+    async def use1_blocks(c: httpx.AsyncClient) -> int:
+        sites = (await c.get(f"{gateway}/admin/v1/fleet", headers=ADMIN)).json()["sites"]
+        return next(s for s in sites if s["site"] == "use1")["pools"][0]["cache_blocks"]
+
+    async with httpx.AsyncClient(timeout=10) as c:
+        before = await use1_blocks(c)
+        prompt = " ".join(f"fleetview{i}" for i in range(300))  # unique text: no block of it is cached yet
+        r = await c.post(f"{gateway}/v1/completions", headers=ACME,
+                         json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-tokenfleet-site"] == "use1", r.text
+        full_blocks = r.json()["usage"]["prompt_tokens"] // BLOCK_SIZE
+        assert full_blocks >= 20
+        # the worker's KV events reach the gateway's index asynchronously: wait for them, bounded
+        now = await wait_until(lambda: use1_blocks(c), 5, f"use1's cache index to gain {full_blocks} blocks",
+                               ok=lambda n: n >= before + full_blocks)
+    # exactly the prompt's full blocks: the 2 output tokens do not fill another one
+    assert now == before + full_blocks
 
 
 async def test_residency_holds_under_region_hints(gateway: str) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 FLEET = """
 sites:
@@ -112,10 +113,11 @@ async def _oversized_run(url: str, pid: int) -> dict[str, Any]:
         return {"big": results, "small": small, "before": before, "after": _status(pid), "health": health}
 
 
+@pytest.mark.slow
 def test_an_8mb_prompt_is_refused_at_once_and_other_tenants_keep_being_served(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(FLEET)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet), "--port", "0",
                              "--no-planner"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = _read_url(proc, 60)

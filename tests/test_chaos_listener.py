@@ -85,7 +85,7 @@ def tokenfleet_up(tmp: Path, gateway: str, *args: str,
     log = tmp / "out.txt"
     # Output to a file, not a pipe: a gateway blocked on a full pipe would fake a hang.
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet), "--port", "0", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet), "--port", "0", *args],
                                 stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
     try:
         port = int(_wait_for_line(proc, log, r"gateway\s+http://127\.0\.0\.1:(\d+)/v1", 60).group(1))
@@ -218,6 +218,7 @@ async def flood_with_probes(gw: Gateway, clients: list[asyncio.Future[Outcome]])
 
 # --- tests ---
 
+@pytest.mark.slow
 async def test_slow_header_flood_is_closed_by_the_deadline_and_capped_per_address(gw: Gateway) -> None:
     n = PER_CLIENT + 50
     give_up = HEADER_TIMEOUT_S + SLACK_S + 2
@@ -241,6 +242,7 @@ async def test_slow_header_flood_is_closed_by_the_deadline_and_capped_per_addres
     probes.check()
 
 
+@pytest.mark.slow
 async def test_slow_body_flood_gets_408_at_the_deadline(gw: Gateway) -> None:
     n = 60
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
@@ -309,6 +311,7 @@ async def test_a_header_line_that_never_ends_is_cut_off_at_the_size_limit(gw: Ga
     assert sent < 8 * MAX_HEADER_BYTES, sent
 
 
+@pytest.mark.slow
 async def test_idle_keep_alive_connection_is_closed(gw: Gateway) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.port, local_addr=("127.0.0.4", 0))
     try:
@@ -323,6 +326,7 @@ async def test_idle_keep_alive_connection_is_closed(gw: Gateway) -> None:
         writer.close()
 
 
+@pytest.mark.slow
 async def test_ops_listener_answers_while_the_public_port_is_saturated(tmp_path: Path) -> None:
     total, per_client = 40, 20
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -398,6 +402,7 @@ def test_connection_cap_is_lowered_below_the_open_file_limit() -> None:
     assert same == limits and none is None
 
 
+@pytest.mark.slow
 async def test_tokenfleet_up_fits_its_connection_cap_under_a_low_open_file_limit(tmp_path: Path) -> None:
     """Hard limit 700: the default cap of 8192 cannot fit; it is lowered, said so, and enforced."""
     def low_hard_limit() -> None:

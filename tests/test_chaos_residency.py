@@ -139,6 +139,7 @@ def only_eu(seen: list[tuple[int, str | None, str | None]]) -> None:
 
 # --- (a) Redis restarted empty ---
 
+@pytest.mark.slow
 async def test_redis_restarted_empty_restores_the_last_known_good_policies(
         tmp_path: Path, redis_proc: RedisProc, engines: list[StubUpstream]) -> None:
     async with gateway(tmp_path / "state", engines, redis_proc.url) as url, httpx.AsyncClient(timeout=10) as c:
@@ -188,6 +189,7 @@ async def timed_admin_calls(c: httpx.AsyncClient, url: str) -> list[tuple[int, s
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["killed", "hung"])
 async def test_store_down_keeps_routing_and_admin_fails_fast(
         tmp_path: Path, redis_proc: RedisProc, engines: list[StubUpstream], failure: str) -> None:
@@ -220,6 +222,7 @@ async def test_store_down_keeps_routing_and_admin_fails_fast(
 
 # --- (c) Redis hung when a gateway starts ---
 
+@pytest.mark.slow
 async def test_gateway_started_against_a_hung_store_serves_its_snapshot(
         tmp_path: Path, redis_proc: RedisProc, engines: list[StubUpstream]) -> None:
     state = tmp_path / "state"
@@ -236,6 +239,7 @@ async def test_gateway_started_against_a_hung_store_serves_its_snapshot(
         assert r.status_code == 503 and time.monotonic() - t0 < STORE_TIMEOUT_S + 1.0
 
 
+@pytest.mark.slow
 async def test_gateway_started_against_a_hung_store_without_snapshot_refuses_then_resumes(
         tmp_path: Path, redis_proc: RedisProc, engines: list[StubUpstream]) -> None:
     async with gateway(tmp_path / "first", engines, redis_proc.url) as url, httpx.AsyncClient(timeout=10) as c:

@@ -52,7 +52,7 @@ def fleet_file(tmp_path: Path) -> Path:
 class Gateway:
     def __init__(self, fleet: Path, redis_url: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(fleet), "--port", "0", "--redis-url", redis_url],
+            [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(fleet), "--port", "0", "--redis-url", redis_url],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.url = read_until(self.proc, r"gateway\s+(http://\S+)/v1", 60).group(1)
 
@@ -85,6 +85,7 @@ def eu_sites(c: httpx.Client, url: str, n: int) -> dict[tuple[int, str | None], 
     return out
 
 
+@pytest.mark.slow
 def test_tokenfleet_up_keeps_eu_team_in_the_eu_through_redis_failures(tmp_path: Path, redis_proc: RedisProc) -> None:
     fleet = fleet_file(tmp_path)
     c = httpx.Client(timeout=10)

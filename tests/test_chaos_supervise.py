@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
@@ -63,6 +64,7 @@ def prompt(n: int) -> str:
     return f"request {n}: " + " ".join(f"word{k}" for k in range(300))
 
 
+@pytest.mark.slow
 async def test_killed_worker_is_restarted_cold_and_health_tells_the_truth() -> None:
     from gateway.app import create_app
 
@@ -146,6 +148,7 @@ def _sim(instances: int, policy: RestartPolicy) -> SimAdapter:
                       gpu="H100", options={"time_scale": 0.05}, restart=policy)
 
 
+@pytest.mark.slow
 async def test_worker_that_keeps_dying_backs_off_up_to_the_bound() -> None:
     """Its port is taken while it is down, so every replacement dies at start: the waits grow
     0.2, 0.4, 0.8 and stay at the bound; once the port is free it comes back; after it stayed
@@ -198,6 +201,7 @@ async def test_worker_that_keeps_dying_backs_off_up_to_the_bound() -> None:
         await adapter.stop()
 
 
+@pytest.mark.slow
 async def test_planned_stops_are_not_restarted() -> None:
     """remove_instance (the planner), a clean exit (an operator's SIGTERM) and stop (shutdown) are
     not crashes; a crash next door is."""

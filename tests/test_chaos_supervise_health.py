@@ -85,6 +85,7 @@ def unready_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "unready" in r.getMessage()]
 
 
+@pytest.mark.slow
 async def test_one_or_two_missed_checks_keep_an_instance_n_take_it_out(engine, caplog) -> None:
     from gateway.app import create_app
 
@@ -156,6 +157,7 @@ async def test_refused_connection_takes_an_instance_out_at_once(engine) -> None:
         await adapter.stop()
 
 
+@pytest.mark.slow
 async def test_blocked_event_loop_does_not_empty_the_fleet(caplog) -> None:
     """A real engine process one 0.3 s round trip away, so checks are in flight most of the
     time; the gateway's loop is blocked for 2.5 s (5x the check timeout, and longer than the

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 
 from engine_adapters.registry import build_adapters
 from fleetcore.prefix import block_hashes
@@ -25,6 +26,7 @@ def with_backoff(config: Any, first_s: float, max_s: float) -> Any:
     return config.model_copy(update={"gateway": g})
 
 
+@pytest.mark.slow
 async def test_launched_engine_is_restarted_on_its_port_and_keeps_its_kv_stream(tmp_path):
     make_tokenizer_dir(tmp_path / "model")
     opts = fake_options(tmp_path)

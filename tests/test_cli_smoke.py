@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")
 
@@ -51,9 +52,10 @@ def read_until(proc: subprocess.Popen[str], pattern: str, timeout_s: float) -> r
     raise AssertionError(f"no line matching {pattern!r} in {seen}")
 
 
+@pytest.mark.slow
 def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(FLEET_FILE), "--port", "0"],
+        [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(FLEET_FILE), "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = read_until(proc, r"gateway\s+(http://\S+)", 60).group(1)
@@ -79,11 +81,12 @@ def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_tokenfleet_up_with_the_planner_on_says_its_cycle() -> None:
     """The start-up banner reads the placement cycle's settings (it once read a removed attribute
     and crashed `up` whenever the planner was on)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up", "--fleet", str(FLEET_FILE.with_name("fleet_planner.yaml")),
+        [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(FLEET_FILE.with_name("fleet_planner.yaml")),
          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert read_until(proc, r"planner\s+every (\S+) s", 60).group(1) == "0.5"
@@ -95,13 +98,14 @@ def test_tokenfleet_up_with_the_planner_on_says_its_cycle() -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_check_reports_fleet_file_errors(tmp_path: Path) -> None:
     bad = tmp_path / "fleet.yaml"
     bad.write_text("sites: []\nmodels: []\n")
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "check", "--fleet", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "tokenfleet", "check", "--fleet", str(bad)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert "sites" in r.stderr and "invalid fleet file" in r.stderr
-    ok = subprocess.run([sys.executable, "-m", "gateway.cli", "check"], capture_output=True, text=True, timeout=30)
+    ok = subprocess.run([sys.executable, "-m", "tokenfleet", "check"], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
     assert "8 instance(s)" in ok.stdout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ from engine_adapters.base import EngineAdapter, Instance
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
 from tests.servers import serve_app
+from tests.waits import wait_until
 
 FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")
 KEY = "sk-test-acme"
@@ -65,10 +65,11 @@ def long_prompt(topic: str, words: int = 1500) -> str:
     return " ".join(f"{topic} section {i} describes the routing of cached prefixes." for i in range(words // 8))
 
 
-async def metric(instance: Instance, name: str) -> float:
+async def metric(instance: Instance, name: str, **labels: str) -> float:
     async with httpx.AsyncClient() as c:
         text = (await c.get(f"{instance.url}/metrics")).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 async def test_models_lists_ready_models(fleet: Fleet) -> None:
@@ -126,11 +127,18 @@ async def test_tokenpilot_headers_and_exact_cache_index(fleet: Fleet) -> None:
     """TokenPilot (the default router) explains itself in headers, and KV events from the
     workers put its cache index in exact mode."""
     client = fleet.client()
+    router = fleet.app.state.tokenfleet.relay.router
+    before = {i.instance_id: router.index.entries(i.instance_id) for a in fleet.adapters for i in a.instances}
     prompt = long_prompt("headers")
     first = await client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert float(first.headers["x-tokenfleet-predicted-ttft-ms"]) > 0
     assert first.headers["x-tokenfleet-cached-tokens"] == "0"
-    await asyncio.sleep(0.3)  # the worker's KV events reach the gateway
+    served = first.headers["x-tokenfleet-instance"]
+    # the worker's KV events reach the gateway's index asynchronously: wait until it holds every full
+    # block of the prompt (tests/fleet_test.yaml: block_size 16), not a fixed 0.3 s
+    full_blocks = first.parse().usage.prompt_tokens // 16
+    await wait_until(lambda: router.index.entries(served), 5, f"{served}'s KV events to reach the index",
+                     ok=lambda n: n >= before[served] + full_blocks)
     second = await client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert second.headers["x-tokenfleet-instance"] == first.headers["x-tokenfleet-instance"]
     predicted_cached = int(second.headers["x-tokenfleet-cached-tokens"])
@@ -139,7 +147,6 @@ async def test_tokenpilot_headers_and_exact_cache_index(fleet: Fleet) -> None:
     actual_cached = usage.prompt_tokens_details.cached_tokens or 0
     assert predicted_cached > 0.8 * usage.prompt_tokens
     assert abs(predicted_cached - actual_cached) <= 8 * 16  # one index stride
-    router = fleet.app.state.tokenfleet.relay.router
     assert router.index.is_exact(first.headers["x-tokenfleet-instance"], time.monotonic())
     async with httpx.AsyncClient() as c:
         decisions = (await c.get(f"{fleet.url}/debug/decisions?limit=1",
@@ -148,9 +155,15 @@ async def test_tokenpilot_headers_and_exact_cache_index(fleet: Fleet) -> None:
 
 
 async def test_client_disconnect_aborts_on_worker(fleet: Fleet) -> None:
-    body = {"model": MODEL, "prompt": "A very long story:", "max_tokens": 4000, "stream": True,
+    # 8,000 output tokens take this fast worker (time_scale 0.05) a few seconds: the client hangs up
+    # right after its first tokens, long before the engine could finish on its own. (Reading a gauge
+    # before hanging up raced the request's end: one /metrics fetch took 2.7 s on a loaded machine.)
+    body = {"model": MODEL, "prompt": "A very long story:", "max_tokens": 8000, "stream": True,
             "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
+    finished = "vllm:request_success_total"
+    ended = {i.instance_id: (await metric(i, finished, finished_reason="abort"), await metric(i, finished))
+             for a in fleet.adapters for i in a.instances}
     async with httpx.AsyncClient(timeout=30) as c:
         async with c.stream("POST", f"{fleet.url}/v1/completions", json=body, headers=headers) as r:
             assert r.status_code == 200
@@ -158,15 +171,15 @@ async def test_client_disconnect_aborts_on_worker(fleet: Fleet) -> None:
             lines = r.aiter_lines()
             for _ in range(3):
                 await lines.__anext__()
-            # the worker's gauge follows its scheduler, not our read: wait for it to show the request
-            deadline = time.monotonic() + 5
-            while await metric(instance, "vllm:num_requests_running") != 1:
-                assert time.monotonic() < deadline, "the worker never showed the request running"
-                await asyncio.sleep(0.02)
-    deadline = time.monotonic() + 5
-    while await metric(instance, "vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "worker kept running the abandoned request"
-        await asyncio.sleep(0.05)
+    aborted0, finished0 = ended[instance.instance_id]
+    # the engine ends the request as aborted (not at its length limit), and nothing else ended there
+    try:
+        await wait_until(lambda: metric(instance, finished, finished_reason="abort"), 10,
+                         f"{instance.instance_id} to abort the abandoned request", ok=lambda n: n == aborted0 + 1)
+    finally:
+        by_reason = {k: await metric(instance, finished, finished_reason=k) for k in ("stop", "length", "abort")}
+        assert await metric(instance, finished) == finished0 + 1, (ended, by_reason)
+    assert await metric(instance, "vllm:num_requests_running") == 0
 
 
 async def test_killed_worker_requests_still_answered(fleet: Fleet) -> None:

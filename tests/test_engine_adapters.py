@@ -216,6 +216,7 @@ async def test_engine_that_exits_before_ready_fails_the_launch_with_its_log(tmp_
     assert a.instances == []
 
 
+@pytest.mark.slow
 async def test_engine_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     opts = fake_options(tmp_path, env={"FAKE_ENGINE_MODE": "ignore_term"}, stop_grace_s=0.5)
     opts["env"]["FAKE_ENGINE_RECORD"] = str(tmp_path / "record.json")
@@ -229,6 +230,7 @@ async def test_engine_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     assert await gone(record["pid"], record["helper_pid"])
 
 
+@pytest.mark.slow
 async def test_launch_timeout_names_the_instance_and_stops_it(tmp_path):
     # long enough for the fake engine to start and write its record on a loaded 2-core machine
     opts = fake_options(tmp_path, ready_timeout_s=4, env={"FAKE_ENGINE_MODE": "hang"})
@@ -240,6 +242,7 @@ async def test_launch_timeout_names_the_instance_and_stops_it(tmp_path):
     assert await gone(record["pid"], record["helper_pid"])
 
 
+@pytest.mark.slow
 async def test_launched_deployment_adds_and_removes_engines(tmp_path):
     """FleetMind's planner scales a launch-mode deployment: a new engine is returned before it is
     ready (the gateway's poller admits it later); a removed one is stopped with its helpers."""

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from fleetcore.fleet_config import FleetConfigError, parse_fleet
 from fleetcore.region_policy import RegionPolicy
+from fleetcore.slo import DEFAULT_SLOS
 from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, SiteSnapshot
 from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
@@ -49,21 +50,21 @@ def req(tenant: str = "t", region: str = "us-east", version: str | None = None, 
 
 
 def test_home_when_within_slo_and_nearest_home_by_default() -> None:
-    fm = FleetMind(predictor=FixedPredictor({"use1": 0.3, "usw2": 0.1, "euw1": 0.1}))
+    fm = FleetMind(predictor=FixedPredictor({"use1": 0.3, "usw2": 0.1, "euw1": 0.1}), slos=DEFAULT_SLOS)
     assert fm.choose(req(region="us-east"), VIEW, 0).site == "use1"
     assert fm.choose(req(region="eu-west"), VIEW, 0).site == "euw1"
 
 
 def test_spills_when_home_misses_slo_and_another_is_clearly_better() -> None:
     pred = FixedPredictor({"use1": 3.0, "usw2": 0.2, "euw1": 0.2})
-    fm = FleetMind(predictor=pred)
+    fm = FleetMind(predictor=pred, slos=DEFAULT_SLOS)
     d = fm.choose(req(), VIEW, 0)
     assert d.site == "usw2" and "spill" in d.reason  # nearer than eu: RTT counts
 
 
 def test_residency_pins_tenant_to_jurisdiction_even_under_overload() -> None:
     pols = PolicySet([RegionPolicy(tenant="t", allowed_jurisdictions=["eu"])])
-    fm = FleetMind(pols, FixedPredictor({"use1": 0.1, "usw2": 0.1, "euw1": 30.0}))
+    fm = FleetMind(pols, FixedPredictor({"use1": 0.1, "usw2": 0.1, "euw1": 30.0}), slos=DEFAULT_SLOS)
     assert fm.choose(req(region="us-east"), VIEW, 0).site == "euw1"
     # other tenants are not bound by t's policy
     assert fm.choose(req(tenant="other"), VIEW, 0).site == "use1"
@@ -71,7 +72,7 @@ def test_residency_pins_tenant_to_jurisdiction_even_under_overload() -> None:
 
 def test_no_spill_policy_keeps_home_and_says_so_when_home_is_down() -> None:
     pols = PolicySet([RegionPolicy(tenant="t", home_site="use1", spill=False)])
-    fm = FleetMind(pols, FixedPredictor({"use1": 9.0, "usw2": 0.1, "euw1": 0.1}))
+    fm = FleetMind(pols, FixedPredictor({"use1": 9.0, "usw2": 0.1, "euw1": 0.1}), slos=DEFAULT_SLOS)
     assert fm.choose(req(), VIEW, 0).site == "use1"
     down = FleetView((site("use1", "us-east", "us", ready=False), *VIEW.sites[1:]))
     d = fm.choose(req(), down, 0)
@@ -80,7 +81,7 @@ def test_no_spill_policy_keeps_home_and_says_so_when_home_is_down() -> None:
 
 def test_version_filter_never_picks_a_site_without_the_version() -> None:
     view = FleetView((site("use1", "us-east", "us", version="v1"), site("usw2", "us-west", "us", version="v2")))
-    fm = FleetMind(predictor=FixedPredictor({"use1": 0.1, "usw2": 0.1}))
+    fm = FleetMind(predictor=FixedPredictor({"use1": 0.1, "usw2": 0.1}), slos=DEFAULT_SLOS)
     assert fm.choose(req(version="v2"), view, 0).site == "usw2"
     d = fm.choose(req(version="v3"), view, 0)
     assert d.site is None and "v3" in d.reason
@@ -88,7 +89,7 @@ def test_version_filter_never_picks_a_site_without_the_version() -> None:
 
 def test_hysteresis_does_not_flap() -> None:
     pred = FixedPredictor({"use1": 1.5, "usw2": 0.2, "euw1": 0.2})
-    fm = FleetMind(predictor=pred, config=FleetMindConfig(hold_s=5.0))
+    fm = FleetMind(predictor=pred, config=FleetMindConfig(hold_s=5.0), slos=DEFAULT_SLOS)
     assert fm.choose(req(), VIEW, 0).site == "usw2"
     # home recovers to just under the SLO: still spilling (exit needs < 0.7 x SLO)
     pred.ttft["use1"] = 0.9
@@ -145,12 +146,13 @@ def fleets_and_policies(draw: st.DrawFn) -> tuple[FleetView, list[RegionPolicy],
     return view, policies, load
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(fleets_and_policies(), st.integers(0, 5), st.sampled_from(["r0", "r1", "r2", None]))
 def test_residency_never_violated(case: tuple[FleetView, list[RegionPolicy], dict[str, float]], steps: int,
                                   region: str | None) -> None:
     view, policies, load = case
-    fm = FleetMind(PolicySet(policies), FixedPredictor(load), config=FleetMindConfig(hold_s=0))
+    fm = FleetMind(PolicySet(policies), FixedPredictor(load), config=FleetMindConfig(hold_s=0), slos=DEFAULT_SLOS)
     allowed = {s.name for s in view.sites
                if all(p.allows(s) for p in policies if p.matches("t", "m"))}
     for t in range(steps + 1):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy, residency_violations
 from fleetsim.metrics import summarize_all
@@ -35,13 +37,18 @@ def run(path: Path, placement: str, rate_scale: float = 1.0):  # type: ignore[no
     return inputs, res.records
 
 
+@pytest.mark.slow
 def test_spill_relieves_the_hot_site_within_policy(tmp_path: Path) -> None:
     path = workload(tmp_path)
     _, home = run(path, "home", 0.5)
     inputs, spill = run(path, "fleetmind", 0.5)
-    s_home, s_spill = summarize_all(home), summarize_all(spill)
-    assert s_spill["ttft_ms"]["p95"] <= 0.5 * s_home["ttft_ms"]["p95"]
-    assert s_spill["goodput_tok_s"] > s_home["goodput_tok_s"]
+    s_home, s_spill = summarize_all(home, FLEET.admission.slos()), summarize_all(spill, FLEET.admission.slos())
+    # Deterministic run; observed: P95 TTFT 0.48x home-only, goodput 2.9x. The old bound (0.5x) sat
+    # 4% from the observed value, so any small change to the roofline or a tie-break flipped it
+    # without saying anything about spilling. Relief means a clear cut on both: a quarter off the
+    # P95 and twice the goodput, each well clear of what such changes move.
+    assert s_spill["ttft_ms"]["p95"] <= 0.75 * s_home["ttft_ms"]["p95"]
+    assert s_spill["goodput_tok_s"] >= 2 * s_home["goodput_tok_s"]
     policies = PolicySet(FLEET.region_policies)
     assert residency_violations(spill, policies, FLEET) == 0
     assert not any(r.tenant == "acme" and r.site == "eu-west-1" for r in spill)
@@ -53,10 +60,11 @@ def test_spill_relieves_the_hot_site_within_policy(tmp_path: Path) -> None:
     assert all(r.status == "rejected" for r in home if version[r.request_id] == "v2")
 
 
+@pytest.mark.slow
 def test_simulate_reports_placement_residency_and_sites(tmp_path: Path) -> None:
     path = workload(tmp_path, 150)
     out = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", "--trace", str(path), "--fleet",
+    r = subprocess.run([sys.executable, "-m", "tokenfleet", "simulate", "--trace", str(path), "--fleet",
                         str(SCENARIOS / "multisite.yaml"), "--policy", "tokenpilot", "--placement",
                         "home,fleetmind", "--no-progress", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
@@ -68,11 +76,12 @@ def test_simulate_reports_placement_residency_and_sites(tmp_path: Path) -> None:
         assert set(row["by_site"]) <= {"us-east-1", "us-west-2", "eu-west-1"}
     assert set(rows[0]["by_site"]) == {"us-east-1"}
     assert "tokenpilot/home" in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", "--trace", str(path),
+    bad = subprocess.run([sys.executable, "-m", "tokenfleet", "simulate", "--trace", str(path),
                           "--placement", "moon"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown placement 'moon'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_planner_moves_replicas_toward_a_flash_crowd(tmp_path: Path) -> None:
     """The long cycle in virtual time: demand appears at west, a replica moves there and
     starts after its start-up delay; every step is logged."""

@@ -115,14 +115,13 @@ async def test_internal_error_is_openai_shaped(stub_upstream: Callable[..., Awai
                                                config_factory: Any) -> None:
     """A bug in a policy is a 500 with the usual error body, no stack trace, and nothing leaked."""
 
-    class BrokenRouter:
+    from fleetcore.policies import InstanceRouter
+
+    class BrokenRouter(InstanceRouter):
         name = "broken"
 
         def route(self, *args: Any) -> Any:
             raise ZeroDivisionError("policy bug")
-
-        def observe(self, outcome: Any) -> None:
-            pass
 
     stub = await stub_upstream()
     app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])],

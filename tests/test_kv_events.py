@@ -13,6 +13,7 @@ import zmq
 from engine_adapters.kv_translate import BlockHashTranslator
 from engine_adapters.kv_zmq import KVDecodeError, KVEventSubscriber, decode_batch, decode_message
 from fleetcore.prefix import block_hashes
+from tests.waits import wait_until
 from tokenpilot.cache_index import PrefixCacheIndex
 
 BS = 4
@@ -117,11 +118,18 @@ def test_all_blocks_cleared_empties_the_map():
 # --- the subscriber over real sockets -------------------------------------------------
 
 async def _until(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    await wait_until(pred, timeout, "the subscriber to deliver what was published")
+
+
+async def _engine_pub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """An engine's publisher connected to the subscriber, returned once the subscription has reached
+    it (a PUB drops what it sends before that). An XPUB publishes as a PUB does and also hears the
+    subscription arrive, so the test waits for that event instead of sleeping."""
+    pub = ctx.socket(zmq.XPUB)
+    pub.connect(endpoint)
+    await wait_until(lambda: pub.poll(0), 5, f"the subscriber's subscription to reach a publisher on {endpoint}")
+    assert pub.recv() == b"\x01"  # subscribe, all topics
+    return pub
 
 
 def _publish(pub: zmq.Socket, topic: str, seq: int, events) -> None:
@@ -138,10 +146,7 @@ async def test_subscriber_binds_and_routes_topics_to_instances():
     pubs = []
     try:
         for _ in range(2):  # two engines connect to the one bound socket
-            pub = ctx.socket(zmq.PUB)
-            pub.connect(endpoint)
-            pubs.append(pub)
-        await asyncio.sleep(0.2)  # let the connections come up (PUB drops before that)
+            pubs.append(await _engine_pub(ctx, endpoint))
         prompt = list(range(40, 52))
         _publish(pubs[0], "tokenfleet/a", 0, [stored([7, 8, 9], prompt)])
         _publish(pubs[1], "tokenfleet/b", 0, [stored([7], prompt[:4])])
@@ -162,10 +167,7 @@ async def test_subscriber_binds_and_routes_topics_to_instances():
         assert b.events[0]["block_hashes"] == block_hashes(prompt, BS)[:1]
         # The engine behind b restarts: it connects again and its sequence starts over.
         pubs[1].close(0)
-        pub = ctx.socket(zmq.PUB)
-        pub.connect(endpoint)
-        pubs[1] = pub
-        await asyncio.sleep(0.2)
+        pub = pubs[1] = await _engine_pub(ctx, endpoint)
         _publish(pub, "tokenfleet/b", 0, [stored([70], prompt[4:8], parent=7)])  # parent died with the old engine
         await _until(lambda: len(got["site/m/1"]) == 2)
         assert sub.translator("site/m/1").stats.restarts == 1
@@ -185,11 +187,9 @@ async def test_events_reach_the_cache_index_with_gateway_keys():
     endpoint = sub.start()
     sub.register("t", "i0", BS)
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.connect(endpoint)
+    pub = await _engine_pub(ctx, endpoint)
     index = PrefixCacheIndex(stride=1)
     try:
-        await asyncio.sleep(0.2)
         prompt = list(range(500, 532))
         _publish(pub, "t", 0, [stored(list(range(1, 9)), prompt)])
         stream = sub.stream("i0")

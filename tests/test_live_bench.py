@@ -17,9 +17,11 @@ import pytest
 
 from engine_adapters.sim.worker import start_worker
 from fleetcore.prefix import block_hashes
+from fleetcore.sse import StreamReader
 from fleetcore.tokens import count_tokens, encode
 from fleetsim import live
 from fleetsim.live import Target, TargetError, base_url, live_row, prepare_workload, replay, request_body
+from fleetsim.metrics import RequestRecord
 from fleetsim.report import GROUP_KEYS, RESULT_KEYS, build_report
 from workloads import TraceRequest, Workload, prompt_text
 
@@ -85,18 +87,24 @@ def test_target_url_normalised_and_loopback_only() -> None:
         base_url("ftp://127.0.0.1/")
 
 
-def test_stream_parser_counts_only_chunks_with_text() -> None:
-    st = live._StreamState()
-    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-    st.feed(b"data: " + json.dumps(role).encode(), 1.0)
-    assert st.first is None
-    st.feed(b"data: " + json.dumps({"choices": [{"delta": {"content": " a"}}]}).encode(), 2.0)
-    st.feed(b": keep-alive comment", 2.5)
-    st.feed(b"data: " + json.dumps({"choices": [{"text": " b", "finish_reason": "length"}]}).encode(), 3.0)
-    st.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}', 3.1)
-    st.feed(b"data: [DONE]", 3.2)
-    assert (st.first, st.last, st.chunks, st.finish_reason, st.done) == (2.0, 3.0, 2, "length", True)
-    assert st.usage == {"prompt_tokens": 5, "completion_tokens": 2}
+def test_bench_counts_reasoning_and_tool_call_chunks_as_output() -> None:
+    """The bench reads streams as the gateway does (fleetcore.sse): a reasoning model's first
+    token is its first reasoning chunk, a tool call's chunks are output."""
+    def ev(obj: Any) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    reader = StreamReader()
+    reader.feed(ev({"choices": [{"delta": {"role": "assistant", "content": ""}}]}), 10.0)
+    reader.feed(ev({"choices": [{"delta": {"reasoning_content": "hmm"}}]}), 10.5)
+    reader.feed(ev({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}), 11.0)
+    reader.feed(ev({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}) + ev(
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                  "prompt_tokens_details": {"cached_tokens": 4}}}) + b"data: [DONE]\n\n", 11.2)
+    rec = RequestRecord(request_id="r", arrival_s=0.0, prompt_tokens=5, status="cancelled")
+    live._fill(rec, reader.stats, 10.0, 11.3)
+    assert rec.status == "completed" and rec.ttft_s == pytest.approx(0.5)
+    assert (rec.prompt_tokens, rec.output_tokens, rec.cached_tokens) == (7, 3, 4)
+    assert rec.tpot_s == pytest.approx(0.25)  # (11.0 - 10.5) / (3 - 1)
 
 
 def test_window_applies_after_rate_scaling(tmp_path: Path) -> None:
@@ -165,7 +173,7 @@ async def test_cli_writes_simulate_shaped_json(worker: str, tmp_path: Path) -> N
     assert set(report) == {"workload", "fleet", "results"}
     assert report["fleet"]["model"] == MODEL  # discovered from GET /v1/models
     (row,) = report["results"]
-    assert row["completed"] == 3 and row["ttft_ms"]["p50"] is not None
+    assert row["completed"] == 3 and 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
     assert row["cache_hit_rate"] > 0
 
 

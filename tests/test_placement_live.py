@@ -107,6 +107,7 @@ async def wait_for(c: httpx.AsyncClient, url: str, check: Any, timeout_s: float)
         await asyncio.sleep(0.2)
 
 
+@pytest.mark.slow
 async def test_planner_moves_a_replica_to_demand_then_rolls_back_when_goodput_falls(
         gateway: tuple[str, Any]) -> None:
     url, ctx = gateway

@@ -4,7 +4,6 @@ or never becomes ready (the source keeps its replica)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -90,8 +89,21 @@ async def test_a_drain_waits_for_requests_in_flight(fleet) -> None:
     loop, a, b = fleet
     for i in (0, 1):
         loop.state.begin(f"b/{MODEL}/{i}")
+    looks = 0  # how often the drain asked whether its replica is idle yet
+    idle = loop.state.idle
+
+    def counted_idle(instance_id: str) -> bool:
+        nonlocal looks
+        looks += 1
+        return idle(instance_id)
+
+    loop.state.idle = counted_idle  # type: ignore[method-assign]
     assert await loop.carry_out(Move(MODEL, "b", None))  # remove only
-    await asyncio.sleep(0.2)
+    # not a sleep hoping the drain had its chance: the executor's steps look at the replica
+    # (the cycle judges the drain from what they see) and it still waits
+    for _ in range(5):
+        await loop.advance()
+    assert looks >= 5
     assert b.removed == [] and steps(loop) == [("drain", "b")]
     assert "1 in flight" in loop.actions[0].detail
     victim = loop.actions[0].instance

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 
 from gateway.app import create_app
+from gateway.listener import bind_socket
 from tests.conftest import FakeAdapter, StubUpstream, make_config, make_instance
 
 TENANT = "sk-fuzz-tenant"
@@ -57,8 +57,7 @@ def gateway_url() -> Iterator[str]:
         await site.start()
         stub.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         app = create_app(_config(), [FakeAdapter([make_instance("i0", stub.url)])])
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = bind_socket("127.0.0.1", 0)  # as production binds: TCP_NODELAY on every connection
         server = _Server(uvicorn.Config(app, lifespan="on", log_level="critical", timeout_graceful_shutdown=1))
         box["server"], box["url"] = server, f"http://127.0.0.1:{sock.getsockname()[1]}"
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -94,6 +93,7 @@ schema = schemathesis.openapi.from_dict(SPEC)
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
+@pytest.mark.slow
 def test_no_request_gets_a_5xx(case: Any, gateway_url: str) -> None:
     declared = case.operation.path.startswith("/v1/") and case.method == "POST"
     checks = [not_a_server_error] + ([status_code_conformance, content_type_conformance] if declared else [])
@@ -116,6 +116,7 @@ BODY = st.fixed_dictionaries({"model": st.sampled_from(["m1", "m1@v1"]) | ODD, "
 BODY = st.tuples(BODY, st.dictionaries(ODD, VALUE, max_size=1)).map(lambda t: {**t[1], **t[0]})  # odd extra keys
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=BODY)
 def test_odd_bodies_never_get_a_5xx(gateway_url: str, path: str, body: dict[str, Any]) -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine_adapters.sim.engine import EngineConfig, SimEngine, SimRequest, StepResult
-from engine_adapters.sim.hardware import gpu, model
 from engine_adapters.sim.kv_cache import KVCacheManager
+from fleetcore.hardware import gpu, model
 
 BS = 16
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fleetcore.slo import ClassSLO
+from fleetcore.slo import DEFAULT_SLOS, ClassSLO
 from fleetsim.metrics import RequestRecord, percentiles, run_span, slo_met, summarize, summarize_all, ttft_values_ms
 from fleetsim.report import RESULT_KEYS, build_report, format_table, result_row
 
@@ -37,23 +37,23 @@ def test_percentiles_interpolate_linearly_and_empty_is_none() -> None:
 
 
 def test_slo_met_per_class() -> None:
-    assert slo_met(rec("a", ttft=0.9, tpot=0.049))
-    assert not slo_met(rec("b", ttft=1.1))  # interactive TTFT > 1 s
-    assert not slo_met(rec("c", tpot=0.051))  # interactive TPOT > 50 ms
-    assert slo_met(rec("d", cls="long_context", ttft=7.9, tpot=0.079))
-    assert not slo_met(rec("e", cls="long_context", ttft=8.1))
-    assert slo_met(rec("f", cls="batch", ttft=100.0, tpot=1.0, e2e=599.0))  # batch: only the deadline
-    assert not slo_met(rec("g", cls="batch", e2e=601.0))
-    assert not slo_met(rec("h", status="cancelled"))
-    assert not slo_met(rec("i", status="rejected"))
+    assert slo_met(rec("a", ttft=0.9, tpot=0.049), DEFAULT_SLOS)
+    assert not slo_met(rec("b", ttft=1.1), DEFAULT_SLOS)  # interactive TTFT > 1 s
+    assert not slo_met(rec("c", tpot=0.051), DEFAULT_SLOS)  # interactive TPOT > 50 ms
+    assert slo_met(rec("d", cls="long_context", ttft=7.9, tpot=0.079), DEFAULT_SLOS)
+    assert not slo_met(rec("e", cls="long_context", ttft=8.1), DEFAULT_SLOS)
+    assert slo_met(rec("f", cls="batch", ttft=100.0, tpot=1.0, e2e=599.0), DEFAULT_SLOS)  # batch: only the deadline
+    assert not slo_met(rec("g", cls="batch", e2e=601.0), DEFAULT_SLOS)
+    assert not slo_met(rec("h", status="cancelled"), DEFAULT_SLOS)
+    assert not slo_met(rec("i", status="rejected"), DEFAULT_SLOS)
     # A request's own deadline binds on top of its class SLO.
-    assert not slo_met(rec("j", ttft=0.5, tpot=0.01, out=11, deadline=0.5))
+    assert not slo_met(rec("j", ttft=0.5, tpot=0.01, out=11, deadline=0.5), DEFAULT_SLOS)
     # No class given: by length (>= 8192 tokens is long_context, TTFT <= 8 s).
-    assert slo_met(rec("k", cls=None, prompt=9000, ttft=5.0))
-    assert not slo_met(rec("l", cls=None, prompt=8000, ttft=5.0))
+    assert slo_met(rec("k", cls=None, prompt=9000, ttft=5.0), DEFAULT_SLOS)
+    assert not slo_met(rec("l", cls=None, prompt=8000, ttft=5.0), DEFAULT_SLOS)
     # Configurable SLOs; an unknown class has no bound.
     assert slo_met(rec("m", ttft=1.5), {"interactive": ClassSLO(ttft_s=2.0)})
-    assert slo_met(rec("n", cls="custom", ttft=99.0))
+    assert slo_met(rec("n", cls="custom", ttft=99.0), DEFAULT_SLOS)
 
 
 def hand_made() -> list[RequestRecord]:
@@ -74,7 +74,7 @@ def hand_made() -> list[RequestRecord]:
 def test_goodput_counts_only_completed_requests_within_slo() -> None:
     records = hand_made()
     assert run_span(records) == 10.0
-    s = summarize(records, 10.0)
+    s = summarize(records, 10.0, DEFAULT_SLOS)
     assert s["requests"] == 9 and s["completed"] == 7 and s["rejected"] == 1 and s["cancelled"] == 1
     assert s["goodput_tok_s"] == pytest.approx((100 + 200 + 50) / 10.0)
     # Raw throughput: everything clients received, the cancelled request's 20 tokens included.
@@ -91,16 +91,16 @@ def test_goodput_counts_only_completed_requests_within_slo() -> None:
 
 def test_rejected_only_run_has_zero_attainment_and_null_latencies() -> None:
     records = [rec("r1", status="rejected"), rec("r2", status="rejected", arrival=1.0, end=1.0)]
-    s = summarize_all(records)
+    s = summarize_all(records, DEFAULT_SLOS)
     assert s["slo_attainment"] == 0.0 and s["goodput_tok_s"] == 0.0 and s["completed"] == 0
     assert s["ttft_ms"]["p50"] is None and s["tpot_ms"]["p95"] is None and s["cache_hit_rate"] is None
-    empty = summarize_all([])
+    empty = summarize_all([], DEFAULT_SLOS)
     assert empty["requests"] == 0 and empty["slo_attainment"] is None
 
 
 def test_by_class_and_by_tenant_split_and_add_up() -> None:
     records = hand_made()
-    s = summarize_all(records)
+    s = summarize_all(records, DEFAULT_SLOS)
     assert set(s["by_class"]) == {"interactive", "long_context", "batch"}
     inter, long_, batch = s["by_class"]["interactive"], s["by_class"]["long_context"], s["by_class"]["batch"]
     assert inter["requests"] == 6 and inter["rejected"] == 1 and inter["cancelled"] == 1
@@ -115,7 +115,7 @@ def test_by_class_and_by_tenant_split_and_add_up() -> None:
 
 
 def test_report_row_has_documented_keys_and_table_renders() -> None:
-    s = summarize_all(hand_made())
+    s = summarize_all(hand_made(), DEFAULT_SLOS)
     row = result_row("p1", s, wall_s=1.23456)
     assert list(row)[:len(RESULT_KEYS)] == list(RESULT_KEYS)
     assert row["wall_s"] == 1.235

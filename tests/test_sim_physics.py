@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapters.sim.hardware import GPUS, MODELS, gpu, model
-from engine_adapters.sim.physics import StepTimer
+from fleetcore.hardware import GPUS, MODELS, gpu, model
+from fleetcore.roofline import StepTimer
 
 # (model, gpu, prefill tokens in one short-context step, published ms) — Vidur
 # profiles, linear layers only, TP=1 (see /work/shared/notes/peers-and-engines.md).

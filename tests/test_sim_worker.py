@@ -16,13 +16,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_adapters.sim import hardware
 from engine_adapters.sim.driver import EngineDriver
 from engine_adapters.sim.engine import EngineConfig, SimEngine
 from engine_adapters.sim.openai_wire import ApiError, plan_output
 from engine_adapters.sim.worker import WORKER_KEY, start_worker
+from fleetcore import hardware
 from fleetcore.prefix import block_hashes
 from fleetcore.tokens import encode
+from tests.waits import wait_until
 
 MODEL = "sim-llama"
 SCALE = 0.02  # 50x faster than the physical GPU
@@ -210,14 +211,11 @@ async def test_prefix_cache_hit_on_repeat(worker: str, http: aiohttp.ClientSessi
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-async def _wait_metric(http: aiohttp.ClientSession, url: str, name: str, want: float, timeout: float = 3.0,
+async def _wait_metric(http: aiohttp.ClientSession, url: str, name: str, want: float, timeout: float = 5.0,
                        **labels: str) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = await metric(http, url, name, **labels)
-        if v == want or time.monotonic() > deadline:
-            return v
-        await asyncio.sleep(0.02)
+    """The worker's gauges follow its scheduler, not our reads: wait for `name` to read `want`."""
+    return await wait_until(lambda: metric(http, url, name, **labels), timeout, f"{name}{labels} == {want}",
+                            ok=lambda v: v == want)
 
 
 async def test_client_disconnect_aborts_engine_request(worker: str, http: aiohttp.ClientSession) -> None:
@@ -231,7 +229,7 @@ async def test_client_disconnect_aborts_engine_request(worker: str, http: aiohtt
             got += raw.startswith(b"data: ")
             if got >= 3:
                 break
-        assert await metric(http, worker, "vllm:num_requests_running") == 1
+        assert await _wait_metric(http, worker, "vllm:num_requests_running", 1) == 1
         resp.close()  # drop the connection mid-stream
     assert await _wait_metric(http, worker, "vllm:num_requests_running", 0) == 0
     assert await _wait_metric(http, worker, "vllm:request_success_total", 1, finished_reason="abort") == 1
@@ -417,6 +415,7 @@ async def test_in_process_worker_exposes_itself(http: aiohttp.ClientSession) -> 
 async def test_startup_delay_and_emulated_network_rtt() -> None:
     """A worker that is still loading answers 503 (health and generation); an emulated RTT
     delays every answer by one round trip."""
+    started = time.monotonic()
     runner, url = await start_worker(served_model_name=MODEL, time_scale=SCALE, startup_s=0.6,
                                      network_rtt_ms=80)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -429,9 +428,12 @@ async def test_startup_delay_and_emulated_network_rtt() -> None:
             async with s.post(f"{url}/v1/completions", json=body) as r:
                 assert r.status == 503
                 assert (await r.json())["error"]["type"] == "ServiceUnavailableError"
-            await asyncio.sleep(0.6)
-            async with s.get(f"{url}/health") as r:
-                assert r.status == 200
+            async def health() -> int:
+                async with s.get(f"{url}/health") as r:
+                    return r.status
+
+            await wait_until(health, 10, "the worker to finish loading (GET /health 200)", ok=lambda st: st == 200)
+            assert time.monotonic() - started >= 0.6  # not before its startup delay
             t0 = time.monotonic()
             async with s.post(f"{url}/v1/completions", json=body) as r:
                 assert r.status == 200
@@ -440,6 +442,7 @@ async def test_startup_delay_and_emulated_network_rtt() -> None:
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_sim_adapter_adds_a_loading_instance_and_removes_one() -> None:
     from engine_adapters.sim.launcher import SimAdapter
 
@@ -452,8 +455,7 @@ async def test_sim_adapter_adds_a_loading_instance_and_removes_one() -> None:
         added = await adapter.add_instance()
         assert added.instance_id == "s/m/1" and [i.instance_id for i in adapter.instances] == ["s/m/0", "s/m/1"]
         assert not await adapter.health(added)  # still loading
-        await asyncio.sleep(0.6)
-        assert await adapter.health(added)
+        await wait_until(lambda: adapter.health(added), 10, f"{added.instance_id} to finish loading")
         proc = adapter.process(first)
         assert proc is not None
         await adapter.remove_instance(first)

@@ -15,8 +15,9 @@ import pytest
 
 from fleetcore.fleet_config import FleetConfig, parse_fleet
 from gateway.app import create_app
-from slomax import SLOMax, from_fleet
+from slomax import LedgeredAdmission, SLOMax, from_fleet
 from slomax.config import Knobs
+from tests.waits import wait_until
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "tell me a story"}]
@@ -38,6 +39,7 @@ def fleet(tenant_a: dict[str, Any] | None = None, admission: dict[str, Any] | No
 class Gw:
     url: str
     app: Any
+    stub: Any = None  # conftest's StubUpstream behind the one instance
 
     @property
     def gate(self) -> Any:
@@ -66,7 +68,7 @@ def start(gateway_server: Callable[[Any], Awaitable[str]], stub_upstream: Any, f
         up = await stub_upstream(**stub)
         adapter = fake_adapter([instance_factory("i0", up.url)])
         app = create_app(config, [adapter], poll_interval_s=60, admission=admission)
-        return Gw(await gateway_server(app), app)
+        return Gw(await gateway_server(app), app, up)
     return go
 
 
@@ -106,9 +108,9 @@ async def test_early_rejection_is_a_503_with_the_reason_and_nothing_reaches_the_
     gw = await start(cfg, policy, chunks=20, delay_s=0.05)
     stream = {"model": "m1", "messages": MSGS, "max_tokens": 4, "stream": True}
     first = asyncio.create_task(gw.post(KEY_A, stream))
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: len(gw.stub.requests), 5, "the first request to reach the engine", ok=lambda n: n == 1)
     second = asyncio.create_task(gw.post(KEY_A, stream))
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: len(gw.stub.requests), 5, "the second request to reach the engine", ok=lambda n: n == 2)
     status, headers, body = await gw.post(KEY_B)
     assert status == 503 and int(headers["retry-after"]) >= 1
     err = body["error"]
@@ -125,18 +127,14 @@ async def test_a_queued_request_leaves_the_queue_the_moment_its_client_goes(star
     lc = {"x-tokenfleet-class": "long_context"}
     body = {"model": "m1", "messages": MSGS, "max_tokens": 4, "stream": True}
     first = asyncio.create_task(gw.post(KEY_A, body, lc))
-    while not gw.gate._admitted:
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: gw.gate._admitted, 5, "the first long-context request to be admitted")
     second = asyncio.create_task(gw.post(KEY_B, body, lc))
-    while gw.gate.waiting == 0:
-        await asyncio.sleep(0.01)
-    t0 = time.monotonic()
+    await wait_until(lambda: gw.gate.waiting, 5, "the second one to wait in the queue")
     second.cancel()  # the client hangs up while it waits
     with pytest.raises(asyncio.CancelledError):
         await second
-    while gw.gate.waiting:
-        assert time.monotonic() - t0 < 1.0, "the queued request did not leave"
-        await asyncio.sleep(0.01)
+    # the moment its client goes: well within the first one's 1 s stream (20 chunks x 0.05 s)
+    await wait_until(lambda: gw.gate.waiting, 1.0, "the queued request to leave the queue", ok=lambda n: n == 0)
     pool = gw.gate.policy.snapshot(time.monotonic())["pools"]["m1"]["classes"]["long_context"]
     assert pool["queued"] == 0 and pool["in_flight"] == 1
     status, _, text = await first
@@ -216,7 +214,7 @@ async def test_fcfs_in_the_fleet_file_admits_everything_and_still_reports(start)
     assert status == 200 and body["policy"] == "fcfs" and body["rows"][0]["completed"] == 3
 
 
-class _Avoiding:
+class _Avoiding(LedgeredAdmission):
     """A stand-in policy: admits everything, asking to avoid instance i0."""
 
     name = "avoiding"
@@ -236,6 +234,7 @@ class _Avoiding:
         return {"policy": self.name, "pools": {}}
 
 
+@pytest.mark.slow
 async def test_routing_skips_the_instances_admission_says_to_avoid(gateway_server, stub_upstream, fake_adapter,
                                                                     instance_factory) -> None:
     ups = [await stub_upstream() for _ in range(2)]

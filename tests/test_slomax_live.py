@@ -26,6 +26,7 @@ def _bench() -> object:
     return mod
 
 
+@pytest.mark.slow
 async def test_flooding_tenant_does_not_push_others_interactive_p95_ttft_past_slo() -> None:
     bench = _bench()
     r = await bench.run("slomax", flood=32, chats=30)  # type: ignore[attr-defined]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
-from tokenpilot.policy import no_candidates
+from fleetcore.types import Candidate, InstanceSnapshot, RequestProfile, RouteDecision
+from tokenpilot.policy import InstanceRouter, no_candidates
 
 
-class RoundRobin:
+class RoundRobin(InstanceRouter):
     """Cycle through the pool in instance-id order, ignoring load and cache."""
 
     name = "round_robin"
@@ -26,11 +26,8 @@ class RoundRobin:
         self._next[key] = n + 1
         return RouteDecision(pool[n % len(pool)].instance_id, "round robin")
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
 
-
-class LeastLoaded:
+class LeastLoaded(InstanceRouter):
     """Fewest requests on the instance: the gateway's own in-flight count, or the
     engine's running + waiting when that is higher (other clients share the engine)."""
 
@@ -44,7 +41,3 @@ class LeastLoaded:
                   for i in candidates]
         best = min(scored, key=lambda c: (c.score, c.name))
         return RouteDecision(best.name, f"least loaded ({best.score:.0f} requests)", scored)
-
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
-

@@ -33,7 +33,7 @@ from typing import Any, overload
 import xxhash
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
-from tokenpilot.policy import no_candidates
+from tokenpilot.policy import InstanceRouter, no_candidates
 from tokenpilot.prefix_tree import ActiveBlocks, PrefixIndex
 
 _by_id = attrgetter("instance_id")
@@ -100,7 +100,7 @@ def _least_inflight(pool: Sequence[InstanceSnapshot], rng: random.Random) -> Ins
 # ---- load-only policies ---------------------------------------------------------------
 
 
-class RandomRouter:
+class RandomRouter(InstanceRouter):
     """Uniform random choice among the candidates.
 
     Source: sgl-project/sglang sgl-router `src/policies/random.rs` (`RandomPolicy`,
@@ -120,11 +120,8 @@ class RandomRouter:
         pick = pool[self._rng.randrange(len(pool))]
         return RouteDecision(pick.instance_id, f"uniform random over {len(pool)} instances")
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
 
-
-class PowerOfTwo:
+class PowerOfTwo(InstanceRouter):
     """Power of two choices: sample two distinct instances, keep the less loaded.
 
     Source: sgl-project/sglang sgl-router `src/policies/power_of_two.rs`
@@ -153,11 +150,8 @@ class PowerOfTwo:
         return RouteDecision(pick.instance_id,
                              f"power of two: {a.instance_id}={la} vs {b.instance_id}={lb}", cands)
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
 
-
-class LeastRequest:
+class LeastRequest(InstanceRouter):
     """Fewest in-flight requests (the gateway's own count), random among ties.
 
     Source: vllm-project/aibrix `pkg/plugins/gateway/algorithms/least_request.go`
@@ -180,11 +174,8 @@ class LeastRequest:
         cands = _Scored((), [(i.instance_id, i.inflight) for i in pool])
         return RouteDecision(pick.instance_id, f"least request ({pick.inflight} in flight)", cands)
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
 
-
-class PrefixHash:
+class PrefixHash(InstanceRouter):
     """Consistent hashing of the prompt prefix, with a bounded-load escape.
 
     Source: sgl-project/sglang model gateway `src/policies/prefix_hash.rs`
@@ -259,14 +250,11 @@ class PrefixHash:
                                  f"ring owner {owner_id} over {limit:.1f} in flight: least loaded")
         return RouteDecision(owner_id, "all instances over the load bound: ring owner")
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
-
 
 # ---- cache-aware policies -----------------------------------------------------------
 
 
-class SGLangCacheAware:
+class SGLangCacheAware(InstanceRouter):
     """SGLang router cache-aware policy: approximate radix tree per worker + balance switch.
 
     Source: sgl-project/sglang sgl-router `src/policies/cache_aware.rs`
@@ -359,7 +347,7 @@ class _Worker:
     prefill_tokens: int = 0
 
 
-class DynamoKv:
+class DynamoKv(InstanceRouter):
     """NVIDIA Dynamo KV router (approximate mode, `--no-kv-events`).
 
     Source: ai-dynamo/dynamo `lib/llm/src/kv_router/scheduler.rs`
@@ -521,7 +509,7 @@ class DynamoKv:
         self._free(outcome.request_id)
 
 
-class LlmdScheduler:
+class LlmdScheduler(InstanceRouter):
     """llm-d inference scheduler (Gateway API Inference Extension EPP), default profile.
 
     Source: kubernetes-sigs/gateway-api-inference-extension `pkg/epp/scheduling/
@@ -585,11 +573,8 @@ class LlmdScheduler:
         return RouteDecision(pick.instance_id, f"max weighted score {best:.3f} (prefix {matches[k]}/{total} blocks)",
                              _Scored(("prefix", "queue", "kv"), rows), cached_tokens=matches[k] * profile.block_size)
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
 
-
-class AIBrixPrefixCache:
+class AIBrixPrefixCache(InstanceRouter):
     """AIBrix gateway prefix-cache router.
 
     Source: vllm-project/aibrix `pkg/plugins/gateway/algorithms/prefix_cache.go`
@@ -657,9 +642,6 @@ class AIBrixPrefixCache:
                           else "no prefix match: least request")
         self.index.insert(pick.instance_id, blocks, now)
         return RouteDecision(pick.instance_id, reason, cands, cached_tokens=cached * profile.block_size)
-
-    def observe(self, outcome: RequestOutcome) -> None:
-        pass
 
 
 PEER_ROUTERS: dict[str, type] = {

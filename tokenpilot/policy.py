@@ -1,25 +1,17 @@
 """The routing seam: a pure decision over (request profile, candidate instances, now).
 
 Every routing policy — ours and the published baselines we compare against —
-implements `InstanceRouter`. The gateway and the simulator call `route` with the
-pool the site chooser picked and report back through `observe`.
+subclasses `InstanceRouter` (declared in `fleetcore.policies`, with the do-nothing
+defaults of everything but `route`). The gateway and the simulator call `route` with
+the pool the site chooser picked (`fleetmind.place`) and report back through `observe`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from fleetcore.policies import InstanceRouter
+from fleetcore.types import RouteDecision, RequestProfile
 
-from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
-
-
-class InstanceRouter(Protocol):
-    name: str
-
-    def route(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
-              now: float) -> RouteDecision: ...
-
-    def observe(self, outcome: RequestOutcome) -> None: ...
+__all__ = ["InstanceRouter", "no_candidates"]
 
 
 def no_candidates(profile: RequestProfile) -> RouteDecision:

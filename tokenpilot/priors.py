@@ -7,30 +7,16 @@ corrects them from observed timings, so a wrong prior costs only a few requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from fleetcore import hardware
+from fleetcore.policies import EnginePrior  # plain data: the router contract registers instances with it
+from fleetcore.roofline import StepTimer
 
-
-@dataclass(frozen=True, slots=True)
-class EnginePrior:
-    prefill_token_s: float = 1 / 20_000  # compute time per prefill token in a full batch
-    attn_s_per_token_ctx: float = 1e-9  # attention: extra time per prefill token per context token
-    kv_read_s_per_token: float = 4e-8  # time to read one context token's KV in a decode step
-    step_overhead_s: float = 0.008  # weights read + fixed cost: a decode-only step's floor
-    capacity_blocks: int = 1 << 15
-    block_size: int = 16
-    max_batched_tokens: int = 8192
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return 1.0 / self.prefill_token_s
+__all__ = ["EnginePrior", "prior_from_physics"]
 
 
 def prior_from_physics(spec: str, gpu: str, tp: int = 1, block_size: int = 16,
                        max_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9) -> EnginePrior:
-    """Prior for an engine whose model and GPU are in the simulated engine's tables."""
-    from engine_adapters.sim import hardware
-    from engine_adapters.sim.physics import StepTimer
-
+    """Prior for an engine whose model and GPU are in the roofline's tables (`fleetcore.hardware`)."""
     timer = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp=tp)
     full = timer.step_time([(max_batched_tokens, 0)], [])
     one = timer.step_time([], [1])

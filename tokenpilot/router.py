@@ -35,6 +35,7 @@ import numpy as np
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot.cache_index import PrefixCacheIndex
 from tokenpilot.learning import SpeedFactor
+from tokenpilot.policy import InstanceRouter
 from tokenpilot.priors import EnginePrior
 
 
@@ -169,8 +170,9 @@ class _Slots:
         m[self.CONTEXT_PER_STREAM, k] = m[self.CONTEXT, k] / max(m[self.STREAMS, k], 1.0)
 
 
-class TokenPilot:
+class TokenPilot(InstanceRouter):
     name = "tokenpilot"
+    follows_kv_events = True  # exact cache mode: the index follows the engines' KV events
 
     def __init__(self, priors: Mapping[str, EnginePrior] | None = None,
                  default_prior: EnginePrior | None = None,
@@ -437,6 +439,12 @@ class TokenPilot:
                           now: float) -> None:
         """Engine KV events: the cache index follows them exactly (see `PrefixCacheIndex`)."""
         self.index.apply_events(instance_id, seq, events, now)
+
+    def cache_blocks(self, instance_id: str) -> int | None:
+        return self.index.entries(instance_id)
+
+    def cache_exact(self, instance_id: str, now: float) -> bool:
+        return self.index.is_exact(instance_id, now)
 
     def explain(self, instance_id: str) -> dict[str, float]:
         """What TokenPilot has learned about one instance (for debug endpoints and tests)."""

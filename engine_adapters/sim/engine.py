@@ -26,9 +26,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .hardware import GpuSpec, ModelSpec
+from fleetcore.hardware import GpuSpec, ModelSpec
+from fleetcore.roofline import StepTimer
+
 from .kv_cache import KVCacheManager, KVEvent
-from .physics import StepTimer
 
 
 @dataclass(slots=True)

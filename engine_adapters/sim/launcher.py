@@ -3,8 +3,11 @@
 Options (the deployment's `options:` in the fleet file): `time_scale`,
 `num_gpu_blocks_override`, `startup_s` (how long an instance added at run time — by
 FleetMind's planner — loads before it is ready; the fleet's first instances are ready when
-`launch` returns) and `network_rtt_ms` (an emulated network to the site: every request
-is served one round trip late).
+`launch` returns), `network_rtt_ms` (an emulated network to the site: every request
+is served one round trip late) and `urls` (attach mode: workers someone else runs, one URL per
+instance, e.g. `tokenfleet up --replicas` attaching each gateway replica to the workers it
+launched once, or simulated workers in their own pods; the KV event stream still works, the
+workers are neither launched, supervised, scaled nor stopped here).
 
 Workers are supervised (`engine_adapters.supervise`): one that dies is started again on its
 instance id and port, with an empty engine (a restarted engine has a cold cache), after a
@@ -26,7 +29,7 @@ from engine_adapters.supervise import RestartPolicy, Supervisor
 
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
-SIM_OPTIONS = ("time_scale", "num_gpu_blocks_override", "startup_s", "network_rtt_ms")
+SIM_OPTIONS = ("time_scale", "num_gpu_blocks_override", "startup_s", "network_rtt_ms", "urls")
 
 
 class SimAdapter(HttpEngineAdapter):
@@ -44,6 +47,13 @@ class SimAdapter(HttpEngineAdapter):
         self.spec, self.gpu, self.tp, self.max_batched_tokens = spec, gpu, tp, max_num_batched_tokens
         self.host = host
         opts = dict(options or {})
+        urls = opts.pop("urls", None)
+        if urls is not None and (not isinstance(urls, list) or not all(isinstance(u, str) for u in urls)):
+            raise AdapterError(f"{id_prefix}: sim option `urls` must be a list of URLs")
+        self.attach_urls: list[str] = [u.rstrip("/") for u in urls or []]
+        if self.attach_urls:
+            if instances != len(self.attach_urls):
+                raise AdapterError(f"{id_prefix}: instances={instances} but {len(self.attach_urls)} urls given")
         self._args = [
             "--served-model-name", model, "--spec", spec, "--gpu", gpu, "--tp", str(tp),
             "--block-size", str(block_size), "--max-model-len", str(max_model_len),
@@ -75,7 +85,17 @@ class SimAdapter(HttpEngineAdapter):
     def process(self, instance: Instance) -> asyncio.subprocess.Process | None:
         return self._procs.get(instance.instance_id)
 
+    @property
+    def attached(self) -> bool:
+        return bool(self.attach_urls)
+
     async def launch(self) -> list[Instance]:
+        if self.attached:
+            # Same ids as the launching side gave them (`prefix/i` in URL order), so every gateway
+            # replica names an instance alike; one that is down now joins when it answers health.
+            self._instances = [self._instance(f"{self.id_prefix}/{i}", url)
+                               for i, url in enumerate(self.attach_urls)]
+            return self.instances
         ids = [f"{self.id_prefix}/{i}" for i in range(self.count)]
         results = await asyncio.gather(*(self._launch_one(iid) for iid in ids),
                                        return_exceptions=True)
@@ -90,9 +110,11 @@ class SimAdapter(HttpEngineAdapter):
 
     @property
     def scalable(self) -> bool:
-        return True
+        return not self.attached  # attached workers belong to whoever launched them
 
     async def add_instance(self) -> Instance:
+        if self.attached:
+            raise AdapterError(f"{self.id_prefix}: attached workers cannot be scaled")
         iid = f"{self.id_prefix}/{self._next_index}"
         self._next_index += 1
         try:
@@ -153,6 +175,9 @@ class SimAdapter(HttpEngineAdapter):
             raise AdapterError(f"worker {instance_id} failed to start (exit code {code})") from None
         # Keep reading stdout so a chatty worker can never block on a full pipe.
         asyncio.get_running_loop().create_task(drain(proc.stdout))
+        return self._instance(instance_id, url)
+
+    def _instance(self, instance_id: str, url: str) -> Instance:
         return Instance(instance_id=instance_id, site=self.site, model=self.model, version=self.version,
                         url=url, adapter=self.name, block_size=self.block_size,
                         max_model_len=self.max_model_len, engine_spec=self.spec, gpu=self.gpu,

@@ -29,8 +29,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import disable_created_metrics
 
+from fleetcore import hardware
 from fleetcore.prefix import block_hashes
-from . import hardware
+
 from .driver import DriverStopped, EngineDriver, RequestAborted, RequestStream
 from .engine import EngineConfig, SimEngine
 from .metrics import CONTENT_TYPE_LATEST, SimMetrics
@@ -507,7 +508,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine_adapters.sim.worker",
                                 description="Simulated LLM engine behind an OpenAI-compatible server.")
     p.add_argument("--served-model-name", required=True)
-    p.add_argument("--spec", default="llama-3.1-8b", help="model spec (engine_adapters.sim.hardware)")
+    p.add_argument("--spec", default="llama-3.1-8b", help="model spec (fleetcore.hardware)")
     p.add_argument("--gpu", default="H100")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .hardware import GpuSpec, ModelSpec
+from fleetcore.hardware import GpuSpec, ModelSpec
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.66
 DEFAULT_MEMORY_EFFICIENCY = 0.80

@@ -1,7 +1,10 @@
-"""Hardware and model tables for the simulated engine's physics.
+"""Hardware and model tables of the roofline (`fleetcore.roofline`): GPUs and models.
+
+Shared vocabulary, not an engine: the simulated engine times its steps with it, and the
+policies (TokenPilot's priors, FleetMind's demand model) size work with the same numbers.
 
 Pure data: no I/O. Numbers are datasheet values (GPUs) and the published
-Hugging Face ``config.json`` values (models); the physics module turns them
+Hugging Face ``config.json`` values (models); `fleetcore.roofline` turns them
 into step times with efficiency factors calibrated once for all GPUs.
 """
 
@@ -96,7 +99,7 @@ class ModelSpec:
 
 # H200: datasheet peaks (989 TFLOP/s, 4.8 TB/s) rather than the ~790 TFLOP/s and
 # ~4.3 TB/s measured on this workplace's H200. The efficiency factors in
-# physics.py were fitted against *datasheet* peaks of H100 and A100, so they
+# roofline.py were fitted against *datasheet* peaks of H100 and A100, so they
 # already absorb the datasheet-to-achieved gap; feeding them measured peaks
 # would count that gap twice. Memory: nvidia-smi shows ~140 GiB of the
 # marketed 141 GB; 141 is kept as the table value (the 10% utilization headroom

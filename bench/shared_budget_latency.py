@@ -1,0 +1,128 @@
+"""Added latency of fleet-wide budgets on the admission path (one Redis round trip, loopback).
+
+Runs ~2000 admissions through `AdmissionGate.enter` (the gateway's admission step: SLOMax
+with a budgeted tenant) twice, shared budgets off then on, against a private redis-server,
+and prints p50/p99 per admission and the difference.
+
+    .venv/bin/python -m bench.shared_budget_latency [--n 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import statistics
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from collections.abc import Iterator
+from typing import Any
+
+from fleetcore.fleet_config import GatewaySettings, parse_fleet
+from fleetcore.types import RequestProfile
+from gateway.admission import AdmissionGate
+from gateway.budget_store import SharedBudgets
+from gateway.shared_state import SharedRedis
+from slomax import SLOMax
+
+
+@dataclass
+class _Parsed:  # the part of gateway.requests.ParsedRequest admission reads
+    profile: RequestProfile
+
+
+class _View:
+    sites: tuple[Any, ...] = ()
+
+    def instances(self) -> list[Any]:
+        return []
+
+
+def _config() -> Any:
+    return parse_fleet({
+        "sites": [{"name": "use1", "region": "us-east", "jurisdiction": "us"}],
+        "models": [{"name": "m1", "versions": ["v1"], "engine": {"spec": "llama-3.1-8b", "max_model_len": 4096}}],
+        "tenants": [{"name": "a", "api_keys": ["k"], "budgets": {"requests_per_minute": 10_000_000,
+                                                                 "tokens_per_minute": 10_000_000_000}}],
+    })
+
+
+async def run(n: int, url: str | None) -> list[float]:
+    policy = SLOMax.from_fleet(_config())
+    state = SimpleNamespace(view=lambda: _View())
+    gate = AdmissionGate(policy, state, time.monotonic)  # type: ignore[arg-type]
+    shared = None
+    if url is not None:
+        shared = SharedRedis(url, GatewaySettings(redis_prefix="bench"))
+        await shared.beat()
+        gate.shared_budgets = SharedBudgets(shared, policy, time.monotonic)
+    out = []
+    for i in range(n + 200):  # 200 warm-up admissions
+        profile = RequestProfile(request_id=f"r{i}", model="m1", prompt_tokens=100, tenant="a", max_tokens=16,
+                                 arrival=time.monotonic())
+        parsed = _Parsed(profile)
+        t0 = time.perf_counter()
+        await gate.enter(parsed, lambda aw: aw)  # type: ignore[arg-type]
+        dt = time.perf_counter() - t0
+        gate.release(profile.request_id)
+        if i >= 200:
+            out.append(dt * 1000)
+    if shared is not None:
+        await gate.shared_budgets.close()  # type: ignore[union-attr]
+        await shared.stop()
+    return out
+
+
+@contextlib.contextmanager
+def redis_url() -> Iterator[str]:
+    """A private redis-server on a free loopback port (no persistence)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                 "--dir", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise SystemExit("redis-server did not start") from None
+                    time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=2000)
+    args = ap.parse_args()
+    with redis_url() as url:
+        off = await run(args.n, None)
+        on = await run(args.n, url)
+    for name, xs in (("shared budgets off", off), ("shared budgets on ", on)):
+        print(f"{name}: p50 {pct(xs, 0.5):.3f} ms  p99 {pct(xs, 0.99):.3f} ms  mean {statistics.mean(xs):.3f} ms "
+              f"(n={len(xs)})")
+    print(f"added by the Redis round trip: p50 {pct(on, 0.5) - pct(off, 0.5):.3f} ms  "
+          f"p99 {pct(on, 0.99) - pct(off, 0.99):.3f} ms")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,264 @@
+"""Reading an OpenAI-compatible token stream: SSE events, token chunks, usage, errors.
+
+One reading for everyone who watches a stream: the gateway's relay (what it passes on,
+what it measures and reports to the policies), the live benchmark (`bench live`) and the
+bench scripts. They used to disagree: the benchmark counted only `content` and `text` as
+output, so reasoning and tool-call streams had no first token for it.
+
+- `SSESplitter` cuts a byte stream, read in arbitrary pieces, into whole events (each
+  keeps its own terminator and its bytes, so a relay can pass them on untouched).
+- `parse_sse_event` reads one event's `data:` lines: `[DONE]`, a JSON object, or neither.
+- `carries_token`: a choice that holds output — completions `text`, or a chat delta with
+  `content`, reasoning (`reasoning_content`, vLLM's newer `reasoning`), `tool_calls` or
+  the legacy `function_call`. Role-only and finish-only chunks do not.
+- `usage_counts` / `usage_of_body`: prompt, completion and cached prompt tokens
+  (`prompt_tokens_details.cached_tokens`) of a usage object or a whole JSON answer.
+- `StreamStats` accounts a stream chunk by chunk; `StreamReader` = splitter + parse +
+  stats for clients that only watch (benchmarks).
+
+Pure and clock-free: callers pass `now`. The relay calls this once per token event, so
+the common case (one `data: {...}` line, LF-terminated) takes a short path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+# Delta fields that carry generated tokens (role-only and finish-only chunks carry none).
+TOKEN_DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
+
+_SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+class SSESplitter:
+    """Cuts a byte stream into whole SSE events (each keeps its own terminator, bytes untouched)."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf + data if self._buf else data
+        events: list[bytes] = []
+        start = 0
+        if b"\r" not in buf:
+            # LF-only streams (vLLM, SGLang, the simulated worker): one separator to look for.
+            while (i := buf.find(b"\n\n", start)) >= 0:
+                events.append(buf[start:i + 2])
+                start = i + 2
+        else:
+            while (cut := _next_cut(buf, start)) >= 0:
+                events.append(buf[start:cut])
+                start = cut
+        self._buf = buf[start:] if start else buf
+        return events
+
+    def flush(self) -> list[bytes]:
+        """What is left at end of stream, if it holds anything but whitespace."""
+        rest, self._buf = self._buf, b""
+        return [rest + b"\n\n"] if rest.strip() else []
+
+
+def _next_cut(buf: bytes, start: int) -> int:
+    """End of the first event at or after `start` (past its separator), -1 if none is whole."""
+    best = -1
+    for sep in _SEPARATORS:
+        i = buf.find(sep, start)
+        if i >= 0 and (best < 0 or i + len(sep) < best):
+            best = i + len(sep)
+    return best
+
+
+class SSEEvent(NamedTuple):
+    """One event's data: None when it has no `data:` line (comments, keep-alives, `event:`
+    only); `obj` when the data is a JSON object; `done` for the `[DONE]` sentinel.
+
+    A NamedTuple, not a frozen dataclass: one is built per token event on the relay's hot
+    path, and a frozen dataclass's __init__ (object.__setattr__ per field) is ~15% slower."""
+
+    data: str | None
+    done: bool = False
+    obj: dict[str, Any] | None = None
+
+    @property
+    def malformed(self) -> bool:
+        """Data that is neither [DONE] nor a JSON object: an engine speaking something else."""
+        return self.data is not None and not self.done and self.obj is None
+
+
+_NO_DATA = SSEEvent(None)
+
+
+def parse_sse_event(raw: bytes) -> SSEEvent:
+    if raw.startswith(b"data: "):
+        body = raw[6:].rstrip(b"\r\n")
+        if b"\n" not in body and b"\r" not in body:
+            # The usual event: a single data line (saves splitting into lines and joining).
+            return _data_event(body.decode("utf-8", errors="replace"))
+    # bytes.splitlines ends lines exactly where SSE does (LF, CRLF, CR); str.splitlines would
+    # also cut at U+2028, U+0085, form feeds... that engines send raw inside JSON strings.
+    data = [ln[5:].removeprefix(b" ") for ln in raw.splitlines() if ln.startswith(b"data:")]
+    if not data:
+        return _NO_DATA
+    return _data_event(b"\n".join(data).decode("utf-8", errors="replace"))
+
+
+def _data_event(text: str) -> SSEEvent:
+    if text.strip() == "[DONE]":
+        return SSEEvent(text, done=True)
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return SSEEvent(text)
+    return SSEEvent(text, obj=obj if isinstance(obj, dict) else None)
+
+
+def carries_token(choice: Mapping[str, Any]) -> bool:
+    """Whether a streamed choice holds output (see TOKEN_DELTA_KEYS; completions: `text`)."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, Mapping):
+        return False
+    for k in TOKEN_DELTA_KEYS:
+        if delta.get(k):
+            return True
+    return False
+
+
+def error_message(obj: Mapping[str, Any]) -> str | None:
+    """The message of an error chunk (`{"error": {...}}` or `{"error": "..."}`), else None."""
+    err = obj.get("error")
+    if not err:
+        return None
+    if isinstance(err, Mapping):
+        return str(err.get("message") or "upstream error")
+    return str(err)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCounts:
+    """Token counts of a usage object; None where the engine did not say (callers fall back
+    to what they counted themselves), cached 0 when not reported."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int = 0
+
+
+def usage_counts(usage: Mapping[str, Any] | None) -> UsageCounts:
+    if not usage:
+        return UsageCounts()
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return UsageCounts(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")),
+                       _int(cached) or 0)
+
+
+def _int(v: Any) -> int | None:
+    # bool is an int to Python, never a token count
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def usage_of_body(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a whole (non-stream) JSON answer, None if it has none."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+@dataclass(slots=True)
+class StreamStats:
+    """What one streamed response showed so far: token chunk times and count, the last usage
+    object, the last error message, the last finish reason, whether [DONE] came."""
+
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    token_events: int = 0
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    finish_reason: str | None = None
+    done: bool = False
+
+    def observe(self, obj: Mapping[str, Any], now: float) -> bool:
+        """Account one chunk; True when it is the usage-only chunk (no choices)."""
+        if "error" in obj:
+            self.error = error_message(obj) or self.error
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        choices = obj.get("choices")
+        if choices:
+            token = False
+            for c in choices:
+                if isinstance(c, Mapping):
+                    token = token or carries_token(c)
+                    if reason := c.get("finish_reason"):
+                        self.finish_reason = str(reason)
+            if token:
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                self.last_token_at = now
+                self.token_events += 1
+            return False
+        return isinstance(usage, dict)
+
+    def account(self, ev: SSEEvent, now: float) -> bool:
+        """Account one parsed event ([DONE] or a chunk); True when it is the usage-only chunk."""
+        if ev.done:
+            self.done = True
+            return False
+        return ev.obj is not None and self.observe(ev.obj, now)
+
+    def counts(self) -> UsageCounts:
+        return usage_counts(self.usage)
+
+    def output_tokens(self) -> int:
+        """The engine's completion_tokens; the token chunks counted where it did not report."""
+        completion = usage_counts(self.usage).completion_tokens
+        return completion if completion is not None else self.token_events
+
+
+class StreamReader:
+    """Splitter + parser + stats for a client that watches a stream (it passes nothing on).
+
+    `feed(data, now)` as bytes arrive, `close(now)` at end of stream. Events after [DONE]
+    are ignored; reading goes on past an error event (a well-behaved server still sends
+    [DONE] after it), `finished` says when a caller that stops at the first error may stop.
+    A data line that is neither [DONE] nor a JSON object is an error here: a benchmark must
+    not count a stream it could not read as served."""
+
+    __slots__ = ("stats", "_splitter")
+
+    def __init__(self) -> None:
+        self.stats = StreamStats()
+        self._splitter = SSESplitter()
+
+    @property
+    def finished(self) -> bool:
+        return self.stats.done or self.stats.error is not None
+
+    def feed(self, data: bytes, now: float) -> None:
+        self._events(self._splitter.feed(data), now)
+
+    def close(self, now: float) -> None:
+        """End of the body: an unterminated last event still counts."""
+        self._events(self._splitter.flush(), now)
+
+    def _events(self, events: list[bytes], now: float) -> None:
+        st = self.stats
+        for raw in events:
+            if st.done:
+                return
+            ev = parse_sse_event(raw)
+            if ev.malformed:
+                st.error = f"unparseable stream chunk {ev.data[:80]!r}"
+            else:
+                st.account(ev, now)

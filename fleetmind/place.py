@@ -1,0 +1,73 @@
+"""Where one request runs: site, then pool, then instance — the one implementation the gateway's
+relay and the simulator both call, so a benchmark places requests exactly as production does.
+
+Two kinds of instances are left out, with different strength:
+
+* `exclude`: instances that already failed this request (the relay's earlier attempts). A hard
+  rule: never chosen again for it, even if that leaves nothing.
+* `avoid`: admission's hint (`AdmissionDecision.avoid_instances`: their queued prefill would
+  make this request miss its SLO there). A soft rule: the choice is made without them first,
+  and again with them when avoiding them left no site, or the router no instance — a busy
+  instance beats no answer.
+
+Within a try the site chooser and the router see the same exclusions: the chooser picks a
+site that still has a candidate, the router picks from that site's ready pool less them. A
+router answer outside that pool counts as no instance. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from fleetcore.policies import InstanceRouter, SiteChooser
+from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, RouteDecision, SiteDecision
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One try at placing a request: what each policy said, and the instance (None: nowhere)."""
+
+    site: SiteDecision
+    route: RouteDecision | None  # None when no site was chosen (the router was not asked)
+    instance: InstanceSnapshot | None
+    excluded: tuple[str, ...]  # what this try left out
+    avoided: Choice | None = None  # the try that honoured the avoid hint, when it found nothing
+
+    @property
+    def reason(self) -> str:
+        """Why it went where it went, or why nowhere."""
+        if self.route is None:
+            return self.site.reason
+        return self.route.reason or "router chose no instance"
+
+    def tries(self) -> tuple[Choice, ...]:
+        """Every try in order (the avoiding one first): what a decision log keeps."""
+        return (*self.avoided.tries(), self) if self.avoided is not None else (self,)
+
+
+def place(profile: RequestProfile, view: FleetView, now: float, chooser: SiteChooser, router: InstanceRouter,
+          exclude: Collection[str] = (), avoid: Collection[str] = ()) -> Choice:
+    """Site, pool, instance for `profile` in `view`, leaving out `exclude` always and `avoid`
+    unless that leaves nothing (see the module doc)."""
+    hard = tuple(exclude)
+    if avoid:
+        first = _try(profile, view, now, chooser, router, (*hard, *(a for a in avoid if a not in hard)))
+        if first.instance is not None:
+            return first
+        second = _try(profile, view, now, chooser, router, hard)
+        return Choice(second.site, second.route, second.instance, second.excluded, first)
+    return _try(profile, view, now, chooser, router, hard)
+
+
+def _try(profile: RequestProfile, view: FleetView, now: float, chooser: SiteChooser, router: InstanceRouter,
+         excluded: tuple[str, ...]) -> Choice:
+    site = chooser.choose(profile, view, now, exclude_instances=excluded)
+    if site.site is None:
+        return Choice(site, None, None, excluded)
+    pool = tuple(i for i in view.site(site.site).pool(profile.model, profile.model_version)
+                 if i.instance_id not in excluded)
+    route = router.route(profile, pool, now)
+    chosen = next((i for i in pool if i.instance_id == route.instance_id), None) \
+        if route.instance_id is not None else None
+    return Choice(site, route, chosen, excluded)

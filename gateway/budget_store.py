@@ -1,0 +1,229 @@
+"""Tenant budgets exact across gateway replicas: one atomic Redis script per admission.
+
+The same semantics as SLOMax's local budgets (`slomax.budgets`): requests/min and
+tokens/min are token buckets holding at most a minute's allowance, refilled linearly,
+their level computed from the last charge; concurrent streams are a count. Here the
+buckets live in one Redis hash per tenant and every check-and-charge is one Lua script
+(`EVALSHA`, a single round trip on the admission path): Redis runs scripts one at a time,
+so no two replicas can both take the last unit. The script reads Redis server time, so
+replicas' clocks never need to agree.
+
+Streams are counted per replica (a hash field per replica id); the script sums only
+fields of replicas alive in the roster (`gateway.shared_state`), so a replica that died
+with streams open stops holding them within `replica_ttl_s`, and each replica rewrites
+its own field with its true count every heartbeat (repairing a settlement that was lost).
+
+The policy stays pure: the gateway asks here first and hands the verdict to the policy's
+BudgetBook (`preset`), which returns it instead of checking its local buckets. When Redis
+is unreachable (or did not answer within `store_timeout_s`) there is no round trip until
+the heartbeat sees it back; meanwhile each replica enforces its local share, budget /
+live replicas (`BudgetBook.set_share`), and `tokenfleet_budget_mode` says which is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fleetcore.types import RequestProfile
+from gateway.policy_store import StoreUnavailable
+from gateway.shared_state import SharedRedis
+from slomax.budgets import BudgetVerdict
+from slomax.config import Budgets
+
+log = logging.getLogger("tokenfleet.gateway")
+
+Mode = Literal["shared", "local_share"]
+_MAX_PENDING = 1024  # settlements in flight at once; beyond, dropped (the heartbeat repairs streams)
+_IDLE_EXPIRE_MS = 120_000  # a bucket untouched for over a minute is full: its hash may go
+
+# KEYS: bucket hash, streams hash, replica roster. ARGV: replica, rpm, tpm, max streams (-1: none),
+# tokens, roster ttl ms. Returns {ok, code, retry_after_s (string: Lua numbers become integers)}.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rpm, tpm, maxs, tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if maxs >= 0 then
+  local alive_since = now - tonumber(ARGV[6])
+  local f = redis.call('HGETALL', KEYS[2])
+  local n = 0
+  for i = 1, #f, 2 do
+    local seen = redis.call('ZSCORE', KEYS[3], f[i])
+    if f[i] ~= ARGV[1] and (not seen or tonumber(seen) < alive_since) then
+      redis.call('HDEL', KEYS[2], f[i])
+    else
+      n = n + tonumber(f[i + 1])
+    end
+  end
+  if n >= maxs then return {0, 'budget_concurrency', '1', tostring(n)} end
+end
+local b = redis.call('HMGET', KEYS[1], 'rl', 'ra', 'tl', 'ta')
+local rl, tl
+if rpm > 0 then
+  rl = math.min(rpm, tonumber(b[1] or rpm) + math.max(0, now - tonumber(b[2] or now)) * rpm / 60000)
+  if rl < 1 then return {0, 'budget_requests', tostring((1 - rl) * 60 / rpm), tostring(rl)} end
+end
+if tpm > 0 then
+  tl = math.min(tpm, tonumber(b[3] or tpm) + math.max(0, now - tonumber(b[4] or now)) * tpm / 60000)
+  if tl < tokens then
+    if tokens > tpm then return {0, 'budget_tokens', '-1', tostring(tl)} end
+    return {0, 'budget_tokens', tostring((tokens - tl) * 60 / tpm), tostring(tl)}
+  end
+end
+if rpm > 0 then redis.call('HSET', KEYS[1], 'rl', tostring(rl - 1), 'ra', now) end
+if tpm > 0 then redis.call('HSET', KEYS[1], 'tl', tostring(tl - tokens), 'ta', now) end
+if rpm > 0 or tpm > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[7]) end
+if maxs >= 0 then
+  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+  redis.call('PEXPIRE', KEYS[2], ARGV[7])
+end
+return {1, '', '0', ''}
+"""
+
+# KEYS: bucket hash, streams hash. ARGV: replica, tpm, tokens to give back (negative: charge more),
+# release a stream (1/0). The level never rises above a minute's allowance.
+_SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local tpm, diff = tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm > 0 and diff ~= 0 then
+  local b = redis.call('HMGET', KEYS[1], 'tl', 'ta')
+  local tl = math.min(tpm, tonumber(b[1] or tpm) + math.max(0, now - tonumber(b[2] or now)) * tpm / 60000)
+  redis.call('HSET', KEYS[1], 'tl', tostring(math.min(tpm, tl + diff)), 'ta', now)
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+end
+if ARGV[4] == '1' then
+  if redis.call('HINCRBY', KEYS[2], ARGV[1], -1) < 0 then redis.call('HSET', KEYS[2], ARGV[1], 0) end
+end
+return 1
+"""
+
+
+@dataclass(slots=True)
+class Charge:
+    """What the fleet-wide store charged for one admitted request (settled once, at its end)."""
+
+    tenant: str
+    budgets: Budgets
+    tokens: int
+
+
+class SharedBudgets:
+    def __init__(self, shared: SharedRedis, policy: Any, clock: Callable[[], float]) -> None:
+        self.shared = shared
+        self.policy = policy  # slomax.SLOMax: `budgets` (BudgetBook) and `budget_charge`
+        self.clock = clock
+        self._acquire = shared.redis.register_script(_ACQUIRE)
+        self._settle = shared.redis.register_script(_SETTLE)
+        self._pending: set[asyncio.Task[None]] = set()
+        self._streams: dict[str, int] = {}  # tenant -> this replica's open streams charged in Redis
+        self.dropped = 0  # settlements not sent (too many in flight)
+        self.mode: Mode = "shared"
+        shared.on_beat.append(self._after_beat)
+
+    def _set_mode(self, mode: Mode) -> None:
+        share = 1.0 if mode == "shared" else 1.0 / max(1, self.shared.live)
+        self.policy.budgets.set_share(share, self.clock())
+        if mode != self.mode:
+            log.warning("tenant budgets: %s", "exact fleet-wide again (Redis)" if mode == "shared" else
+                        f"Redis unreachable; each replica enforces its local share (1/{self.shared.live})")
+        self.mode = mode
+
+    async def before_admit(self, profile: RequestProfile) -> Charge | None:
+        """Ask Redis (one round trip) and preset the verdict in the policy's book. Returns the charge
+        to settle later, or None (no limits, over budget, or Redis gone: the local share decides)."""
+        want = self.policy.budget_charge(profile)
+        if want is None:
+            return None
+        if not self.shared.up:  # no round trip while Redis is known down: the heartbeat probes it
+            self._set_mode("local_share")
+            return None
+        tenant, tokens, budgets = want
+        ttl_ms = round(self.shared.settings.replica_ttl_s * 1000)
+        keys = [self.shared.key("budget", tenant), self.shared.key("streams", tenant), self.shared.key("replicas")]
+        args = [self.shared.replica_id, budgets.requests_per_minute or 0, budgets.tokens_per_minute or 0,
+                -1 if budgets.concurrent_streams is None else budgets.concurrent_streams, tokens, ttl_ms,
+                _IDLE_EXPIRE_MS]
+        try:
+            ok, code, retry, seen = await self.shared.call("budget", self._acquire(keys=keys, args=args))
+        except StoreUnavailable:
+            self._set_mode("local_share")
+            return None
+        if self.mode != "shared" or self.policy.budgets.share != 1.0:
+            self._set_mode("shared")
+        self.policy.budgets.preset(tenant, _verdict(int(ok), code, float(retry), seen, budgets, tokens), self.clock())
+        if not int(ok):
+            return None
+        if budgets.concurrent_streams is not None:
+            self._streams[tenant] = self._streams.get(tenant, 0) + 1
+        return Charge(tenant, budgets, tokens)
+
+    def after_admit(self, profile: RequestProfile) -> None:
+        """Drop an unused preset (the policy rejected before checking budgets: unknown class)."""
+        want = self.policy.budget_charge(profile)
+        if want is not None:
+            self.policy.budgets.preset(want[0], None, self.clock())
+
+    def settle(self, charge: Charge, used_tokens: int) -> None:
+        """The request ended (or never ran: used 0): free its stream and give back unused tokens,
+        in the background, off the request's path."""
+        if charge.budgets.concurrent_streams is not None:
+            n = self._streams.get(charge.tenant, 0) - 1
+            if n > 0:
+                self._streams[charge.tenant] = n
+            else:
+                self._streams.pop(charge.tenant, None)
+        if len(self._pending) >= _MAX_PENDING:
+            self.dropped += 1
+            return
+        keys = [self.shared.key("budget", charge.tenant), self.shared.key("streams", charge.tenant)]
+        args = [self.shared.replica_id, charge.budgets.tokens_per_minute or 0, charge.tokens - used_tokens,
+                "1" if charge.budgets.concurrent_streams is not None else "0", _IDLE_EXPIRE_MS]
+        task = asyncio.get_running_loop().create_task(self._send_settle(keys, args))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _send_settle(self, keys: list[str], args: list[Any]) -> None:
+        try:
+            await self.shared.call("budget_settle", self._settle(keys=keys, args=args))
+        except StoreUnavailable:
+            pass  # tokens not given back: this tenant is limited a little early; streams are repaired
+
+    async def _after_beat(self) -> None:
+        """Redis answered the heartbeat: budgets are shared again, and this replica writes its true
+        open-stream count per tenant (repairing any settlement that was lost)."""
+        if self.mode != "shared":
+            self._set_mode("shared")
+        tenants = [n for n, t in self.policy.config.tenants.items() if t.budgets.concurrent_streams is not None]
+        if not tenants:
+            return
+        async with self.shared.redis.pipeline(transaction=False) as pipe:
+            for t in tenants:
+                pipe.hset(self.shared.key("streams", t), self.shared.replica_id, self._streams.get(t, 0))
+            await self.shared.call("streams", pipe.execute())
+
+    async def close(self) -> None:
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=self.shared.timeout_s)
+
+
+def _verdict(ok: int, code: str, retry: float, seen: str, b: Budgets, tokens: int) -> BudgetVerdict:
+    if ok:
+        return BudgetVerdict(True)
+    if code == "budget_concurrency":
+        return BudgetVerdict(False, code, "requests", f"concurrent streams limit reached: {seen} of "
+                             f"{b.concurrent_streams} in flight across the gateway's replicas", 1.0)
+    if code == "budget_requests":
+        return BudgetVerdict(False, code, "requests",
+                             f"requests per minute limit reached: limit {b.requests_per_minute}", retry)
+    if retry < 0:
+        return BudgetVerdict(False, code, "tokens",
+                             f"request too large for the tokens per minute limit: limit {b.tokens_per_minute}, "
+                             f"requested {tokens} (prompt + max_tokens); lower max_tokens or the prompt", 60.0)
+    used = max(0, round((b.tokens_per_minute or 0) - float(seen or 0)))
+    return BudgetVerdict(False, code, "tokens", f"tokens per minute limit reached: limit {b.tokens_per_minute}, "
+                                                f"used {used}, requested {tokens}", math.ceil(retry))

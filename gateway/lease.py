@@ -1,0 +1,174 @@
+"""The planner leader lease: only the replica holding it runs the placement planner.
+
+Acquire: one Lua script does `SET key holder NX PX ttl` and, when that took, `INCR` of a
+fence counter, storing `holder:fence` as the lease value — so every new hold has a
+fencing token strictly greater than all before it (they come from one counter in the
+same atomic step). Renew: a compare-and-renew script extends the TTL only if the value is
+still this holder's; release: compare-and-delete. No home-made consensus: Redis orders it.
+
+A holder stops acting *before* its lease can run out in Redis: `leader` is true only until
+`sent + ttl_s * SAFETY`, where `sent` is the local monotonic time the last successful
+acquire/renew was *sent* (Redis started the TTL no earlier than that). A renewal that fails
+or times out (bounded by `store_timeout_s`) does not extend it, and a renewal that finds the
+key gone or someone else's ends the hold at once. So two replicas never act at once unless
+a clock runs more than (1 - SAFETY) fast over one TTL, and a dead holder is replaced within
+ttl + one renew period.
+
+The holder publishes its planner report (`publish`) with each renewal; other replicas read
+it (`holder_report`) so `GET /admin/v1/planner` shows the same log on any replica. Without
+Redis there is no lease object: the single replica is the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gateway.background import cancel_and_wait
+from gateway.policy_store import StoreUnavailable
+from gateway.shared_state import SharedRedis
+
+log = logging.getLogger("tokenfleet.gateway")
+
+SAFETY = 0.8  # share of the TTL a holder trusts its hold for (local clock drift, scheduling delay)
+
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], ARGV[1] .. ':' .. fence, 'PX', ARGV[2])
+  return fence
+end
+return 0
+"""
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeaderLease:
+    def __init__(self, shared: SharedRedis, name: str = "planner", *, ttl_s: float | None = None,
+                 renew_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 report: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.shared = shared
+        self.ttl_s = ttl_s if ttl_s is not None else shared.settings.lease_ttl_s
+        self.renew_s = renew_s if renew_s is not None else shared.settings.lease_renew_s
+        if self.renew_s * 3 > self.ttl_s * (1 + 1e-9):
+            raise ValueError("renew at most every third of the lease TTL")
+        self.clock = clock
+        self.report = report  # this replica's planner report, published while it leads
+        self.key = shared.key("lease", name)
+        self.fence_key = shared.key("lease", name, "fence")
+        self.report_key = shared.key("lease", name, "report")
+        self.holder = shared.replica_id
+        self.fence = 0  # the fencing token of the current (or last) hold
+        self._value: str | None = None  # the lease value while held
+        self._valid_until = 0.0  # local monotonic time the hold is trusted until
+        self._acquire = shared.redis.register_script(_ACQUIRE)
+        self._renew = shared.redis.register_script(_RENEW)
+        self._release = shared.redis.register_script(_RELEASE)
+        self._task: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()  # set on every gain or loss (tests, logs)
+        self._was_leader = False
+        self.remote: dict[str, Any] | None = None  # the holder's published report (on other replicas)
+
+    @property
+    def leader(self) -> bool:
+        return self._value is not None and self.clock() < self._valid_until
+
+    async def tick(self) -> bool:
+        """Acquire or renew once; True while this replica holds the lease."""
+        ttl_ms = round(self.ttl_s * 1000)
+        sent = self.clock()
+        try:
+            if self._value is not None:
+                kept = int(await self.shared.call("lease", self._renew(keys=[self.key], args=[self._value, ttl_ms])))
+                if kept:
+                    self._valid_until = sent + self.ttl_s * SAFETY
+                else:
+                    log.warning("planner lease %d lost (expired or taken over)", self.fence)
+                    self._value = None
+            if self._value is None:
+                fence = int(await self.shared.call("lease", self._acquire(keys=[self.key, self.fence_key],
+                                                                          args=[self.holder, ttl_ms])))
+                if fence:
+                    self.fence = fence
+                    self._value = f"{self.holder}:{fence}"
+                    self._valid_until = sent + self.ttl_s * SAFETY
+                    log.warning("planner lease acquired (fencing token %d): this replica runs the planner", fence)
+        except StoreUnavailable:
+            pass  # the hold is trusted only until _valid_until; not extended
+        self._note()
+        return self.leader
+
+    def _note(self) -> None:
+        now = self.leader
+        if now != self._was_leader:
+            self._was_leader = now
+            self.changed.set()
+
+    async def publish(self) -> None:
+        if self.report is None or not self.leader:
+            return
+        body = json.dumps({"leader": self.holder, "fence": self.fence, "published_unix": time.time(),
+                           **self.report()})
+        await self.shared.call("lease_report", self.shared.redis.set(self.report_key, body,
+                                                                     px=round(self.ttl_s * 3000)))
+
+    async def fetch_remote(self) -> None:
+        raw = await self.shared.call("lease_report", self.shared.redis.get(self.report_key))
+        try:
+            self.remote = json.loads(raw) if raw else None
+        except ValueError:
+            self.remote = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"lease-{self.key}")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if await self.tick():
+                    await self.publish()
+                else:
+                    await self.fetch_remote()
+            except StoreUnavailable:
+                pass
+            except Exception:  # a bug must not end the lease loop (it only fails to act, never acts twice)
+                log.exception("planner lease loop failed")
+            # Wake in time to renew, and also when the trusted hold ends, so `changed` fires promptly.
+            wait = self.renew_s
+            if self._value is not None:
+                wait = max(0.0, min(wait, self._valid_until - self.clock()))
+            await asyncio.sleep(wait if wait > 0 else self.renew_s)
+            self._note()
+
+    async def stop(self, release: bool = True) -> None:
+        await cancel_and_wait([self._task])
+        self._task = None
+        value, self._value = self._value, None
+        self._note()
+        if release and value is not None:
+            try:  # hand over now rather than after the TTL
+                await self.shared.call("lease", self._release(keys=[self.key], args=[value]))
+            except StoreUnavailable:
+                pass
+
+    def metrics(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("tokenfleet_planner_leader", "1 while this replica holds the planner lease",
+                                value=1.0 if self.leader else 0.0)
+        yield GaugeMetricFamily("tokenfleet_planner_lease_fence", "Fencing token of this replica's last hold",
+                                value=float(self.fence))

@@ -1,0 +1,176 @@
+"""The live goodput dashboard: its bounded series, its auth, and the page rendered in real
+headless Chromium over a live gateway with simulated workers and FleetMind's planner on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from engine_adapters.registry import build_adapters, launch_all, stop_all
+from fleetcore.fleet_config import load_fleet_file
+from fleetcore.types import RequestOutcome
+from gateway.dashboard import DashboardRecorder, DashboardSampler, DashboardSeries
+from slomax.ledger import GoodputLedger
+from tests.chromium import headless_page
+from tests.servers import serve_app
+
+FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")
+ADMIN_KEY = "sk-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+ACME = {"Authorization": "Bearer sk-acme"}
+MODEL = "llama-3.1-8b"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+SAMPLE_S = 0.25
+
+
+# --- the series, without a gateway --------------------------------------------------------
+
+def test_series_books_deltas_per_key_and_site_and_stays_bounded() -> None:
+    ledger = GoodputLedger(60)
+    rec = DashboardRecorder(latency_keep=3)
+    series = DashboardSeries(ledger, rec, capacity=4)
+    ledger.arrived("acme", "interactive", 0.0)
+    assert series.sample(100.0) is None  # the baseline: what came before is not one huge point
+    ledger.arrived("acme", "interactive", 1.0)
+    ledger.admitted("acme", "interactive", 1.0)
+    ledger.completed("acme", "interactive", 1.0, output_tokens=50, met=True)
+    ledger.rejected("bob", "batch", 1.0, "queue_full")
+    for i in range(5):
+        rec.observe(RequestOutcome(f"r{i}", "i1", "east", ok=i != 4, output_tokens=10, ttft_s=0.1 * (i + 1),
+                                   mean_tpot_s=0.02))
+    s = series.sample(102.0)
+    assert s is not None and s["dt"] == 2.0
+    keys = {(k["tenant"], k["class"]): k for k in s["by_key"]}
+    assert keys["acme", "interactive"]["arrived"] == 1 and keys["acme", "interactive"]["goodput_tokens"] == 50
+    assert keys["acme", "interactive"]["ended"] == 1 and keys["acme", "interactive"]["met_slo"] == 1
+    assert keys["bob", "batch"]["rejected_by"] == {"queue_full": 1} and keys["bob", "batch"]["ended"] == 1
+    assert s["sites"] == {"east": {"ok": 4, "failed": 1, "output_tokens": 50}}
+    assert [round(x[1], 1) for x in rec.latencies] == [0.3, 0.4, 0.5]  # the ring keeps the latest 3
+    s = series.sample(103.0)
+    assert s is not None and s["by_key"] == [] and s["sites"]["east"] == {"ok": 0, "failed": 0, "output_tokens": 0}
+    for t in range(104, 110):
+        series.sample(float(t))
+    assert len(series.samples) == 4 and series.samples[-1]["t"] == 109.0
+
+
+async def test_sampler_samples_on_its_timer_and_stops() -> None:
+    series = DashboardSeries(GoodputLedger(60), DashboardRecorder())
+    sampler = DashboardSampler(series, interval_s=0.02)
+    sampler.start()
+    deadline = time.monotonic() + 5
+    while len(series.samples) < 3:
+        assert time.monotonic() < deadline, "the sampler did not sample"
+        await asyncio.sleep(0.01)
+    task = sampler._task
+    await asyncio.wait_for(sampler.stop(), 5)
+    assert task is not None and task.done() and sampler._task is None
+    n = len(series.samples)
+    await asyncio.sleep(0.1)
+    assert len(series.samples) == n  # stopped means stopped
+
+
+# --- a live gateway -----------------------------------------------------------------------
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def gateway() -> AsyncIterator[str]:
+    from gateway.app import create_app
+
+    config = load_fleet_file(FLEET_FILE)
+    adapters = build_adapters(config)
+    await launch_all(adapters)
+    try:
+        app = create_app(config, adapters, poll_interval_s=0.1, dashboard_sample_s=SAMPLE_S)
+        async with serve_app(app) as url:
+            yield url
+    finally:
+        await stop_all(adapters)
+
+
+async def traffic(c: httpx.AsyncClient, url: str, n: int) -> list[int]:
+    """Requests from site a's region (the planner sees demand there); every fifth one in the
+    `tight` class, which always misses its SLO (attainment below 100%)."""
+    async def one(i: int) -> int:
+        headers = {**ACME, **({"x-tokenfleet-class": "tight"} if i % 5 == 0 else {})}
+        r = await c.post(f"{url}/v1/chat/completions", headers=headers,
+                         json={"model": MODEL, "max_tokens": 8, "stream": i % 2 == 0,
+                               "messages": [{"role": "user", "content": f"question {i} " + "w " * 200}]})
+        await r.aread()
+        return r.status_code
+
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0.08)
+    return await asyncio.gather(*tasks)
+
+
+pytestmark_live = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytestmark_live
+async def test_dashboard_data_is_admin_only_and_the_page_is_locked_down(gateway: str) -> None:
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.get(f"{gateway}/admin/v1/dashboard")).status_code == 401
+        assert (await c.get(f"{gateway}/admin/v1/dashboard", headers=ACME)).status_code == 403
+        r = await c.get(f"{gateway}/admin/v1/dashboard", headers=ADMIN)
+        assert r.status_code == 200 and r.json()["object"] == "dashboard" and r.headers["cache-control"] == "no-store"
+        page = await c.get(f"{gateway}/dashboard")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        csp = page.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "form-action 'none'" in csp and "frame-ancestors 'none'" in csp
+        assert ADMIN_KEY not in page.text
+        for name in ("charts.js", "dashboard.js", "dashboard.css"):
+            assert (await c.get(f"{gateway}/dashboard/static/{name}")).status_code == 200, name
+        assert (await c.get(f"{gateway}/dashboard/static/..%2Fdashboard.py")).status_code == 404
+        assert (await c.get(f"{gateway}/dashboard/static/dashboard.html")).status_code == 404
+
+
+@pytest.mark.slow
+@pytestmark_live
+async def test_dashboard_renders_charts_with_data_in_headless_chromium(gateway: str, tmp_path: Path) -> None:
+    async with httpx.AsyncClient(timeout=60) as c:
+        statuses = await traffic(c, gateway, 40)
+        assert statuses.count(200) >= 30, statuses
+        deadline = time.monotonic() + 30  # the planner sees the demand in a's region within a few cycles
+        while not (await c.get(f"{gateway}/admin/v1/planner", headers=ADMIN)).json()["entries"]:
+            assert time.monotonic() < deadline, "the planner logged nothing"
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(3 * SAMPLE_S)  # the last outcomes reach a sample
+        data = (await c.get(f"{gateway}/admin/v1/dashboard", headers=ADMIN)).json()
+    assert len(data["samples"]) >= 3 and data["latency"]["ttft_s"] and data["admission"]["admitted"] >= 30
+
+    async with headless_page(tmp_path) as page:
+        await page.call("Page.navigate", url=f"{gateway}/dashboard")
+        # Without a key the page asks for one and shows no data.
+        await page.wait_for("document.body && document.body.dataset.state === 'login'", 20, "the login form showed")
+        assert await page.evaluate("document.getElementById('dash').hidden") is True
+        await page.evaluate(f"document.getElementById('key').value = {ADMIN_KEY!r};"
+                            "document.getElementById('login-submit').click(); true")
+        await page.wait_for("document.body.dataset.state === 'ready'", 20, "the dashboard rendered")
+        # Charts need a few samples' worth of points; each chart reports what it drew.
+        counts: dict[str, Any] = await page.wait_for(
+            "(() => { const c = {}; document.querySelectorAll('figure.chart').forEach("
+            "f => c[f.id] = [+(f.dataset.points || 0), +(f.dataset.series || 0)]);"
+            "return Object.values(c).every(v => v[0] > 0) ? c : null })()",
+            20, "every chart drew data points")
+        planner_rows = await page.evaluate("+document.getElementById('planner').dataset.entries")
+        href = await page.evaluate("location.href")
+        stored = await page.evaluate("sessionStorage.getItem('tokenfleet-admin-key')")
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = await page.screenshot(ARTIFACTS / "dashboard.png")
+    print(f"\ndashboard screenshot: {shot}")
+    assert set(counts) == {"goodput-class", "attainment-class", "goodput-tenant", "attainment-tenant",
+                           "output-site", "admission", "ttft-cdf", "tpot-cdf"}, counts
+    assert counts["goodput-class"][1] >= 2  # the default class and `tight`
+    assert counts["attainment-class"][0] >= 2 and counts["output-site"][1] == 2  # sites a and b
+    assert counts["ttft-cdf"][0] >= 30 and counts["admission"][0] >= 2  # admitted and queued bars at least
+    assert planner_rows >= 1
+    assert ADMIN_KEY not in href and stored == ADMIN_KEY  # in the tab's storage, never in the URL
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

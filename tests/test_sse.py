@@ -1,0 +1,233 @@
+"""fleetcore.sse: the one reading of an OpenAI stream (relay, live bench, bench scripts)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from fleetcore.sse import (
+    SSESplitter,
+    StreamReader,
+    StreamStats,
+    carries_token,
+    error_message,
+    parse_sse_event,
+    usage_counts,
+    usage_of_body,
+)
+
+
+def ev(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+USAGE = {"prompt_tokens": 812, "completion_tokens": 3, "total_tokens": 815,
+         "prompt_tokens_details": {"cached_tokens": 512}}
+
+
+def read(*events: bytes, step: float = 1.0) -> StreamReader:
+    r = StreamReader()
+    for i, e in enumerate(events):
+        r.feed(e, i * step)
+    r.close(len(events) * step)
+    return r
+
+
+# --- splitting -------------------------------------------------------------------------
+
+def test_splitter_cuts_whole_events_at_every_split_point() -> None:
+    stream = b'data: {"a": 1}\n\ndata: {"b":\r\n\r\n: keepalive\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):
+        sp = SSESplitter()
+        events = sp.feed(stream[:cut]) + sp.feed(stream[cut:]) + sp.flush()
+        assert b"".join(events) == stream, cut  # the relay passes these bytes on untouched
+        assert [parse_sse_event(e).done for e in events] == [False, False, False, True]
+
+
+def test_splitter_all_three_terminators_and_byte_by_byte() -> None:
+    stream = b"data: 1\n\ndata: 2\r\n\r\ndata: 3\r\rdata: 4\n\n"
+    sp = SSESplitter()
+    events = [e for b in stream for e in sp.feed(bytes([b]))]
+    assert events == [b"data: 1\n\n", b"data: 2\r\n\r\n", b"data: 3\r\r", b"data: 4\n\n"]
+    assert sp.flush() == []
+
+
+def test_splitter_flush_keeps_an_unterminated_tail_only_if_it_holds_something() -> None:
+    sp = SSESplitter()
+    assert sp.feed(b'data: {"x": 1}') == []
+    assert sp.flush() == [b'data: {"x": 1}\n\n']
+    sp.feed(b"\n")
+    assert sp.flush() == []
+
+
+# --- one event ---------------------------------------------------------------------------
+
+def test_parse_event_kinds() -> None:
+    assert parse_sse_event(b'data: {"a": 1}\n\n').obj == {"a": 1}
+    assert parse_sse_event(b'data:{"a": 1}\r\n\r\n').obj == {"a": 1}  # the space is optional
+    assert parse_sse_event(b"data: [DONE]\n\n").done
+    assert parse_sse_event(b"data: [DONE]\r\r").done
+    assert parse_sse_event(b": keepalive\n\n").data is None
+    assert parse_sse_event(b"event: ping\n\n").data is None
+    # several data lines join with newlines (SSE), here into one JSON document
+    multi = parse_sse_event(b'event: message\ndata: {"a":\ndata: 2}\n\n')
+    assert multi.obj == {"a": 2} and multi.data == '{"a":\n2}'
+    bad = parse_sse_event(b"data: not json\n\n")
+    assert bad.obj is None and bad.malformed and not bad.done
+    assert parse_sse_event(b"data: [1, 2]\n\n").malformed  # JSON, but not a chunk
+    assert not parse_sse_event(b": c\n\n").malformed
+
+
+@pytest.mark.parametrize("terminator", [b"\n\n", b"\r\n\r\n"])
+def test_parse_event_lines_end_only_where_sse_says(terminator: bytes) -> None:
+    """Engines send raw UTF-8 in JSON strings (no ensure_ascii): U+2028, U+0085 or a form
+    feed inside a token is text, not a line end."""
+    text = "a\u2028b\x85c\x0cd\x1ee"
+    raw = b"event: message\r\ndata: " + json.dumps({"t": text}, ensure_ascii=False).encode() + terminator
+    assert parse_sse_event(raw).obj == {"t": text}
+    assert parse_sse_event(ev({"t": text}).replace(b"\\u2028", "\u2028".encode())).obj == {"t": text}
+
+
+def test_parse_event_survives_invalid_utf8() -> None:
+    e = parse_sse_event(b'data: {"t": "\xff"}\n\n')
+    assert e.obj == {"t": "\ufffd"}
+
+
+# --- which chunks count as tokens -------------------------------------------------------------
+
+@pytest.mark.parametrize("choice", [
+    {"text": " hi"},                                                  # completions
+    {"delta": {"content": " hi"}},                                    # chat
+    {"delta": {"reasoning_content": "let me think"}},                 # DeepSeek/SGLang/vLLM reasoning
+    {"delta": {"reasoning": "let me think"}},                         # vLLM's newer field name
+    {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\""}}]}},
+    {"delta": {"function_call": {"arguments": "{"}}},                 # legacy functions API
+])
+def test_carries_token(choice: dict[str, Any]) -> None:
+    assert carries_token(choice)
+
+
+@pytest.mark.parametrize("choice", [
+    {"delta": {"role": "assistant", "content": ""}},  # the role chunk
+    {"delta": {}, "finish_reason": "stop"},           # the finish chunk
+    {"text": "", "finish_reason": "length"},
+    {"delta": {"content": None, "tool_calls": []}},
+    {"delta": "not a mapping"},
+])
+def test_carries_no_token(choice: dict[str, Any]) -> None:
+    assert not carries_token(choice)
+
+
+# --- usage and errors --------------------------------------------------------------------
+
+def test_usage_counts() -> None:
+    u = usage_counts(USAGE)
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (812, 3, 512)
+    assert usage_counts(None) == usage_counts({}) == usage_counts({"total_tokens": 4})
+    assert usage_counts(None).prompt_tokens is None and usage_counts(None).cached_tokens == 0
+    # engines without a cache report send null details; a bool is never a count
+    odd = usage_counts({"prompt_tokens": True, "completion_tokens": 2, "prompt_tokens_details": None})
+    assert (odd.prompt_tokens, odd.completion_tokens, odd.cached_tokens) == (None, 2, 0)
+
+
+def test_usage_of_body() -> None:
+    assert usage_of_body(json.dumps({"choices": [], "usage": USAGE}).encode()) == USAGE
+    assert usage_of_body(b"{}") is None
+    assert usage_of_body(b"[1]") is None
+    assert usage_of_body(b"<html>") is None
+
+
+def test_error_message() -> None:
+    assert error_message({"error": {"message": "boom", "code": "x"}}) == "boom"
+    assert error_message({"error": {"code": "x"}}) == "upstream error"
+    assert error_message({"error": "plain text"}) == "plain text"
+    assert error_message({"error": None}) is None
+    assert error_message({"choices": []}) is None
+
+
+# --- a whole stream ------------------------------------------------------------------------
+
+def test_chat_stream() -> None:
+    r = read(ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+             ev({"choices": [{"index": 0, "delta": {"content": " a"}}]}),
+             b": keep-alive\n\n",
+             ev({"choices": [{"index": 0, "delta": {"content": " b"}}]}),
+             ev({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+             ev({"choices": [], "usage": USAGE}),
+             b"data: [DONE]\n\n")
+    st = r.stats
+    assert (st.first_token_at, st.last_token_at, st.token_events) == (1.0, 3.0, 2)
+    assert st.finish_reason == "stop" and st.done and st.error is None and r.finished
+    assert st.output_tokens() == 3  # the engine's completion_tokens win over counted chunks
+    assert st.counts().cached_tokens == 512
+
+
+def test_completions_stream_without_usage_counts_chunks() -> None:
+    r = read(ev({"choices": [{"text": " a"}]}), ev({"choices": [{"text": " b", "finish_reason": "length"}]}),
+             b"data: [DONE]\n\n")
+    assert r.stats.token_events == 2 and r.stats.output_tokens() == 2
+    assert r.stats.finish_reason == "length"
+
+
+def test_reasoning_and_tool_call_stream_has_a_first_token() -> None:
+    """The bench used to see no output here: no `content` at all."""
+    r = read(ev({"choices": [{"delta": {"role": "assistant"}}]}),
+             ev({"choices": [{"delta": {"reasoning_content": "Need the weather."}}]}),
+             ev({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                                        "function": {"name": "get_weather", "arguments": ""}}]}}]}),
+             ev({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":1}"}}]}}]}),
+             ev({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}),
+             b"data: [DONE]\n\n")
+    assert (r.stats.first_token_at, r.stats.last_token_at, r.stats.token_events) == (1.0, 3.0, 3)
+    assert r.stats.finish_reason == "tool_calls"
+
+
+def test_error_event_then_done() -> None:
+    """The gateway ends a failed stream with an error event and [DONE]: both are seen."""
+    r = read(ev({"choices": [{"delta": {"content": "x"}}]}),
+             ev({"error": {"message": "engine died", "type": "server_error", "code": "upstream_error"}}),
+             b"data: [DONE]\n\n")
+    assert r.stats.error == "engine died" and r.stats.done and r.finished
+    assert r.stats.token_events == 1
+
+
+def test_events_after_done_are_ignored() -> None:
+    r = read(b"data: [DONE]\n\n", ev({"choices": [{"delta": {"content": "late"}}]}))
+    assert r.stats.done and r.stats.token_events == 0
+
+
+def test_unparseable_data_is_an_error_for_a_reader() -> None:
+    r = read(ev({"choices": [{"delta": {"content": "x"}}]}), b"data: <html>oops\n\n")
+    assert r.finished and not r.stats.done
+    assert r.stats.error is not None and "unparseable" in r.stats.error
+
+
+def test_stream_split_across_reads_gives_the_same_stats() -> None:
+    whole = b"".join([ev({"choices": [{"delta": {"content": "a"}}]}),
+                      ev({"choices": [{"delta": {"reasoning": "b"}}]}),
+                      ev({"choices": [], "usage": USAGE}), b"data: [DONE]\n\n"])
+    for size in (1, 3, 7, 64, len(whole)):
+        r = StreamReader()
+        for i in range(0, len(whole), size):
+            r.feed(whole[i:i + size], 0.0)
+        r.close(0.0)
+        assert (r.stats.token_events, r.stats.usage, r.stats.done) == (2, USAGE, True), size
+
+
+def test_unterminated_last_event_counts_at_close() -> None:
+    r = StreamReader()
+    r.feed(b'data: {"choices": [{"text": "a"}]}', 1.0)
+    assert r.stats.token_events == 0
+    r.close(2.0)
+    assert r.stats.token_events == 1 and r.stats.first_token_at == 2.0
+
+
+def test_observe_flags_the_usage_only_chunk() -> None:
+    """The relay drops this chunk when the client did not ask for usage itself."""
+    st = StreamStats()
+    assert st.observe({"choices": [], "usage": USAGE}, 0.0)
+    assert not st.observe({"choices": [{"delta": {"content": "a"}}], "usage": USAGE}, 0.0)
+    assert not st.observe({"choices": [{"delta": {"content": "a"}}]}, 0.0)
+    assert st.usage == USAGE
