@@ -23,26 +23,34 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections import deque
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fleetcore.fleet_config import PlannerSettings
+from fleetmind.planner import PlannerConfig
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCENARIO = REPO / "deploy" / "scenarios" / "demand-shift.yaml"
 KEY, ADMIN = "sk-bench", "sk-bench-admin"
-# The simulator's planner settings (fleetsim.cli.placement_controllers), in physical seconds.
-PLANNER_S = {"cycle_s": 30, "window_s": 60, "lead_s": 60, "cooldown_s": 60, "watch_s": 120, "block_s": 600}
-STARTUP_S = 60.0
+# The planner's fields that are durations: scaled with the workers' time (the simulator reads
+# the same `planner:` block unscaled, `fleetsim.cli.placement_controllers`).
+TIMED = ("cycle_s", "window_s", "lead_s", "cooldown_s", "watch_s", "block_s", "drain_timeout_s", "ready_timeout_s")
 
 
 def fleet_file(time_scale: float, planner: bool, out: Path) -> Path:
     fleet = yaml.safe_load(SCENARIO.read_text())
     for d in fleet["deployments"]:
-        d["options"] = {"time_scale": time_scale, "startup_s": STARTUP_S * time_scale}
+        opts = d.setdefault("options", {})
+        opts["startup_s"] = float(opts.get("startup_s", 0.0)) * time_scale
+        opts["time_scale"] = time_scale
     fleet["tenants"] = [{"name": "bench", "api_keys": [KEY]}]
     fleet["admin_api_keys"] = [ADMIN]
     # Goodput as the gateway judges it (the planner's signal) in wall time: SLOs scaled too.
@@ -50,8 +58,11 @@ def fleet_file(time_scale: float, planner: bool, out: Path) -> Path:
         "interactive": {"ttft_s": 1.0 * time_scale, "tpot_s": 0.05 * time_scale},
         "long_context": {"ttft_s": 8.0 * time_scale, "tpot_s": 0.08 * time_scale},
         "batch": {"deadline_s": 600.0 * time_scale}}}
-    fleet["planner"] = {"enabled": planner, "rollback_drop": 0.3,
-                        **{k: v * time_scale for k, v in PLANNER_S.items()}}
+    # The scenario's own planner block with the defaults it leaves out, times scaled.
+    settings = {**PlannerSettings().model_dump(), **asdict(PlannerConfig()), **fleet.get("planner", {})}
+    settings = {k: v for k, v in settings.items() if k in PlannerSettings.model_fields and v is not None}
+    fleet["planner"] = {**settings, "enabled": planner,
+                        **{k: settings[k] * time_scale for k in TIMED if k in settings}}
     out.write_text(yaml.safe_dump(fleet, sort_keys=False))
     return out
 
@@ -90,12 +101,17 @@ def run_one(trace: Path, time_scale: float, planner: bool, n: int, tmp: Path) ->
                 break
         if url is None:
             raise RuntimeError("tokenfleet up did not start")
+        # Keep reading what the gateway logs: a pipe nobody reads fills up (64 KiB) and the
+        # gateway then blocks on its next log line, stopping the whole run.
+        tail: deque[str] = deque(maxlen=200)
+        threading.Thread(target=tail.extend, args=(up.stdout,), daemon=True).start()
         out = tmp / f"live-{planner}.json"
         label = "planner" if planner else "static"
         subprocess.run([str(BIN / "tokenfleet"), "bench", "live", "--trace", str(trace), "--target", url,
                         "--key", KEY, "--time-scale", str(time_scale), "--max-requests", str(n),
                         "--label", label, "--json", str(out), "--no-progress"], check=True)
         row = rows_of(out)[0]
+        print(f"  {label} row: {json.dumps(row)}", flush=True)  # kept in the log should a later run fail
         row["planner_log"] = admin_get(url, "/admin/v1/planner") if planner else None
         return row
     finally:
@@ -119,6 +135,9 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=0.1)
     ap.add_argument("--window", type=float, default=2400, help="physical seconds of the trace to replay")
     ap.add_argument("--json")
+    ap.add_argument("--static-row", metavar="FILE",
+                    help="reuse the live static row from an earlier run's live-False.json (the planner plays "
+                         "no part in it; a live run takes ~15 minutes on a 2-core machine)")
     args = ap.parse_args()
     trace = Path(tempfile.gettempdir()) / "scenarios" / "demand-shift.jsonl"
     if not trace.exists():
@@ -128,7 +147,8 @@ def main() -> None:
         tmp = Path(d)
         n = requests_before(trace, args.window)
         sim = simulated(trace, n, tmp)
-        live = [run_one(trace, args.time_scale, p, n, tmp) for p in (False, True)]
+        static = rows_of(Path(args.static_row))[0] if args.static_row else run_one(trace, args.time_scale, False, n, tmp)
+        live = [static, run_one(trace, args.time_scale, True, n, tmp)]
     print(f"\ndemand-shift, first {args.window:g} s ({n} requests), live at time scale {args.time_scale:g} "
           "(physical units)")
     print(f"{'run':<22} {'done':>6} {'TTFT p50':>10} {'TTFT p95':>10} {'goodput':>9} {'SLO':>7}  moves")

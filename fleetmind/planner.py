@@ -217,6 +217,10 @@ class Planner:
     def applied(self, move: Move, now: float) -> None:
         """The move was carried out: start watching goodput against the level before it."""
         before = [g for t, g in self._goodput if t >= now - self.config.window_s]
+        if not before and self._goodput:
+            # Starting the replica took longer than the window (a slow launch): the last level
+            # seen is still the level before the move; 0 would make any drop look harmless.
+            before = [self._goodput[-1][1]]
         baseline = sum(before) / len(before) if before else 0.0
         self._watch = _Watch(move, now, baseline, self._model_demand(move.model))
         self._last_change = now

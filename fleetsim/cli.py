@@ -22,6 +22,7 @@ import random
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,7 +30,7 @@ from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_fil
 from fleetcore.policies import InstanceRouter
 from fleetcore.slo import ClassSLO
 from fleetmind.demand import DemandModel
-from fleetmind.planner import planner_for
+from fleetmind.placement_cycle import placement_cycle_for
 from fleetmind.residency import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
 from slomax import ADMISSION_NAMES, make_admission
@@ -84,16 +85,15 @@ def make_placement(name: str, fleet: FleetConfig, router: InstanceRouter) -> Fle
 
 
 def placement_controllers(name: str, fleet: FleetConfig) -> list[tuple[float, Any]]:
-    """FleetMind's long cycle for `fleetmind+planner`: the planner every 30 s, replicas taking
-    60 s to start, each move watched for 2 minutes (the fleet file's `planner:` block may
-    retune it)."""
+    """FleetMind's long cycle for `fleetmind+planner`: the same placement cycle as the live
+    gateway's, tuned by the fleet file's `planner:` block (its `enabled` and `mode` aside: asking
+    for this placement runs it), replicas starting in their deployment's `startup_s`."""
     if name != "fleetmind+planner":
         return []
-    demand = DemandModel(fleet)
-    planner = planner_for(fleet, demand, window_s=60, lead_s=60, cooldown_s=60, watch_s=120, rollback_drop=0.3)
-    loop = PlannerLoop(planner, demand, cycle_s=fleet.planner.cycle_s, startup_s=60.0,
-                       slos=fleet.admission.slos())  # its goodput judged by the fleet's SLOs
-    return [(loop.cycle_s, loop)]
+    core = placement_cycle_for(fleet, DemandModel(fleet))
+    core.mode = "auto"
+    loop = PlannerLoop(core, fleet)
+    return [(core.settings.cycle_s, loop)]
 
 
 def residency_violations(records: Sequence[RequestRecord], policies: PolicySet, fleet: FleetConfig) -> int:
@@ -342,7 +342,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             row["by_site"] = by_site(res.records, summary["span_s"], slos)
             if controllers:
                 row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
-                                       "reason": e.reason} for e in controllers[0][1].planner.log]
+                                       "reason": e.reason} for e in controllers[0][1].core.planner.log]
+                row["planner_actions"] = [asdict(a) for a in controllers[0][1].core.actions]
             rows.append(row)
             runs.append(Run(label, row, res.records))
             slo = row["slo_attainment"]

@@ -1,87 +1,95 @@
-"""Run FleetMind's placement planner inside a simulation (its long cycle, in virtual time).
+"""Run FleetMind's placement cycle inside a simulation: the virtual-time executor of
+`fleetmind.placement_cycle` (`gateway.placement` is the wall-clock one; both run the same
+cycle, so demand booking, goodput judgment, timings and make-before-break are the same).
 
-Every `cycle_s` the loop tells the planner what demand arrived since the last cycle
-(engine work, attributed to each request's *home* site: the nearest site serving its
-model, i.e. where capacity was wanted; and to the site that served it) and the goodput
-of the last window, then
-carries out what the planner decides: a move drains one replica at the source
-(it finishes its requests) and starts one at the destination, ready `startup_s`
-later; a rollback does the inverse.
+Every `cycle_s` the loop feeds the cycle what the gateway would know by then: each request
+that arrived (its profile: demand booked with what is known at arrival), each dispatched
+request that ended (served load at its site, output length learnt), and the admission
+ledger's ended / met-SLO counts; then it carries out the commands. `start` adds a replica
+that becomes ready `startup_s` later (the deployment's `startup_s` option, else
+`DEFAULT_STARTUP_S`), and at that instant the cycle is advanced, so the source drains
+then, as it does live once the new replica passes its health check. `drain` stops routing
+to a replica; `stop` is bookkeeping here: a drained replica takes no work either way (and
+one still busy at `drain_timeout_s` finishes its requests instead of losing them, which
+the live gateway cannot promise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetcore.slo import ClassSLO
-from fleetmind.demand import DemandModel
-from fleetmind.planner import Move, Planner
+from fleetcore.fleet_config import FleetConfig
+from fleetmind.placement_cycle import Command, PlacementCycle, Replica
 
 from .simulator import FleetSimulator
+
+# Start-up of a replica whose deployment does not say (a real engine loading its weights).
+DEFAULT_STARTUP_S = 60.0
+
+
+def startup_s(fleet: FleetConfig, site: str, model: str) -> float:
+    """How long a new replica of `model` at `site` takes to serve: its deployment's (else the
+    model's first deployment's) `startup_s` option, as the sim adapter reads it live."""
+    deps = [d for d in fleet.deployments if d.model == model]
+    d = next((d for d in deps if d.site == site), deps[0] if deps else None)
+    value = d.options.get("startup_s") if d is not None else None
+    return DEFAULT_STARTUP_S if value is None else float(value)
 
 
 @dataclass
 class PlannerLoop:
-    planner: Planner
-    demand: DemandModel
-    cycle_s: float = 30.0
-    startup_s: float = 60.0
-    window_s: float = 60.0
-    slos: Mapping[str, ClassSLO] = field(kw_only=True)  # the fleet's SLO map (AdmissionConfig.slos)
+    core: PlacementCycle
+    fleet: FleetConfig
     _seen: int = 0
-    # (request, its work) arrived and not yet booked to the site that serves it
-    _unrouted: list[tuple[Any, float]] = field(default_factory=list)
+    _open: list[Any] = field(default_factory=list)  # requests arrived and not yet ended
 
     def __call__(self, sim: FleetSimulator, now: float) -> None:
+        self._observe(sim)
+        ledger = getattr(sim.admission, "ledger", None)
+        if ledger is not None:
+            self.core.goodput_from(ledger.totals.values())
+        self._execute(sim, self.core.cycle(now, sim.placement(), _replicas(sim)), now)
+
+    def _observe(self, sim: FleetSimulator) -> None:
         reqs = sim.requests
         for r in reqs[self._seen:]:
-            inp = r.inp
-            work = self.demand.work_s(inp.model, inp.prompt_tokens, inp.output_tokens)
-            self.planner.record_demand(self.demand.home(inp.region, inp.model), inp.model, work)
-            self._unrouted.append((r, work))
+            self.core.arrived(r.profile)
+            self._open.append(r)
         self._seen = len(reqs)
-        pending, self._unrouted = self._unrouted, []
-        for r, work in pending:
-            if r.site is not None:
-                self.planner.record_served(r.site, r.inp.model, work)
-            elif r.status in ("new", "queued"):
-                self._unrouted.append((r, work))
-        self.planner.record_goodput(self._good_fraction(sim, now), now)
-        undo = self.planner.check(now)
-        if undo is not None:
-            self._carry_out(sim, undo, now)
-        move = self.planner.plan(sim.placement(), now)
-        if move is not None and self._carry_out(sim, move, now):
-            self.planner.applied(move, now)
+        still = []
+        for r in self._open:
+            if r.end is None:
+                still.append(r)
+            elif r.site is not None:  # dispatched: an attempt ended there (as the relay reports it)
+                self.core.ended(r.site, r.inp.model, r.inp.prompt_tokens, r.ntok, r.status == "completed")
+        self._open = still
 
-    def _carry_out(self, sim: FleetSimulator, move: Move, now: float) -> bool:
-        done = 0
-        for _ in range(move.count):
-            if move.from_site is not None and sim.drain_instance(move.from_site, move.model) is None:
-                break
-            if move.to_site is not None:
-                sim.add_instance(move.to_site, move.model, now, self.startup_s)
-            done += 1
-        return done > 0
+    def _execute(self, sim: FleetSimulator, commands: list[Command], now: float) -> None:
+        todo = list(commands)
+        while todo:
+            c = todo.pop(0)
+            if c.kind == "start":
+                wait = startup_s(self.fleet, c.site, c.model)
+                try:
+                    iid = sim.add_instance(c.site, c.model, now, wait, on_ready=lambda _iid, t: self._ready(sim, t))
+                except ValueError as e:
+                    todo += self.core.start_failed(c.step, now, f"could not start a replica: {e}")
+                    continue
+                todo += self.core.started(c.step, iid, now, f"loading for {wait:g} s")
+            elif c.kind == "drain":
+                assert c.instance_id is not None
+                sim.drain(c.instance_id)
+            else:
+                assert c.instance_id is not None
+                sim.drain(c.instance_id)
+                self.core.stopped(c.instance_id, now)
 
-    def _good_fraction(self, sim: FleetSimulator, now: float) -> float:
-        """Goodput normalised by demand: of the output tokens of requests that ended in the last
-        window, the share from requests that met their SLO (rejections count as misses)."""
-        lo = now - self.window_s
-        good = total = 0
-        for r in reversed(sim.requests):
-            if r.inp.arrival_s < lo - 600:
-                break  # nothing that old can have ended inside the window
-            if r.end is None or r.end < lo:
-                continue
-            total += max(r.ntok, r.inp.output_tokens if r.status == "rejected" else r.ntok)
-            if r.status != "completed" or r.first is None:
-                continue
-            ttft = r.first + r.half_rtt - r.inp.arrival_s
-            tpot = (r.last - r.first) / (r.ntok - 1) if r.ntok > 1 and r.last is not None else None
-            slo = self.slos.get(r.inp.request_class)
-            if slo is None or slo.met(ttft, tpot, r.end - r.inp.arrival_s):
-                good += r.ntok
-        return good / total if total else 1.0
+    def _ready(self, sim: FleetSimulator, now: float) -> None:
+        self._execute(sim, self.core.advance(now, _replicas(sim)), now)
+
+
+def _replicas(sim: FleetSimulator) -> list[Replica]:
+    return [Replica(i.instance_id, i.site, i.model, i.ready, i.draining,
+                    i.inflight == 0 and i.num_running + i.num_waiting == 0, i.inflight)
+            for i in sim.view().instances()]

@@ -388,9 +388,11 @@ class FleetSimulator:
                 out[(i.site, i.model)] = out.get((i.site, i.model), 0) + 1
         return out
 
-    def add_instance(self, site: str, model: str, now: float, startup_s: float) -> str:
+    def add_instance(self, site: str, model: str, now: float, startup_s: float,
+                     on_ready: Callable[[str, float], None] | None = None) -> str:
         """Start a replica of `model` in `site`, on the hardware that site (else the fleet)
-        runs the model on; it takes requests from `now + startup_s`."""
+        runs the model on; it takes requests from `now + startup_s`, when `on_ready(id, time)`
+        is called (the placement cycle drains the source then: make-before-break)."""
         same = [i for i in self._insts if i.model == model]
         if not same:
             raise ValueError(f"no deployment of {model!r} to copy the hardware of")
@@ -405,18 +407,12 @@ class FleetSimulator:
             if s.name == site:
                 insts.append(inst)
         self.router.register_instance(iid, spec_prior(spec))
-        self._push(now + startup_s, _READY, inst)
+        self._push(now + startup_s, _READY, inst, on_ready)
         return iid
 
-    def drain_instance(self, site: str, model: str) -> str | None:
-        """Stop sending requests to the least busy replica of `model` in `site`; it finishes
-        what it has. Returns its id, or None when the site has none."""
-        cands = [i for i in self._insts if i.site == site and i.model == model and not i.draining]
-        if not cands:
-            return None
-        victim = min(cands, key=lambda i: (i.ready, i.inflight, i.iid))
-        victim.draining = True
-        return victim.iid
+    def drain(self, instance_id: str) -> None:
+        """Stop sending requests to a replica; it finishes what it has."""
+        self._by_id[instance_id].draining = True
 
     # -- helpers -----------------------------------------------------------------
 
@@ -637,6 +633,8 @@ class FleetSimulator:
                 elif kind == _READY:
                     a.ready = True
                     self._after_release(now)  # queued work may start on it
+                    if b is not None:
+                        b(a.iid, now)
                 else:  # _ABORT
                     a.engine.abort(b)
             elif i < n:

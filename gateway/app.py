@@ -54,7 +54,7 @@ from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
 from gateway.openapi import chat_body, completion_body, embeddings_body, responses_body
 from gateway.tokenize_pool import TokenizePool
 from fleetmind.demand import DemandModel
-from fleetmind.planner import planner_for
+from fleetmind.placement_cycle import placement_cycle_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
 
@@ -200,10 +200,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     state.on_restart.append(lambda inst: reset_instances(relay.router, [inst]))
     placement = None
     if config.planner.enabled if planner is None else planner:
-        p = config.planner
-        demand = DemandModel(config, wall_clock=True)
-        placement = PlacementLoop(planner_for(config, demand), demand, state, relay.router, admission.ledger, clock, cycle_s=p.cycle_s, drain_timeout_s=p.drain_timeout_s,
-                                  ready_timeout_s=p.ready_timeout_s, mode=p.mode)
+        core = placement_cycle_for(config, DemandModel(config, wall_clock=True))
+        placement = PlacementLoop(core, state, relay.router, admission.ledger, clock)
         relay.listeners.append(placement)
     metrics.registry.register(FleetCollector(state, placement))
     # Several replicas: budgets, ledger, lease and admin state shared through Redis (gateway.replica_state).

@@ -165,7 +165,7 @@ async def _up(args: argparse.Namespace) -> int:
         _say(f"admission {config.admission.policy} (classes {', '.join(sorted(config.admission.class_names))}; "
              f"{budgets} tenant(s) with budgets); goodput report at /v1/reports/goodput")
         placement = app.state.tokenfleet.placement
-        _say(f"planner  every {placement.cycle_s:g} s; log at /admin/v1/planner" if placement
+        _say(f"planner  every {placement.core.settings.cycle_s:g} s; log at /admin/v1/planner" if placement
              else "planner  off (replicas stay where the fleet file puts them)")
         _say("stop with Ctrl-C")
         await server.serve(sockets=[sock] if ops_sock is None else [sock, ops_sock])

@@ -48,10 +48,10 @@ class FleetCollector(Collector):
             return
         decisions = CounterMetricFamily("tokenfleet_planner_decisions", "The placement planner's decisions",
                                         labels=["kind"])
-        for kind, n in sorted(Counter(e.kind for e in self.placement.planner.log).items()):
+        for kind, n in sorted(Counter(e.kind for e in self.placement.core.planner.log).items()):
             decisions.add_metric([kind], n)
         actions = CounterMetricFamily("tokenfleet_planner_actions", "Steps carrying out the planner's moves",
                                       labels=["kind"])
-        for kind, n in sorted(self.placement.action_counts.items()):
+        for kind, n in sorted(self.placement.core.action_counts.items()):
             actions.add_metric([kind], n)
         yield from (decisions, actions)

@@ -1,25 +1,20 @@
-"""FleetMind's long cycle in the live gateway: feed the placement planner, carry out its moves.
+"""FleetMind's long cycle in the live gateway: the async executor of `fleetmind.placement_cycle`.
 
-Every `cycle_s` the loop gives the pure planner (`fleetmind.planner`) what it needs:
-- demand: each request that arrived, as engine work booked to its home site
-  (`fleetmind.demand`); output length is not known on arrival, so the model's mean
-  observed output (capped by the request's max_tokens) stands in for it;
-- served load: each attempt that ended, as the work it did at the site that ran it;
-- goodput normalised by demand: of the requests that ended since the last cycle, the
-  share that met its class SLO, from admission's goodput ledger (rejected, cancelled and
-  failed requests count as misses, so refusing work cannot look like success);
-- the placement: replicas per (site, model) that serve or are starting; draining ones and
-  unready ones (a crashed engine its adapter is restarting) are not counted.
-It then lets the planner judge the move it is watching (a rollback is a move too) and
-propose at most one new move.
-
-A move is carried out make-before-break, through the engine adapters: a replica is
-started at the destination (a simulated worker loads for its `startup_s`, a real engine
-for as long as it takes), and only once it is ready does a replica at the source drain —
-routing sends it nothing new, what it runs finishes — and stop when idle (or after
-`drain_timeout_s`). Only adapters that launch their engines can scale (`sim` now);
-a move that needs another kind is logged as not carried out. Each step is an `Action`;
-the planner's plans, applies, keeps and rollbacks and these actions are served at
+The decisions (what demand to book, how goodput is judged, which move, when a new replica
+counts as ready, which replica drains, when it stops) are made by the pure
+`PlacementCycle`, which the simulator (`fleetsim.planning`) runs too. This module only
+feeds it and carries out its commands, in wall-clock time, through the engine adapters:
+- demand: the relay's `arrived(profile)` for every request; served load and learnt
+  output lengths: `observe(outcome)` for every attempt that ended;
+- goodput: every `cycle_s`, the goodput ledger's cumulative ended / met-SLO counts
+  (rejected, cancelled and failed requests count as ended and not met);
+- replicas: the fleet state's instances (health-checked readiness, draining, in flight).
+Commands: `start` asks the deployment's adapter for one more instance (only adapters that
+launch their engines can scale: `sim` now; a move that needs another kind is logged as
+skipped), `drain` stops routing to an instance, `stop` removes it through its adapter.
+Between cycles the executor advances the steps under way whenever a draining instance
+finishes a request, and at least every `poll_s` while one is loading (readiness comes from
+the health checks). Plans, applies, keeps and rollbacks and every step are served at
 `GET /admin/v1/planner`.
 """
 
@@ -27,86 +22,59 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import asdict
+from typing import Any
 
-from engine_adapters.base import EngineAdapter, Instance
+from engine_adapters.base import EngineAdapter
 from fleetcore.types import RequestOutcome, RequestProfile
-from fleetmind.demand import DemandModel
-from fleetmind.planner import Move, Planner
+from fleetmind.placement_cycle import MODES, Action, Command, Mode, PlacementCycle, Replica
+from fleetmind.planner import Move
 from gateway.background import cancel_and_wait
 from gateway.fleet_state import FleetState
 from gateway.routing import forget_instances, register_instances
 from tokenpilot.policy import InstanceRouter
 
+__all__ = ["MODES", "Mode", "PlacementLoop"]
+
 log = logging.getLogger("tokenfleet.placement")
-
-ActionKind = Literal["start", "ready", "drain", "stop", "failed", "skipped", "mode"]
-# auto: plans are carried out; advise: logged for operators only; off: no planning at all
-# (demand is still recorded, so switching back on starts from a warm history).
-Mode = Literal["auto", "advise", "off"]
-MODES: tuple[Mode, ...] = ("auto", "advise", "off")
-# Output length assumed for a model before any of its requests has finished.
-DEFAULT_OUTPUT_TOKENS = 256.0
-_OUTPUT_EWMA = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    at: float
-    kind: ActionKind
-    move: str
-    site: str | None
-    instance: str | None
-    detail: str
 
 
 class PlacementLoop:
-    def __init__(self, planner: Planner, demand: DemandModel, state: FleetState, router: InstanceRouter,
-                 ledger: Any, clock: Callable[[], float], *, cycle_s: float = 30.0,
-                 drain_timeout_s: float = 600.0, ready_timeout_s: float = 900.0,
-                 poll_s: float = 0.25, keep_actions: int = 500, mode: Mode = "auto") -> None:
-        self.planner = planner
-        self.demand = demand
+    def __init__(self, core: PlacementCycle, state: FleetState, router: InstanceRouter, ledger: Any,
+                 clock: Callable[[], float], *, poll_s: float = 0.25) -> None:
+        self.core = core
         self.state = state
         self.router = router
         self.ledger = ledger  # slomax.ledger.GoodputLedger: cumulative `totals` per tenant x class
         self.clock = clock
-        self.cycle_s = cycle_s
-        self.mode: Mode = mode
-        self.drain_timeout_s = drain_timeout_s
-        self.ready_timeout_s = ready_timeout_s
         self.poll_s = poll_s
-        self.actions: deque[Action] = deque(maxlen=keep_actions)
-        self.action_counts: dict[ActionKind, int] = {}  # since start (the deque forgets)
-        self._mean_output: dict[str, float] = {}
-        self._last_ended: tuple[int, int] | None = None
+        self._nudge = asyncio.Event()  # something a step under way waits for may have happened
+        self._logged = 0
         self._task: asyncio.Task[None] | None = None
         self._work: set[asyncio.Task[None]] = set()
         # With several replicas, only the holder of the planner lease acts (gateway.lease); None: always.
         self.may_act: Callable[[], bool] | None = None
 
+    @property
+    def mode(self) -> Mode:
+        return self.core.mode
+
+    @property
+    def actions(self) -> list[Action]:
+        return list(self.core.actions)
+
     # -- what the relay tells it ----------------------------------------------------
     def arrived(self, profile: RequestProfile) -> None:
-        out = self._mean_output.get(profile.model, DEFAULT_OUTPUT_TOKENS)
-        if profile.max_tokens is not None:
-            out = min(out, profile.max_tokens)
-        self.planner.record_demand(self.demand.home(profile.client_region, profile.model), profile.model,
-                                   self.demand.work_s(profile.model, profile.prompt_tokens, round(out)))
+        self.core.arrived(profile)
 
     def observe(self, outcome: RequestOutcome) -> None:
-        """A request ended at a site: the work it did there is that site's served load."""
         st = self.state.get(outcome.instance_id)
         if st is None:
             return
-        model = st.instance.model
-        self.planner.record_served(outcome.site, model,
-                                   self.demand.work_s(model, outcome.prompt_tokens, outcome.output_tokens))
-        if outcome.ok:
-            mean = self._mean_output.get(model, DEFAULT_OUTPUT_TOKENS)
-            self._mean_output[model] = mean + _OUTPUT_EWMA * (outcome.output_tokens - mean)
+        self.core.ended(outcome.site, st.instance.model, outcome.prompt_tokens, outcome.output_tokens, outcome.ok)
+        if st.draining:
+            self._nudge.set()  # it may be idle now: time to stop it
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -118,132 +86,111 @@ class PlacementLoop:
         self._work.clear()
 
     async def _run(self) -> None:
+        next_cycle = self.clock() + self.core.settings.cycle_s
         while True:
-            await asyncio.sleep(self.cycle_s)
-            if self.may_act is not None and not self.may_act():
+            wake = next_cycle
+            if self.core.busy:  # readiness comes from health checks, not events: look again soon
+                wake = min(wake, self.clock() + self.poll_s, self.core.next_due() or wake)
+            await self._wait(wake - self.clock())
+            if self.clock() >= next_cycle and self.may_act is not None and not self.may_act():
+                next_cycle = self.clock() + self.core.settings.cycle_s
                 continue  # another replica holds the lease: it plans; this one only records demand
             try:
-                await self.cycle()
+                if self.clock() >= next_cycle:
+                    next_cycle = self.clock() + self.core.settings.cycle_s
+                    await self.cycle()
+                else:
+                    await self.advance()
             except Exception:  # a planner bug must not stop the gateway, nor the next cycle
                 log.exception("placement cycle failed")
 
-    async def settle(self) -> None:
-        """Wait for the moves under way (tests, shutdown of a benchmark)."""
-        while self._work:
-            await asyncio.gather(*list(self._work), return_exceptions=True)
+    async def _wait(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._nudge.wait(), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
+        self._nudge.clear()
+
+    async def settle(self, timeout_s: float | None = None) -> None:
+        """Wait for the steps under way to finish (tests, shutdown of a benchmark)."""
+        s = self.core.settings
+        deadline = self.clock() + (timeout_s if timeout_s is not None else s.ready_timeout_s + s.drain_timeout_s)
+        while self.core.busy or self._work:
+            if self.clock() > deadline:
+                raise TimeoutError(f"placement steps still under way after {deadline:.0f}")
+            if self._task is None:  # nobody else drives the steps
+                await self.advance()
+            if self._work:
+                await asyncio.wait(list(self._work), timeout=self.poll_s)
+            else:
+                await self._wait(self.poll_s)
 
     # -- one cycle ------------------------------------------------------------------
     async def cycle(self) -> None:
-        now = self.clock()
-        self.planner.record_goodput(self._attainment(), now)
-        if self.mode == "off":
-            return
-        undo = self.planner.check(now)
-        if undo is not None:
-            await self.carry_out(undo)
-        move = self.planner.plan(self.state.placement(), self.clock())
-        if move is None:
-            return
-        if self.mode == "advise":
-            self.planner.advised(move, self.clock(), "advise mode: not carried out")
-        elif await self.carry_out(move):
-            self.planner.applied(move, self.clock())
-        else:
-            self.planner.advised(move, self.clock(), "could not be carried out (see actions)")
+        self.core.goodput_from(self.ledger.totals.values())
+        await self._execute(self.core.cycle(self.clock(), self.state.placement(), self._replicas()))
 
-    def set_mode(self, mode: Mode, actor: str) -> None:
-        if mode != self.mode:
-            self._act("mode", "", None, None, f"{self.mode} -> {mode} by {actor}")
-            self.mode = mode
-
-    def _attainment(self) -> float:
-        """Met / ended over the requests that ended since the last cycle (1.0 when none did)."""
-        ended = met = 0
-        for cell in self.ledger.totals.values():
-            ended += cell.completed + cell.rejected + cell.cancelled + cell.failed
-            met += cell.met_slo
-        last, self._last_ended = self._last_ended, (ended, met)
-        if last is None or ended == last[0]:
-            return 1.0
-        return (met - last[1]) / (ended - last[0])
+    async def advance(self) -> None:
+        await self._execute(self.core.advance(self.clock(), self._replicas()))
 
     async def carry_out(self, move: Move) -> bool:
-        """Start what the move adds (returns once started); retire what it removes in the background."""
-        what = move.describe()
-        target = self._adapter(move.to_site, move.model) if move.to_site is not None else None
-        if move.to_site is not None and target is None:
-            self._act("skipped", what, move.to_site, None,
-                      f"no deployment of {move.model} in {move.to_site} whose adapter can add instances")
-            return False
-        started = 0
-        for _ in range(move.count):
-            if target is None:  # remove only
-                if not self._retire(move, what, after=None):
-                    break
-                started += 1
-                continue
-            try:
-                inst = await target.add_instance()
-            except Exception as e:
-                self._act("failed", what, move.to_site, None, f"could not start a replica: {e}")
-                break
-            register_instances(self.router, [inst])
-            self.state.sync_instances()
-            self._act("start", what, inst.site, inst.instance_id, f"started at {inst.url}; loading")
-            self._spawn(self._bring_up(move, what, target, inst))
-            started += 1
-        return started > 0
+        """Carry out `move` now (not watched by the planner); True when a replica started or drained."""
+        before = dict(self.core.action_counts)
+        await self._execute(self.core.carry_out(move, self.clock(), self._replicas()))
+        after = dict(self.core.action_counts)
+        return any(after.get(k, 0) > before.get(k, 0) for k in ("start", "drain"))
 
-    # -- the steps ------------------------------------------------------------------
-    async def _bring_up(self, move: Move, what: str, adapter: EngineAdapter, inst: Instance) -> None:
-        t0 = self.clock()
-        while self.clock() - t0 < self.ready_timeout_s:
-            st = self.state.get(inst.instance_id)
-            if st is not None and st.up:
-                self._act("ready", what, inst.site, inst.instance_id, f"ready after {self.clock() - t0:.1f} s")
-                if move.from_site is not None:
-                    self._retire(move, what, after=inst.instance_id)
-                return
-            await asyncio.sleep(self.poll_s)
-        self._act("failed", what, inst.site, inst.instance_id,
-                  f"not ready after {self.ready_timeout_s:.0f} s; stopped, the source keeps its replica")
-        self.state.drain(inst.instance_id)
-        await self._remove(adapter, inst, what)
+    def set_mode(self, mode: Mode, actor: str) -> None:
+        self.core.set_mode(mode, actor, self.clock())
+        self._log_new()
 
-    def _retire(self, move: Move, what: str, after: str | None) -> bool:
-        """Drain one replica of the move's model at its source; False when there is none to drain."""
-        assert move.from_site is not None
-        victims = [st for st in self.state.states()
-                   if st.instance.site == move.from_site and st.instance.model == move.model and not st.draining]
-        if not victims:
-            self._act("skipped", what, move.from_site, None, f"no replica of {move.model} left to drain")
-            return False
-        # Prefer one that is not serving (still loading: a rollback of a fresh move), then the least busy.
-        st = min(victims, key=lambda s: (s.up, s.inflight, s.instance.instance_id))
-        self.state.drain(st.instance.instance_id)
-        because = f" (replaced by {after})" if after else ""
-        self._act("drain", what, st.instance.site, st.instance.instance_id,
-                  f"draining with {st.inflight} in flight{because}")
-        self._spawn(self._drain_and_stop(st.adapter, st.instance, what))
-        return True
+    def _replicas(self) -> list[Replica]:
+        return [Replica(st.instance.instance_id, st.instance.site, st.instance.model, st.up, st.draining,
+                        self.state.idle(st.instance.instance_id), st.inflight) for st in self.state.states()]
 
-    async def _drain_and_stop(self, adapter: EngineAdapter, inst: Instance, what: str) -> None:
-        t0 = self.clock()
-        while not self.state.idle(inst.instance_id) and self.clock() - t0 < self.drain_timeout_s:
-            await asyncio.sleep(self.poll_s)
-        busy = not self.state.idle(inst.instance_id)
-        await self._remove(adapter, inst, what, f"drained in {self.clock() - t0:.1f} s"
-                           + (" (timed out with requests in flight)" if busy else ""))
+    # -- carrying out commands -----------------------------------------------------
+    async def _execute(self, commands: list[Command]) -> None:
+        todo = list(commands)
+        while todo:
+            cmd = todo.pop(0)
+            if cmd.kind == "start":
+                todo += await self._start(cmd)
+            elif cmd.kind == "drain":
+                assert cmd.instance_id is not None
+                self.state.drain(cmd.instance_id)
+            else:
+                self._spawn(self._stop(cmd))
+        self._log_new()
 
-    async def _remove(self, adapter: EngineAdapter, inst: Instance, what: str, detail: str = "stopped") -> None:
+    async def _start(self, cmd: Command) -> list[Command]:
+        adapter = self._adapter(cmd.site, cmd.model)
+        if adapter is None:
+            return self.core.start_failed(cmd.step, self.clock(), f"no deployment of {cmd.model} in {cmd.site} "
+                                                                  "whose adapter can add instances", skipped=True)
         try:
-            await adapter.remove_instance(inst)
+            inst = await adapter.add_instance()
         except Exception as e:
-            self._act("failed", what, inst.site, inst.instance_id, f"could not stop: {e}")
-            return
+            return self.core.start_failed(cmd.step, self.clock(), f"could not start a replica: {e}")
+        register_instances(self.router, [inst])
         self.state.sync_instances()
-        forget_instances(self.router, [inst.instance_id])
-        self._act("stop", what, inst.site, inst.instance_id, detail)
+        return self.core.started(cmd.step, inst.instance_id, self.clock(), f"started at {inst.url}; loading")
+
+    async def _stop(self, cmd: Command) -> None:
+        assert cmd.instance_id is not None
+        st = self.state.get(cmd.instance_id)
+        if st is None:  # already gone (its adapter stopped it)
+            self.core.stopped(cmd.instance_id, self.clock())
+        else:
+            self.state.drain(cmd.instance_id)
+            try:
+                await st.adapter.remove_instance(st.instance)
+            except Exception as e:
+                self.core.stop_failed(cmd.instance_id, self.clock(), str(e))
+            else:
+                self.state.sync_instances()
+                forget_instances(self.router, [cmd.instance_id])
+                self.core.stopped(cmd.instance_id, self.clock())
+        self._log_new()
 
     # -- helpers ------------------------------------------------------------------
     def _adapter(self, site: str, model: str) -> EngineAdapter | None:
@@ -257,12 +204,13 @@ class PlacementLoop:
         self._work.add(task)
         task.add_done_callback(self._work.discard)
 
-    def _act(self, kind: ActionKind, move: str, site: str | None, instance: str | None, detail: str) -> None:
-        a = Action(self.clock(), kind, move, site, instance, detail)
-        self.actions.append(a)
-        self.action_counts[kind] = self.action_counts.get(kind, 0) + 1
-        (log.warning if kind in ("failed", "skipped") else log.info)("placement %s %s %s: %s", kind, move,
-                                                                    instance or site or "", detail)
+    def _log_new(self) -> None:
+        """Log the steps the cycle recorded since the last call (the cycle itself does no I/O)."""
+        total = sum(self.core.action_counts.values())
+        new, self._logged = total - self._logged, total
+        for a in list(self.core.actions)[-new:] if new > 0 else ():
+            (log.warning if a.kind in ("failed", "skipped") else log.info)(
+                "placement %s %s %s: %s", a.kind, a.move, a.instance or a.site or "", a.detail)
 
     # -- what the admin API shows ------------------------------------------------------
     def report(self, limit: int = 200) -> dict[str, Any]:
@@ -270,10 +218,9 @@ class PlacementLoop:
         return {
             "enabled": True,
             "mode": self.mode,
-            "cycle_s": self.cycle_s,
+            "cycle_s": self.core.settings.cycle_s,
             "placement": [{"site": s, "model": m, "replicas": n} for (s, m), n in sorted(placement.items())],
             "entries": [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
-                         "reason": e.reason} for e in self.planner.log[-limit:]],
-            "actions": [asdict(a) for a in list(self.actions)[-limit:]],
+                         "reason": e.reason} for e in self.core.planner.log[-limit:]],
+            "actions": [asdict(a) for a in self.actions[-limit:]],
         }
-

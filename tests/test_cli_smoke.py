@@ -82,6 +82,23 @@ def test_tokenfleet_up_streams_and_stops_cleanly() -> None:
 
 
 @pytest.mark.slow
+def test_tokenfleet_up_with_the_planner_on_says_its_cycle() -> None:
+    """The start-up banner reads the placement cycle's settings (it once read a removed attribute
+    and crashed `up` whenever the planner was on)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet", "up", "--fleet", str(FLEET_FILE.with_name("fleet_planner.yaml")),
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert read_until(proc, r"planner\s+every (\S+) s", 60).group(1) == "0.5"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
 def test_check_reports_fleet_file_errors(tmp_path: Path) -> None:
     bad = tmp_path / "fleet.yaml"
     bad.write_text("sites: []\nmodels: []\n")

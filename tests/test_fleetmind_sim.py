@@ -98,7 +98,7 @@ def test_planner_moves_replicas_toward_a_flash_crowd(tmp_path: Path) -> None:
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          controllers=controllers)
     res = sim.run(prepare(head(wl, len(wl)).requests, fleet))
-    log = controllers[0][1].planner.log
+    log = controllers[0][1].core.planner.log
     kinds = [e.kind for e in log]
     assert "apply" in kinds
     moved_to_west = [e for e in log if e.kind == "apply" and e.move and e.move.to_site == "west"]

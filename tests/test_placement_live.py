@@ -19,6 +19,7 @@ import pytest_asyncio
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
 from fleetmind.demand import DemandModel
+from fleetmind.placement_cycle import CycleSettings, PlacementCycle
 from fleetmind.planner import Move, Planner, PlannerConfig
 from gateway.fleet_state import FleetState
 from gateway.placement import PlacementLoop
@@ -180,8 +181,8 @@ async def test_advise_mode_logs_plans_without_carrying_them_out() -> None:
     config = load_fleet_file(FLEET_FILE)
     planner = Planner(config=PlannerConfig(window_s=1, lead_s=0, target_utilisation=0.1, cooldown_s=100))
     clock = [0.0]
-    loop = PlacementLoop(planner, DemandModel(config), FleetState(config, []), make_router("round_robin"),
-                         GoodputLedger(), lambda: clock[0], mode="advise")
+    core = PlacementCycle(planner, DemandModel(config), CycleSettings(mode="advise"))
+    loop = PlacementLoop(core, FleetState(config, []), make_router("round_robin"), GoodputLedger(), lambda: clock[0])
     for t in range(5):
         clock[0] = float(t)
         planner.record_demand("a", MODEL, 5.0)

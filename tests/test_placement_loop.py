@@ -13,12 +13,12 @@ import pytest
 from engine_adapters.base import AdapterError, Instance
 from fleetcore.fleet_config import load_fleet_file
 from fleetmind.demand import DemandModel
+from fleetmind.placement_cycle import CycleSettings, PlacementCycle
 from fleetmind.planner import Move, Planner
 from gateway.fleet_state import FleetState
 from gateway.placement import PlacementLoop
 from slomax.ledger import GoodputLedger
 from tests.conftest import FakeAdapter, make_instance
-from tests.waits import wait_until
 from tokenpilot.registry import make_router
 
 CONFIG = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
@@ -63,8 +63,8 @@ async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Placement
     a, b = StandInAdapter("a", 1, **opts), StandInAdapter("b", 2)
     state = FleetState(CONFIG, [a, b], poll_interval_s=0.02)
     await state.start()
-    loop = PlacementLoop(Planner(), DemandModel(CONFIG), state, make_router("round_robin"), GoodputLedger(),
-                         time.monotonic, poll_s=0.01, ready_timeout_s=0.3, drain_timeout_s=5)
+    core = PlacementCycle(Planner(), DemandModel(CONFIG), CycleSettings(ready_timeout_s=0.3, drain_timeout_s=5))
+    loop = PlacementLoop(core, state, make_router("round_robin"), GoodputLedger(), time.monotonic, poll_s=0.01)
     try:
         yield loop, a, b
     finally:
@@ -99,8 +99,11 @@ async def test_a_drain_waits_for_requests_in_flight(fleet) -> None:
 
     loop.state.idle = counted_idle  # type: ignore[method-assign]
     assert await loop.carry_out(Move(MODEL, "b", None))  # remove only
-    # not a sleep hoping the drain had its chance: it has looked five times and still waits
-    await wait_until(lambda: looks >= 5, 5, "the drain to check its replica's in-flight count 5 times")
+    # not a sleep hoping the drain had its chance: the executor's steps look at the replica
+    # (the cycle judges the drain from what they see) and it still waits
+    for _ in range(5):
+        await loop.advance()
+    assert looks >= 5
     assert b.removed == [] and steps(loop) == [("drain", "b")]
     assert "1 in flight" in loop.actions[0].detail
     victim = loop.actions[0].instance
