@@ -31,7 +31,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.slo import ClassSLO, class_by_length
 from fleetcore.types import Candidate, FleetView, InstanceSnapshot, RequestProfile, SiteDecision, SiteSnapshot
-from fleetmind.residency import PolicySet, Residency
+from fleetcore.region_policy import PolicySet, Residency
 
 UNKNOWN_RTT_MS = 1000.0
 

@@ -31,7 +31,7 @@ from fleetcore.policies import InstanceRouter
 from fleetcore.slo import ClassSLO
 from fleetmind.demand import DemandModel
 from fleetmind.placement_cycle import placement_cycle_for
-from fleetmind.residency import PolicySet
+from fleetcore.region_policy import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
 from slomax import ADMISSION_NAMES, make_admission
 from slomax import from_fleet as slomax_config

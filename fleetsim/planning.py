@@ -21,6 +21,7 @@ from typing import Any
 
 from fleetcore.fleet_config import FleetConfig
 from fleetmind.placement_cycle import Command, PlacementCycle, Replica
+from slomax.ledger import LedgeredAdmission
 
 from .simulator import FleetSimulator
 
@@ -46,9 +47,8 @@ class PlannerLoop:
 
     def __call__(self, sim: FleetSimulator, now: float) -> None:
         self._observe(sim)
-        ledger = getattr(sim.admission, "ledger", None)
-        if ledger is not None:
-            self.core.goodput_from(ledger.totals.values())
+        if isinstance(sim.admission, LedgeredAdmission):  # as the gateway's: its goodput ledger
+            self.core.goodput_from(sim.admission.ledger.totals.values())
         self._execute(sim, self.core.cycle(now, sim.placement(), _replicas(sim)), now)
 
     def _observe(self, sim: FleetSimulator) -> None:

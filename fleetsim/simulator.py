@@ -64,7 +64,8 @@ from fleetcore.types import (
 )
 from fleetmind.place import place
 from fleetmind.site_choice import NearestReadySite, rtt_ms
-from tokenpilot.priors import EnginePrior, prior_from_physics
+from fleetcore.policies import EnginePrior
+from tokenpilot.priors import prior_from_physics
 
 from .metrics import RequestRecord, Status
 

@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.policies import Admission
 from fleetcore.types import RequestOutcome, RequestProfile
 from gateway.background import cancel_and_wait
 from gateway.errors import GatewayError
@@ -180,7 +181,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def dashboard_data(config: FleetConfig, sampler: DashboardSampler, policy: Any,
+def dashboard_data(config: FleetConfig, sampler: DashboardSampler, policy: Admission,
                    placement: Any) -> dict[str, Any]:
     """The JSON the page draws (see the module doc)."""
     series = sampler.series
@@ -194,7 +195,7 @@ def dashboard_data(config: FleetConfig, sampler: DashboardSampler, policy: Any,
     lat = list(series.recorder.latencies)
     return {
         "object": "dashboard",
-        "policy": getattr(policy, "name", type(policy).__name__),
+        "policy": policy.name,
         "generated_at": _iso(time.time()),
         "interval_s": sampler.interval_s,
         "capacity": series.capacity,

@@ -33,7 +33,7 @@ from fleetmind.planner import Move
 from gateway.background import cancel_and_wait
 from gateway.fleet_state import FleetState
 from gateway.routing import forget_instances, register_instances
-from tokenpilot.policy import InstanceRouter
+from fleetcore.policies import InstanceRouter
 
 __all__ = ["MODES", "Mode", "PlacementLoop"]
 

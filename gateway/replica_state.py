@@ -21,6 +21,7 @@ from gateway.ledger_sync import LedgerSync
 from gateway.placement import MODES, Mode, PlacementLoop
 from gateway.policy_store import StoreUnavailable
 from gateway.shared_state import SharedRedis, SharedStateCollector
+from slomax import SLOMax
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -77,7 +78,7 @@ class Replicas:
         self.ledger: LedgerSync | None = None
         self.lease: LeaderLease | None = None
         if self.shared is not None:
-            if g.shared_budgets and hasattr(gate.policy, "budget_charge"):
+            if g.shared_budgets and isinstance(gate.policy, SLOMax):  # the policy that keeps budgets
                 self.budgets = SharedBudgets(self.shared, gate.policy, clock)
                 gate.shared_budgets = self.budgets
             self.ledger = LedgerSync(self.shared, gate.policy.ledger, clock)

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 from engine_adapters.base import Instance
 from fleetcore.fleet_config import FleetConfig
 from fleetmind.site_choice import FleetMind
-from tokenpilot.policy import InstanceRouter
-from tokenpilot.priors import EnginePrior, prior_from_physics
+from fleetcore.policies import InstanceRouter
+from fleetcore.policies import EnginePrior
+from tokenpilot.priors import prior_from_physics
 from tokenpilot.registry import make_router
 
 log = logging.getLogger("tokenfleet.gateway")

@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 from tests.waits import wait_until
 
 FLEET_FILE = Path(__file__).with_name("fleet_3sites.yaml")

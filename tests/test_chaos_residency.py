@@ -27,7 +27,7 @@ from gateway.app import create_app
 from gateway.policy_store import RedisPolicyStore
 from tests.conftest import FakeAdapter, StubUpstream, make_instance
 from tests.redis_control import RedisProc
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
 EU_TEAM = {"Authorization": "Bearer sk-eu", "x-tokenfleet-region": "us-east"}

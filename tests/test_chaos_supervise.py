@@ -22,7 +22,7 @@ from engine_adapters.registry import build_adapters, launch_all, stop_all
 from engine_adapters.sim.launcher import SimAdapter
 from engine_adapters.supervise import RestartPolicy
 from fleetcore.fleet_config import parse_fleet
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 
 BACKOFF_S = 2.0
 SPEC = "llama-3.1-8b"

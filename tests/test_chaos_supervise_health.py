@@ -19,7 +19,7 @@ from aiohttp import web
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import parse_fleet
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 
 MODEL = "m"
 

@@ -19,7 +19,7 @@ from fleetcore.types import RequestOutcome
 from gateway.dashboard import DashboardRecorder, DashboardSampler, DashboardSeries
 from slomax.ledger import GoodputLedger
 from tests.chromium import headless_page
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")
 ADMIN_KEY = "sk-admin"

@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 
 FLEET_FILE = Path(__file__).with_name("fleet_dropin.yaml")
 KEY = "sk-dropin-acme"

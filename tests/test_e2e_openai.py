@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_adapters.base import EngineAdapter, Instance
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 from tests.waits import wait_until
 
 FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")

@@ -11,7 +11,7 @@ from fleetcore.fleet_config import FleetConfigError, parse_fleet
 from fleetcore.region_policy import RegionPolicy
 from fleetcore.slo import DEFAULT_SLOS
 from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, SiteSnapshot
-from fleetmind.residency import PolicySet
+from fleetcore.region_policy import PolicySet
 from fleetmind.site_choice import FleetMind, FleetMindConfig
 
 import pytest

@@ -14,7 +14,7 @@ from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy, residency_violations
 from fleetsim.metrics import summarize_all
 from fleetsim.simulator import FleetSimulator, prepare
-from fleetmind.residency import PolicySet
+from fleetcore.region_policy import PolicySet
 from tests.paths import REPO, TRACES
 
 SCENARIOS = REPO / "deploy" / "scenarios"

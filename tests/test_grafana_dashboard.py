@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "tokenfleet.json"
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")  # planner on: its metrics are exposed too

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.loop_monitor import HISTORY_S, LoopMonitor
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 
 INTERVAL_S = 0.01
 DEADLINE_S = 10.0

@@ -24,7 +24,7 @@ from fleetmind.planner import Move, Planner, PlannerConfig
 from gateway.fleet_state import FleetState
 from gateway.placement import PlacementLoop
 from slomax.ledger import GoodputLedger
-from tests.servers import serve_app
+from gateway.embedded import serve_app
 from tokenpilot.registry import make_router
 
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestProfile, RouteDecision
-from tokenpilot.policy import InstanceRouter, no_candidates
+from fleetcore.policies import InstanceRouter
+from tokenpilot.policy import no_candidates
 
 
 class RoundRobin(InstanceRouter):

@@ -33,7 +33,8 @@ from typing import Any, overload
 import xxhash
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
-from tokenpilot.policy import InstanceRouter, no_candidates
+from fleetcore.policies import InstanceRouter
+from tokenpilot.policy import no_candidates
 from tokenpilot.prefix_tree import ActiveBlocks, PrefixIndex
 
 _by_id = attrgetter("instance_id")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenpilot.baselines import LeastLoaded, RoundRobin
-from tokenpilot.policy import InstanceRouter
+from fleetcore.policies import InstanceRouter
 
 
 def _all() -> dict[str, type]:

@@ -35,8 +35,8 @@ import numpy as np
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot.cache_index import PrefixCacheIndex
 from tokenpilot.learning import SpeedFactor
-from tokenpilot.policy import InstanceRouter
-from tokenpilot.priors import EnginePrior
+from fleetcore.policies import InstanceRouter
+from fleetcore.policies import EnginePrior
 
 
 @dataclass(frozen=True, slots=True)
