@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections import deque
 from dataclasses import asdict

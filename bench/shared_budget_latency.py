@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import shutil
-import socket
-import subprocess
-import tempfile
 import statistics
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from collections.abc import Iterator
 from typing import Any
 
 from fleetcore.fleet_config import GatewaySettings, parse_fleet
 from fleetcore.types import RequestProfile
 from gateway.admission import AdmissionGate
 from gateway.budget_store import SharedBudgets
+from gateway.replicas import private_redis
 from gateway.shared_state import SharedRedis
 from slomax import SLOMax
 
@@ -34,6 +29,7 @@ from slomax import SLOMax
 @dataclass
 class _Parsed:  # the part of gateway.requests.ParsedRequest admission reads
     profile: RequestProfile
+    obs: None = None  # no telemetry record: the bench times admission alone
 
 
 class _View:
@@ -78,34 +74,6 @@ async def run(n: int, url: str | None) -> list[float]:
     return out
 
 
-@contextlib.contextmanager
-def redis_url() -> Iterator[str]:
-    """A private redis-server on a free loopback port (no persistence)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                 "--dir", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise SystemExit("redis-server did not start") from None
-                    time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
-
-
 def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -114,7 +82,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=2000)
     args = ap.parse_args()
-    with redis_url() as url:
+    async with private_redis() as url:  # the one `tokenfleet up --replicas` starts
         off = await run(args.n, None)
         on = await run(args.n, url)
     for name, xs in (("shared budgets off", off), ("shared budgets on ", on)):

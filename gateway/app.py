@@ -8,7 +8,6 @@ belong to whoever launched them.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
 import time
