@@ -15,7 +15,8 @@ client that disconnects while waiting leaves the queue at once (`policy.cancel`)
 The relay tells the gate where each request was routed, when its first token came, that
 an attempt was retried, and the outcome of every attempt; `release` hands the final one
 to the policy exactly once per admitted request, which frees its capacity and books it
-in the goodput ledger.
+in the goodput ledger, then tells `on_released` (with the policy's own verdict,
+`judge`: where the class and the final outcome meet, e.g. goodput per site).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class AdmissionGate:
         self.shared_budgets: SharedBudgets | None = None
         self._charges: dict[str, Charge] = {}  # admitted request -> what Redis charged for it
         self.shared_ledger: Any = None  # gateway.ledger_sync.LedgerSync: the replicas' goodput, when shared
+        # Told of every admitted request's end: (profile with its admitted class, last outcome,
+        # the policy's verdict `policy.judge`), e.g. the dashboard's per-site goodput.
+        self.on_released: list[Callable[[RequestProfile, RequestOutcome, bool], None]] = []
 
     # -- entering -------------------------------------------------------------------------
 
@@ -161,6 +165,13 @@ class AdmissionGate:
             used = (outcome.prompt_tokens or profile.prompt_tokens) + outcome.output_tokens
             self.shared_budgets.settle(charge, used if outcome.instance_id else 0)
         self._call(self.policy.observe, outcome)
+        if self.on_released:
+            met = bool(self._call(self.policy.judge, profile, outcome))  # as the ledger just booked it
+            for listener in self.on_released:
+                try:
+                    listener(profile, outcome, met)
+                except Exception:
+                    log.exception("admission release listener %r failed", listener)
         self.pump()
 
     # -- the queue ------------------------------------------------------------------------

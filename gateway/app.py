@@ -208,6 +208,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                         getattr(policy_sync.store, "kv", None))
     dash_recorder, dash_sampler = dashboard.wire(admission.ledger, dashboard_sample_s)
     relay.listeners.append(dash_recorder)
+    gate.on_released.append(dash_recorder.released)  # per-site goodput: class and outcome meet there
     g = config.gateway
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
     if key_store is None:  # tenant keys created by API (`gateway.keys`), kept under the state dir

@@ -13,7 +13,9 @@
 A sample, every `interval_s` (5 s by default), holds what changed since the previous one:
 per tenant x class the ledger's counters (arrived, admitted, queued, rejected and by reason,
 completed, met_slo, ended = completed + rejected + cancelled + failed, output and goodput
-tokens), and per site the attempts that ended there (ok, failed, output tokens). Unlike the
+tokens), per site the attempts that ended there (ok, failed, output tokens) and the admitted
+requests whose final attempt was there (ended, met_slo, goodput_tokens: judged by the
+admission policy as its ledger judges them, `LedgeredAdmission.judge`). Unlike the
 goodput report, which books a request to the window it *arrived* in, a sample books it to
 when it was counted, so a chart's last point is never revised later. The series is a ring
 buffer of `capacity` samples (an hour at the defaults); recent latencies are another one.
@@ -60,15 +62,24 @@ _STATIC = {"dashboard.js": "text/javascript", "charts.js": "text/javascript", "d
 
 @dataclass(slots=True)
 class _SiteCount:
-    ok: int = 0
+    ok: int = 0  # attempts that ended there (the relay)
     failed: int = 0
     output_tokens: int = 0
+    ended: int = 0  # admitted requests whose final attempt was there (the admission gate)
+    met_slo: int = 0  # ... of which met their class SLO, as the ledger judged them
+    goodput_tokens: int = 0  # their output tokens
+
+
+_SITE_FIELDS = ("ok", "failed", "output_tokens", "ended", "met_slo", "goodput_tokens")
 
 
 class DashboardRecorder:
-    """A relay listener (`arrived`, `observe`): per-site attempt counts and recent latencies.
+    """A relay listener (`arrived`, `observe`): per-site attempt counts and recent latencies;
+    and an admission-gate listener (`released`): per-site goodput and SLO attainment.
 
-    The ledger knows tenants and classes but not sites; the relay's outcomes know the site."""
+    The ledger knows tenants and classes but not sites; the relay's outcomes know the site, and
+    the gate's release has both the admitted class and the final outcome, with the policy's
+    verdict on it (`LedgeredAdmission.judge`: the ledger's own judgment, never a second one)."""
 
     def __init__(self, latency_keep: int = LATENCY_KEEP) -> None:
         self.sites: dict[str, _SiteCount] = {}
@@ -78,12 +89,27 @@ class DashboardRecorder:
     def arrived(self, profile: RequestProfile) -> None:
         return None  # only outcomes matter here
 
+    def _site(self, site: str) -> _SiteCount:
+        c = self.sites.get(site)
+        if c is None:
+            c = self.sites[site] = _SiteCount()
+        return c
+
+    def released(self, profile: RequestProfile, outcome: RequestOutcome, met: bool) -> None:
+        """An admitted request ended (AdmissionGate.on_released): booked at the site of its final
+        attempt. One that never reached a site (no ready instance) is the ledger's alone."""
+        if not outcome.site:
+            return
+        c = self._site(outcome.site)
+        c.ended += 1
+        if met:
+            c.met_slo += 1
+            c.goodput_tokens += outcome.output_tokens
+
     def observe(self, outcome: RequestOutcome) -> None:
         if not outcome.site:
             return  # never reached an engine: admission's rejections are in the ledger
-        c = self.sites.get(outcome.site)
-        if c is None:
-            c = self.sites[outcome.site] = _SiteCount()
+        c = self._site(outcome.site)
         if outcome.ok:
             c.ok += 1
         elif not outcome.cancelled:
@@ -136,9 +162,8 @@ class DashboardSeries:
         sites: dict[str, dict[str, int]] = {}
         for site, c in sorted(self.recorder.sites.items()):
             b = self._last_sites.get(site, _SiteCount())
-            sites[site] = {"ok": c.ok - b.ok, "failed": c.failed - b.failed,
-                           "output_tokens": c.output_tokens - b.output_tokens}
-            self._last_sites[site] = _SiteCount(c.ok, c.failed, c.output_tokens)
+            sites[site] = {k: getattr(c, k) - getattr(b, k) for k in _SITE_FIELDS}
+            self._last_sites[site] = _SiteCount(*(getattr(c, k) for k in _SITE_FIELDS))
         last, self._last_t = self._last_t, now
         if last is None:
             return None
@@ -242,7 +267,8 @@ def install_dashboard_routes(app: FastAPI, config: FleetConfig, sampler: Dashboa
 
 
 def wire(ledger: GoodputLedger, interval_s: float | None) -> tuple[DashboardRecorder, DashboardSampler]:
-    """The recorder (add it to the relay's listeners) and the sampler (start/stop in the lifespan)."""
+    """The recorder (add it to the relay's listeners, and its `released` to the admission gate's
+    `on_released`) and the sampler (start/stop in the lifespan)."""
     recorder = DashboardRecorder()
     sampler = DashboardSampler(DashboardSeries(ledger, recorder), interval_s or DEFAULT_INTERVAL_S)
     return recorder, sampler

@@ -73,6 +73,23 @@ def met_slo(slo: ClassSLO, o: RequestOutcome, arrival: float, deadline: float | 
     return deadline is None or (o.e2e_s is not None and arrival + o.e2e_s <= deadline + 1e-9)
 
 
+def request_deadline(slo: ClassSLO, profile: RequestProfile) -> float | None:
+    """The request's own deadline, else its arrival plus its class SLO's deadline (None: none)."""
+    if profile.deadline is not None:
+        return profile.deadline
+    return profile.arrival + slo.deadline_s if slo.deadline_s is not None else None
+
+
+def judge(config: SLOMaxConfig, profile: RequestProfile, o: RequestOutcome) -> bool:
+    """The ledger's verdict on an ended request: completed (not cancelled, not failed) and within
+    its tenant x class SLO (`met_slo`). `profile.request_class` is the class admission gave it.
+    What the gateway's per-site dashboard asks (`LedgeredAdmission.judge`), so it never judges apart."""
+    if not o.ok or o.cancelled:
+        return False
+    slo = config.slo(profile.tenant, profile.request_class or "")
+    return met_slo(slo, o, profile.arrival, request_deadline(slo, profile))
+
+
 @dataclass(slots=True)
 class _Req:
     entry: Entry
@@ -281,9 +298,7 @@ class SLOMax(LedgeredAdmission):
             return AdmissionDecision("reject", f"the {cls} queue is full ({policy.max_queue} waiting)", cls,
                                      "queue_full", self._retry_after(pool, cls, now))
         slo = cfg.slo(tenant.name, cls)
-        deadline = profile.deadline
-        if deadline is None and slo.deadline_s is not None:
-            deadline = arrival + slo.deadline_s
+        deadline = request_deadline(slo, profile)
         self._seq += 1
         e = Entry(profile.request_id, tenant.name, cls, profile.model, arrival, now,
                   self._weight(pool, cls, profile.prompt_tokens), profile.prompt_tokens, deadline, tenant.priority,
@@ -523,6 +538,9 @@ class SLOMax(LedgeredAdmission):
 
     def _met(self, req: _Req, o: RequestOutcome) -> bool:
         return met_slo(req.slo, o, req.entry.arrival, req.entry.deadline)
+
+    def judge(self, profile: RequestProfile, outcome: RequestOutcome) -> bool:
+        return judge(self.config, profile, outcome)
 
     def cancel(self, request_id: str, now: float) -> bool:
         """The client gave up. A waiting request leaves its queue at once (True); a running one

@@ -10,7 +10,7 @@ from typing import Any
 
 from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, RequestProfile
 
-from .admission import met_slo
+from .admission import judge, met_slo, request_deadline
 from .classify import Classification, UnknownClass, classify_profile
 from .config import SLOMaxConfig
 from .ledger import GoodputLedger, LedgeredAdmission
@@ -40,9 +40,7 @@ class FCFS(LedgeredAdmission):
         self.ledger.arrived(profile.tenant, cls, profile.arrival)
         self.ledger.admitted(profile.tenant, cls, profile.arrival)
         slo = self.config.slo(profile.tenant, cls)
-        deadline = profile.deadline
-        if deadline is None and slo.deadline_s is not None:
-            deadline = profile.arrival + slo.deadline_s
+        deadline = request_deadline(slo, profile)
         self._reqs[profile.request_id] = (profile.tenant, cls, profile.arrival, deadline)
         return AdmissionDecision("admit", "", cls)
 
@@ -63,6 +61,9 @@ class FCFS(LedgeredAdmission):
         else:
             met = met_slo(self.config.slo(tenant, cls), outcome, arrival, deadline)
             self.ledger.completed(tenant, cls, arrival, outcome.output_tokens, met)
+
+    def judge(self, profile: RequestProfile, outcome: RequestOutcome) -> bool:
+        return judge(self.config, profile, outcome)
 
     def snapshot(self, now: float) -> dict[str, Any]:
         return {"policy": self.name, "pools": {}, "tenants": {}}

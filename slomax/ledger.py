@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetcore.policies import Admission
+from fleetcore.types import RequestOutcome, RequestProfile
 
 COUNTERS = ("arrived", "admitted", "queued", "rejected", "completed", "met_slo", "cancelled", "failed",
             "retried", "output_tokens", "goodput_tokens")
@@ -194,3 +195,10 @@ class LedgeredAdmission(Admission):
     SLOMax and FCFS are both, so either serves the gateway and the reports read alike."""
 
     ledger: GoodputLedger
+
+    def judge(self, profile: RequestProfile, outcome: RequestOutcome) -> bool:
+        """Would the ledger book this ended request (its class the admitted one) as met_slo?
+        What views the ledger has no key for (the gateway's per-site goodput) ask, so a request
+        is judged one way everywhere (SLOMax and FCFS: `slomax.admission.judge`). A policy that
+        cannot tell books nothing as met."""
+        return False

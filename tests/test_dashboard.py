@@ -15,8 +15,13 @@ import pytest_asyncio
 
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from fleetcore.types import RequestOutcome
+from fleetcore.slo import ClassSLO
+from fleetcore.types import RequestOutcome, RequestProfile
+from gateway.admission import AdmissionGate
 from gateway.dashboard import DashboardRecorder, DashboardSampler, DashboardSeries
+from gateway.requests import ParsedRequest
+from slomax import FCFS, SLOMax
+from slomax.config import SLOMaxConfig, TenantPolicy
 from slomax.ledger import GoodputLedger
 from tests.chromium import headless_page
 from gateway.embedded import serve_app
@@ -51,13 +56,67 @@ def test_series_books_deltas_per_key_and_site_and_stays_bounded() -> None:
     assert keys["acme", "interactive"]["arrived"] == 1 and keys["acme", "interactive"]["goodput_tokens"] == 50
     assert keys["acme", "interactive"]["ended"] == 1 and keys["acme", "interactive"]["met_slo"] == 1
     assert keys["bob", "batch"]["rejected_by"] == {"queue_full": 1} and keys["bob", "batch"]["ended"] == 1
-    assert s["sites"] == {"east": {"ok": 4, "failed": 1, "output_tokens": 50}}
+    assert s["sites"] == {"east": {"ok": 4, "failed": 1, "output_tokens": 50,
+                                   "ended": 0, "met_slo": 0, "goodput_tokens": 0}}
     assert [round(x[1], 1) for x in rec.latencies] == [0.3, 0.4, 0.5]  # the ring keeps the latest 3
     s = series.sample(103.0)
-    assert s is not None and s["by_key"] == [] and s["sites"]["east"] == {"ok": 0, "failed": 0, "output_tokens": 0}
+    assert s is not None and s["by_key"] == [] and set(s["sites"]["east"].values()) == {0}
     for t in range(104, 110):
         series.sample(float(t))
     assert len(series.samples) == 4 and series.samples[-1]["t"] == 109.0
+
+
+class _NoFleet:
+    def view(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("policy_type", [FCFS, SLOMax])
+async def test_per_site_goodput_is_judged_as_the_ledger_judges_at_the_serving_site(policy_type: type) -> None:
+    """Admitted requests end at two sites, meeting or missing their class SLO (a tenant's own
+    SLO, a class deadline, the request's own deadline; failed and cancelled never meet it;
+    one never dispatched has no site): exact per-site counts, summing to the ledger's."""
+    cfg = SLOMaxConfig(tenants={"slow": TenantPolicy("slow", slos={"interactive": ClassSLO(ttft_s=5.0)})})
+    policy = policy_type(cfg)
+    gate = AdmissionGate(policy, _NoFleet(), lambda: 0.0)  # type: ignore[arg-type]
+    rec = DashboardRecorder()
+    gate.on_released.append(rec.released)
+    series = DashboardSeries(policy.ledger, rec)
+    series.sample(0.0)
+
+    async def run(rid: str, site: str | None, tenant: str = "acme", cls: str | None = None,
+                  deadline: float | None = None, **outcome: Any) -> None:
+        profile = RequestProfile(rid, MODEL, 100, tenant=tenant, request_class=cls, arrival=0.0,
+                                 deadline=deadline, stream=True)
+        parsed, _ = await gate.enter(ParsedRequest("chat", {}, profile, None, False),  # type: ignore[arg-type]
+                                     lambda aw: aw)
+        assert parsed.profile.request_class == (cls or "interactive")
+        if site is not None:
+            gate.attempt_ended(RequestOutcome(rid, f"{site}-0", site, **{"ok": True, **outcome}))
+        gate.release(rid)
+
+    # interactive: TTFT <= 1 s, TPOT <= 50 ms; batch: within 600 s
+    await run("e1", "east", ttft_s=0.5, mean_tpot_s=0.02, e2e_s=0.7, output_tokens=10)  # met
+    await run("e2", "east", ttft_s=2.0, mean_tpot_s=0.02, e2e_s=2.2, output_tokens=10)  # TTFT missed
+    await run("e3", "east", cls="batch", ttft_s=1.0, e2e_s=700.0, output_tokens=30)  # class deadline missed
+    await run("e4", "east", deadline=1.0, ttft_s=0.3, mean_tpot_s=0.02, e2e_s=1.5, output_tokens=9)  # own deadline
+    await run("w1", "west", ttft_s=0.2, mean_tpot_s=0.01, e2e_s=0.4, output_tokens=7)  # met
+    await run("w2", "west", tenant="slow", ttft_s=2.0, mean_tpot_s=0.3, e2e_s=3.0, output_tokens=4)  # met: its SLO
+    await run("w3", "west", ok=False, ttft_s=0.1, output_tokens=3, error="engine died")  # failed
+    await run("w4", "west", ok=False, cancelled=True, ttft_s=0.1, output_tokens=2)  # cancelled
+    await run("w5", "west", cls="batch", ttft_s=5.0, e2e_s=50.0, output_tokens=20)  # met
+    await run("n1", None)  # never reached an engine: no site to book it at
+
+    want = {"east": (4, 1, 10), "west": (5, 3, 31)}
+    assert {site: (c.ended, c.met_slo, c.goodput_tokens) for site, c in rec.sites.items()} == want
+    s = series.sample(10.0)
+    assert s is not None
+    assert {site: (d["ended"], d["met_slo"], d["goodput_tokens"]) for site, d in s["sites"].items()} == want
+    # The same verdicts the ledger booked: the sites add up to its totals.
+    cells = policy.ledger.totals.values()
+    assert sum(c.met_slo for c in cells) == 4 and sum(c.goodput_tokens for c in cells) == 41
+    s = series.sample(15.0)
+    assert s is not None and all(d["ended"] == d["met_slo"] == d["goodput_tokens"] == 0 for d in s["sites"].values())
 
 
 async def test_sampler_samples_on_its_timer_and_stops() -> None:
@@ -167,9 +226,17 @@ async def test_dashboard_renders_charts_with_data_in_headless_chromium(gateway: 
         shot = await page.screenshot(ARTIFACTS / "dashboard.png")
     print(f"\ndashboard screenshot: {shot}")
     assert set(counts) == {"goodput-class", "attainment-class", "goodput-tenant", "attainment-tenant",
-                           "output-site", "admission", "ttft-cdf", "tpot-cdf"}, counts
+                           "output-site", "goodput-site", "attainment-site", "admission", "ttft-cdf",
+                           "tpot-cdf"}, counts
     assert counts["goodput-class"][1] >= 2  # the default class and `tight`
     assert counts["attainment-class"][0] >= 2 and counts["output-site"][1] == 2  # sites a and b
+    assert counts["goodput-site"][1] == 2 and counts["attainment-site"][0] >= 1
+    # Per site, the requests that met their SLO are the ledger's: the samples add up to its totals.
+    site_met = sum(d["met_slo"] for s in data["samples"] for d in s["sites"].values())
+    key_met = sum(k["met_slo"] for s in data["samples"] for k in s["by_key"])
+    site_good = sum(d["goodput_tokens"] for s in data["samples"] for d in s["sites"].values())
+    key_good = sum(k["goodput_tokens"] for s in data["samples"] for k in s["by_key"])
+    assert site_met == key_met > 0 and site_good == key_good > 0
     assert counts["ttft-cdf"][0] >= 30 and counts["admission"][0] >= 2  # admitted and queued bars at least
     assert planner_rows >= 1
     assert ADMIN_KEY not in href and stored == ADMIN_KEY  # in the tab's storage, never in the URL

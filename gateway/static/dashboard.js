@@ -80,6 +80,13 @@
     C.line($("output-site"), sites.map((site) => ({
       name: site, points: S.map((s) => [s.t, s.sites[site] ? s.sites[site].output_tokens / s.dt : 0]) })),
       { time: true, ylabel: "tok/s" });
+    // Per site: admitted requests whose final attempt ended there, judged as the ledger judges them.
+    // A site absent from a sample served nothing then: no goodput, and no attainment to show.
+    const perSite = (fn, none) => sites.map((site) => ({
+      name: site, points: S.map((s) => [s.t, s.sites[site] ? fn(s.sites[site], s) : none]) }));
+    C.line($("goodput-site"), perSite((c, s) => (c.goodput_tokens || 0) / s.dt, 0), { time: true, ylabel: "tok/s" });
+    C.line($("attainment-site"), perSite((c) => (c.ended ? c.met_slo / c.ended : null), null),
+      { time: true, yMin: 0, yMax: 1, yfmt: pct });
     const a = d.admission;
     const bars = [{ label: "admitted", value: a.admitted, color: "#2ca02c" },
                   { label: "queued", value: a.queued, color: "#ff7f0e" }];
