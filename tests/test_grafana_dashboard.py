@@ -21,12 +21,15 @@ DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "tok
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")  # planner on: its metrics are exposed too
 ADMIN = {"Authorization": "Bearer sk-admin"}
 ACME = {"Authorization": "Bearer sk-acme"}
-_METRIC = re.compile(r"\btokenfleet_[A-Za-z0-9_]+")
+_METRIC = re.compile(r"\b(?:tokenfleet|gen_ai)_[A-Za-z0-9_]+")  # ours, and the OTel GenAI names
 # What the dashboard must show at least (issue 16): goodput, attainment, requests by status,
-# admission outcomes and reasons, replicas, event-loop lag, engine restarts, the planner.
+# admission outcomes and reasons, replicas, event-loop lag, engine restarts, the planner;
+# and TTFT, TPOT and queue wait per class from the per-class histograms.
 REQUIRED = {"tokenfleet_goodput_tokens_total", "tokenfleet_goodput_requests_total", "tokenfleet_requests_total",
             "tokenfleet_admission_rejected_total", "tokenfleet_replicas", "tokenfleet_event_loop_lag_recent_max_seconds",
-            "tokenfleet_engine_restarts_total", "tokenfleet_planner_decisions_total", "tokenfleet_ttft_seconds_bucket"}
+            "tokenfleet_engine_restarts_total", "tokenfleet_planner_decisions_total", "tokenfleet_ttft_seconds_bucket",
+            "gen_ai_server_time_to_first_token_seconds_bucket", "gen_ai_server_time_per_output_token_seconds_bucket",
+            "tokenfleet_queue_wait_seconds_bucket"}
 
 live = pytest.mark.asyncio(loop_scope="module")
 
@@ -101,6 +104,7 @@ async def test_every_promql_metric_is_exposed_by_a_live_gateway(metrics_text: st
     exposed = exposed_names(metrics_text)
     assert "tokenfleet_requests_total" in exposed and "tokenfleet_ttft_seconds_bucket" in exposed
     assert not referenced("rate(tokenfleet_no_such_metric_total[5m])") <= exposed  # the check can fail
+    assert not referenced("rate(gen_ai_no_such_metric_bucket[5m])") <= exposed
     used: set[str] = set()
     missing = []
     for where, e in expressions(json.loads(DASHBOARD.read_text())):
