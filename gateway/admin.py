@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from dataclasses import asdict
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -113,9 +114,10 @@ def _forbidden() -> GatewayError:
 
 
 class AdminAuth:
-    def __init__(self, config: FleetConfig) -> None:
+    def __init__(self, config: FleetConfig, keys: Any = None) -> None:
         self._hashes = set(config.admin_key_hashes())
         self._tenant_hashes = {h for t in config.tenants for h in t.key_hashes()}
+        self._keys = keys  # tenant keys created by API (gateway.keys.KeyStore): valid, not admin
 
     def require(self, headers: Mapping[str, str]) -> str:
         """The admin's fingerprint (for the audit log); 401 without a key, 403 for a non-admin key."""
@@ -126,6 +128,9 @@ class AdminAuth:
         if digest in self._hashes:
             return f"admin:{digest[:12]}"
         if digest in self._tenant_hashes:
+            raise _forbidden()
+        rec = self._keys.lookup(digest) if self._keys is not None else None
+        if rec is not None and rec.usable(time.time()):
             raise _forbidden()
         raise invalid_api_key("Incorrect API key provided.")
 
@@ -177,10 +182,10 @@ class RegionPolicyAdmin:
 
 
 def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyAdmin, relay: Any,
-                         placement: Any = None) -> None:
-    """`placement`: the planner the admin API talks to (`gateway.replica_state.PlannerAdmin` over the gateway's
+                         placement: Any = None, keys: Any = None) -> None:
+    """`keys`: the API-created tenant keys (`gateway.keys`; they get 403 here, not 401). `placement`: the planner the admin API talks to (`gateway.replica_state.PlannerAdmin` over the gateway's
     `PlacementLoop`: its mode durable, the lease holder's log on any replica), or None when it is off."""
-    auth = AdminAuth(config)
+    auth = AdminAuth(config, keys)
 
     def if_match(request: Request) -> int | None:
         raw = request.headers.get("if-match")

@@ -67,6 +67,8 @@ class AdmissionGate:
         # Budgets shared by the gateway's replicas (gateway.budget_store), when it has several.
         self.shared_budgets: SharedBudgets | None = None
         self._charges: dict[str, Charge] = {}  # admitted request -> what Redis charged for it
+        self.key_budgets: Any = None  # gateway.key_budgets.KeyBudgets: a key's own limits, checked first
+        self._key_charges: dict[str, Any] = {}  # admitted request -> what its key's budget charged
         self.shared_ledger: Any = None  # gateway.ledger_sync.LedgerSync: the replicas' goodput, when shared
         # Told of every admitted request's end: (profile with its admitted class, last outcome,
         # the policy's verdict `policy.judge`), e.g. the dashboard's per-site goodput.
@@ -84,6 +86,24 @@ class AdmissionGate:
         profile = parsed.profile
         rid = profile.request_id
         entered = self.clock()
+        shared = self.shared_budgets
+        # The key's own budgets first (gateway.key_budgets): 429 before the tenant's are touched.
+        keys = self.key_budgets
+        key_charge = keys.admit(parsed.key_id, profile, entered) if keys is not None else None
+        try:
+            parsed, avoid = await self._enter(parsed, race, entered)
+        except BaseException:
+            if key_charge is not None:
+                keys.settle(key_charge, 0, self.clock())  # never ran: its tokens (not its request) go back
+            raise
+        if key_charge is not None:
+            self._key_charges[rid] = key_charge
+        return parsed, avoid
+
+    async def _enter(self, parsed: ParsedRequest, race: Callable[[Any], Any],
+                     entered: float) -> tuple[ParsedRequest, tuple[str, ...]]:
+        profile = parsed.profile
+        rid = profile.request_id
         shared = self.shared_budgets
         # Fleet-wide budgets first (one bounded round trip); the policy gets the verdict, stays pure.
         charge = await shared.before_admit(profile) if shared is not None else None
@@ -160,10 +180,13 @@ class AdmissionGate:
             outcome = RequestOutcome(request_id=request_id, instance_id="", site="", ok=False,
                                      prompt_tokens=profile.prompt_tokens,
                                      e2e_s=max(0.0, self.clock() - profile.arrival), error="not dispatched")
+        used = (outcome.prompt_tokens or profile.prompt_tokens) + outcome.output_tokens
         charge = self._charges.pop(request_id, None)
         if charge is not None and self.shared_budgets is not None:
-            used = (outcome.prompt_tokens or profile.prompt_tokens) + outcome.output_tokens
             self.shared_budgets.settle(charge, used if outcome.instance_id else 0)
+        key_charge = self._key_charges.pop(request_id, None)
+        if key_charge is not None and self.key_budgets is not None:
+            self.key_budgets.settle(key_charge, used if outcome.instance_id else 0, self.clock())
         self._call(self.policy.observe, outcome)
         if self.on_released:
             met = bool(self._call(self.policy.judge, profile, outcome))  # as the ledger just booked it

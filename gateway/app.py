@@ -42,7 +42,9 @@ from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
 from gateway.embeddings import serve_embeddings
-from gateway.keys import FILE_NAME as KEYS_FILE, JsonFileKeyStore, KeyStore, install_key_routes
+from gateway.admin_store import SqliteKV
+from gateway.key_budgets import KeyBudgets
+from gateway.keys import KeyStore, KVKeyStore, install_key_routes
 from gateway.policy_snapshot import state_dir
 from gateway.relay import DecisionLog, Relay
 from gateway.responses_api import serve_responses
@@ -211,8 +213,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     gate.on_released.append(dash_recorder.released)  # per-site goodput: class and outcome meet there
     g = config.gateway
     pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
-    if key_store is None:  # tenant keys created by API (`gateway.keys`), kept under the state dir
-        key_store = JsonFileKeyStore(state_dir(config.gateway.state_dir) / KEYS_FILE)
+    if key_store is None:  # tenant keys created by API (`gateway.keys`), in the durable admin store
+        kv = replicas.kv or SqliteKV(state_dir(g.state_dir) / "admin-keys.sqlite3", timeout_s=g.store_timeout_s)
+        key_store = KVKeyStore(kv)
+    gate.key_budgets = KeyBudgets(key_store)  # a key's own budgets, on top of its tenant's
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config, key_store),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor, telemetry)
@@ -226,6 +230,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         relay.session = _client_session(config.gateway)
         await policy_sync.start()
         await replicas.start()
+        if isinstance(key_store, KVKeyStore):
+            await key_store.start()
         try:
             await state.start()
             if kv_feed is not None:
@@ -244,6 +250,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 await placement.stop()
             gate.close()
+            if isinstance(key_store, KVKeyStore):
+                await key_store.stop()
             await replicas.stop()
             await policy_sync.stop()
             if kv_feed is not None:
@@ -266,8 +274,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
-    install_admin_routes(app, config, policy_admin, relay, replicas.planner)
-    install_key_routes(app, config, key_store, AdminAuth(config).require)
+    install_admin_routes(app, config, policy_admin, relay, replicas.planner, key_store)
+    install_key_routes(app, config, key_store, AdminAuth(config, key_store).require)
     install_report_routes(app, config, gate, clock, telemetry.slo_log, keys=key_store)
     dashboard.install_dashboard_routes(app, config, dash_sampler, admission, placement)
     return app

@@ -23,6 +23,7 @@ class Caller:
     tenant: str
     region: str | None = None  # the tenant's home region, when the fleet file gives one
     default_class: str | None = None
+    key_id: str | None = None  # a key created by API (gateway.keys); None for fleet-file keys
 
 
 class Authenticator:
@@ -49,14 +50,17 @@ class Authenticator:
             raise invalid_api_key("Missing API key. Send `Authorization: Bearer <key>`.")
         digest = hash_api_key(key)
         tenant = self._by_hash.get(digest)
+        key_id = None
         if tenant is None:
             name, known = stored_caller_tenant(self.keys, digest, self._clock())
             if known and name is None:
                 raise invalid_api_key("This API key has been revoked or has expired.")
             tenant = self._by_name.get(name) if name is not None else None
+            rec = self.keys.lookup(digest) if tenant is not None and self.keys is not None else None
+            key_id = rec.id if rec is not None else None
         if tenant is None:
             raise invalid_api_key("Incorrect API key provided.")
-        return Caller(tenant.name, tenant.region, tenant.default_class)
+        return Caller(tenant.name, tenant.region, tenant.default_class, key_id)
 
 
 def bearer_token(header: str | None) -> str | None:

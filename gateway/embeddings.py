@@ -94,7 +94,7 @@ def parse_embeddings_request(raw: bytes, *, config: FleetConfig, caller: Caller,
         request_class=requested_class(headers, body, config))
     requested = asked if isinstance(asked, str) and asked != model_cfg.name and (
         model_override is not None or asked in config.aliases) else None
-    return ParsedRequest("embedding", body, profile, model_cfg, False, requested)
+    return ParsedRequest("embedding", body, profile, model_cfg, False, requested, key_id=caller.key_id)
 
 
 async def serve_embeddings(ctx: GatewayContext, request: Request) -> Response:

@@ -87,6 +87,7 @@ class Replicas:
                 self.lease = LeaderLease(self.shared, report=lambda: placement.report(200))
                 placement.may_act = lambda: self.lease is not None and self.lease.leader
         kv: AdminKV | None = RedisKV(self.shared) if self.shared is not None else local_kv
+        self.kv = kv  # the durable admin store: planner mode, API keys (gateway.keys)
         self.planner = PlannerAdmin(placement, kv, self.lease) if placement is not None else None
         if self.shared is not None and self.planner is not None:
             self.shared.on_beat.append(self.planner.load_mode)

@@ -53,6 +53,7 @@ class ParsedRequest:
     # What telemetry learns about the request on its way (gateway.telemetry); travels with it
     # through admission's `replace`. None: no telemetry (tests that build requests directly).
     obs: RequestRecord | None = None
+    key_id: str | None = None  # the API key created by API that sent it (its own budgets: gateway.key_budgets)
 
     @property
     def stream(self) -> bool:
@@ -118,7 +119,7 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
         task_type=headers.get(TASK_TYPE_HEADER) or None, stream=stream,
         client_region=resolve_region(headers.get(REGION_HEADER), caller, config), arrival=now,
         request_class=requested_class(headers, body, config))
-    return ParsedRequest(kind, body, profile, model_cfg, include_usage, requested)
+    return ParsedRequest(kind, body, profile, model_cfg, include_usage, requested, key_id=caller.key_id)
 
 
 def requested_class(headers: Mapping[str, str], body: Mapping[str, Any], config: FleetConfig) -> str | None:

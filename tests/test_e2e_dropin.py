@@ -343,7 +343,7 @@ async def _admin(fleet: Fleet, method: str, path: str, body: Any = None, key: st
 
 async def test_keys_create_use_list_rotate_revoke(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
     from fleetcore.fleet_config import hash_api_key
-    from gateway.keys import JsonFileKeyStore
+    from gateway.keys import KVKeyStore
 
     caplog.set_level("INFO", logger="tokenfleet.audit")
     r = await _admin(fleet, "POST", "/admin/v1/keys", {"tenant": "acme", "name": "ci",
@@ -360,10 +360,10 @@ async def test_keys_create_use_list_rotate_revoke(fleet: Fleet, caplog: pytest.L
     assert (row["name"], row["tenant"], row["revoked"]) == ("ci", "acme", False)
     assert row["created_at"] and row["last_used_at"]
     store = fleet.app.state.tokenfleet.auth.keys
-    assert isinstance(store, JsonFileKeyStore)
-    on_disk = store.path.read_text()
-    assert key not in on_disk and hash_api_key(key) in on_disk  # stored hashed
-    assert await JsonFileKeyStore(store.path).get(key_id) is not None  # survives a restart
+    assert isinstance(store, KVKeyStore)
+    stored = await store.kv.get(f"keys:rec:{key_id}")
+    assert key not in stored and hash_api_key(key) in stored  # stored hashed
+    assert await KVKeyStore(store.kv).get(key_id) is not None  # another store over the same admin store sees it
 
     rotated = await _admin(fleet, "POST", f"/admin/v1/keys/{key_id}/rotate")
     assert rotated.status_code == 200 and rotated.json()["id"] == key_id
@@ -395,6 +395,9 @@ async def test_keys_create_use_list_rotate_revoke(fleet: Fleet, caplog: pytest.L
     ("POST", "/admin/v1/keys", [1, 2], ADMIN, 400, None),
     ("POST", "/admin/v1/keys", {"tenant": "acme", "colour": "red"}, ADMIN, 400, "colour"),
     ("POST", "/admin/v1/keys", {"tenant": "acme"}, KEY, 403, None),
+    ("POST", "/admin/v1/keys", {"tenant": "acme", "budgets": {"requests_per_minute": 0}}, ADMIN, 400,
+     "budgets.requests_per_minute"),
+    ("POST", "/admin/v1/keys", {"tenant": "acme", "budgets": {"rpm": 5}}, ADMIN, 400, "budgets.rpm"),
     ("GET", "/admin/v1/keys", None, "", 401, None),
     ("DELETE", "/admin/v1/keys/key_nope", None, ADMIN, 404, None),
     ("POST", "/admin/v1/keys/key_nope/rotate", None, ADMIN, 404, None),
