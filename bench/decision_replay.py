@@ -1,0 +1,148 @@
+"""Decision replay: TokenPilot's decisions at two commits, bit-for-bit, on the same requests.
+
+    python bench/decision_replay.py                         # 74a6390^ vs 74a6390 (ROUTING.md, Decision cost)
+    python bench/decision_replay.py --old main --new WORKTREE --decisions 15000
+
+Each side is the repository's tree at that commit (`git archive`, extracted to a temporary
+folder; `WORKTREE` is the checkout this script runs from) and runs in its own Python
+process, so the two versions never share a module. Both replay the same deterministic
+stream (seeded): Mooncake-like prompts (shared first block, 40% extending an earlier
+conversation) over 64 instances, with shuffled and partial candidate pools, outcomes fed
+back to `observe` for most requests (TTFT / TPOT drawn around the prediction) and
+exploration on (TokenPilot's own seeded generator). Per decision they record the chosen
+instance, the predicted TTFT and every candidate score as `float.hex` (exact), the cached
+tokens and the reason text; the script then compares the two records line by line and
+prints the first divergence. Exit status 0 when identical, 1 otherwise.
+
+The figure in bench/ROUTING.md ("checked by replaying ~15,000 decisions ... identical
+choices, predicted TTFTs and explanations") is reproduced by the default command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="Replay TokenPilot decisions at two commits and compare them bit for bit.")
+    ap.add_argument("--old", default="74a6390^", help="git ref of the older router (default 74a6390^)")
+    ap.add_argument("--new", default="74a6390", help="git ref of the newer router, or WORKTREE (default 74a6390)")
+    ap.add_argument("--decisions", type=int, default=15000)
+    ap.add_argument("--instances", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", metavar="DIR", help="keep both decision records (JSONL) in DIR")
+    ap.add_argument("--record", metavar="OUT", help=argparse.SUPPRESS)  # internal: one side
+    ap.add_argument("--tree", metavar="DIR", help=argparse.SUPPRESS)
+    return ap
+
+
+def record(out: str, decisions: int, instances: int, seed: int) -> None:
+    """One side: run in a process whose sys.path starts with that commit's tree."""
+    import random
+
+    from fleetcore.prefix import synthetic_block_hashes
+    from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
+    from tokenpilot.priors import prior_from_physics
+    from tokenpilot.router import TokenPilot
+
+    rng = random.Random(seed)
+    prior = prior_from_physics("llama-3.1-8b", "H100")
+    ids = [f"i{k}" for k in range(instances)]
+    tp = TokenPilot({i: prior for i in ids})
+    convs: list[list[int]] = []
+    next_id = 1
+    pending: list[tuple[str, str, int, float | None]] = []
+    with open(out, "w") as f:
+        for n in range(decisions):
+            if convs and rng.random() < 0.4:
+                blocks = rng.choice(convs) + list(range(next_id, next_id + rng.randrange(1, 6)))
+            else:
+                blocks = [0] + list(range(next_id, next_id + rng.randrange(2, 48)))
+            next_id += 64
+            convs.append(blocks)
+            if len(convs) > 2000:
+                convs.pop(0)
+            pool = [InstanceSnapshot(i, "s", "m", "v", f"http://{i}", num_running=rng.randrange(0, 40)) for i in ids]
+            rng.shuffle(pool)
+            if rng.random() < 0.2:
+                pool = pool[: rng.randrange(1, len(pool) + 1)]
+            now = float(n) * 0.05
+            prof = RequestProfile(f"r{n}", "m", 512 * len(blocks), tuple(synthetic_block_hashes(blocks, 32)))
+            d = tp.route(prof, pool, now)
+            f.write(json.dumps({
+                "n": n, "instance": d.instance_id, "reason": d.reason, "cached": d.cached_tokens,
+                "ttft": None if d.predicted_ttft_s is None else float(d.predicted_ttft_s).hex(),
+                "cands": [[c.name, float(c.score).hex()] for c in d.candidates],
+            }, sort_keys=True) + "\n")
+            if d.instance_id is not None:
+                pending.append((prof.request_id, d.instance_id, prof.prompt_tokens, d.predicted_ttft_s))
+            # feed back outcomes of earlier requests, in a seeded order
+            while pending and rng.random() < 0.7:
+                rid, inst, ptoks, pred = pending.pop(rng.randrange(len(pending)))
+                base = pred if pred is not None else 0.2
+                tp.observe(RequestOutcome(rid, inst, "s", ok=rng.random() > 0.02, prompt_tokens=ptoks,
+                                          output_tokens=rng.randrange(1, 600),
+                                          ttft_s=base * rng.uniform(0.7, 1.5),
+                                          mean_tpot_s=rng.uniform(0.01, 0.06)))
+
+
+def tree_at(ref: str, tmp: str) -> Path:
+    if ref == "WORKTREE":
+        return ROOT
+    dest = Path(tmp) / ref.replace("/", "_").replace("^", "_parent").replace("~", "_back")
+    dest.mkdir(parents=True)
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref],
+                         check=True, capture_output=True).stdout
+    tf = Path(tmp) / (dest.name + ".tar")
+    tf.write_bytes(tar)
+    with tarfile.open(tf) as t:
+        t.extractall(dest)
+    return dest
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if args.record:
+        sys.path.insert(0, args.tree)
+        record(args.record, args.decisions, args.instances, args.seed)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = []
+        for side, ref in (("old", args.old), ("new", args.new)):
+            tree = tree_at(ref, tmp)
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD" if ref == "WORKTREE" else ref],
+                                 capture_output=True, text=True).stdout.strip()
+            out = str(Path(args.keep or tmp) / f"decisions-{side}.jsonl")
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            subprocess.run([sys.executable, __file__, "--record", out, "--tree", str(tree),
+                            "--decisions", str(args.decisions), "--instances", str(args.instances),
+                            "--seed", str(args.seed)], check=True, env=env, cwd=str(tree))
+            digest = hashlib.sha256(Path(out).read_bytes()).hexdigest()
+            print(f"{side}: {ref} ({rev}): {args.decisions} decisions, record sha256 {digest}")
+            outs.append(out)
+        a, b = (Path(o).read_text().splitlines() for o in outs)
+        diff = [k for k, (x, y) in enumerate(zip(a, b)) if x != y]
+        if len(a) != len(b):
+            diff.append(min(len(a), len(b)))
+        if not diff:
+            print(f"identical: {len(a)} decisions (choices, predicted TTFTs, candidate scores, reasons)")
+            return 0
+        print(f"DIFFERENT: {len(diff)} of {len(a)} decisions; first at #{diff[0]}:")
+        print("  old:", a[diff[0]] if diff[0] < len(a) else "<none>")
+        print("  new:", b[diff[0]] if diff[0] < len(b) else "<none>")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
