@@ -115,6 +115,11 @@ class SiteChooser(ABC):
     def set_policies(self, policies: PolicySet) -> None:
         """Swap the whole region-policy set (admin API). Default: the chooser applies none."""
 
+    def with_policies(self, policies: PolicySet) -> SiteChooser:
+        """A chooser that decides as this one would under `policies`, leaving this one as it is
+        (the admin dry-run of a proposed policy). Default: the chooser applies none: itself."""
+        return self
+
 
 class Admission(ABC):
     """Gateway admission (SLOMax, FCFS, the simulator's admit-all), in one of two modes.

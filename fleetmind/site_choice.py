@@ -23,6 +23,8 @@ Filter, then score, then decide with hysteresis:
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -127,6 +129,14 @@ class FleetMind(SiteChooser):
     def set_policies(self, policies: PolicySet) -> None:
         """Swap the whole policy set (admin API); takes effect on the next request."""
         self.policies = policies
+
+    def with_policies(self, policies: PolicySet) -> FleetMind:
+        # Shares the predictor (read only here) and copies the spill hysteresis, so a dry-run
+        # never moves the live chooser's state.
+        twin = copy.copy(self)
+        twin.policies = policies
+        twin._modes = dict(self._modes)
+        return twin
 
     def residency(self, profile: RequestProfile, view: FleetView) -> Residency:
         return self.policies.resolve(profile.tenant, profile.model, view.sites)

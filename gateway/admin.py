@@ -38,8 +38,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleetcore.fleet_config import FleetConfig
-from fleetcore.region_policy import RegionPolicy, check_policy
-from fleetcore.types import RequestProfile
+from fleetcore.policies import SiteChooser
+from fleetcore.region_policy import PolicySet, RegionPolicy, check_policy
+from fleetcore.types import FleetView, RequestProfile
 from gateway.auth import bearer_token
 from gateway.logs import emit
 from gateway.errors import GatewayError, bad_request, invalid_api_key
@@ -64,6 +65,10 @@ class DryRunBody(BaseModel):
     region: str | None = Field(default=None, description="client entry region (default: the fleet's entry region)")
     prompt_tokens: int = Field(default=1000, ge=0, le=100_000_000)
     request_class: str | None = Field(default=None, description="SLO class (default: by prompt length)")
+    proposed: RegionPolicy | None = Field(
+        default=None, description="a region policy to try: the answer shows where the request would go with "
+                                  "it (replacing the policy of the same tenant and model) next to today, "
+                                  "and what would change; nothing is stored")
 
 
 class PlannerModeBody(BaseModel):
@@ -181,11 +186,29 @@ class RegionPolicyAdmin:
         return version, before
 
 
+def _where(chooser: SiteChooser, profile: RequestProfile, view: FleetView, now: float) -> dict[str, Any]:
+    """Where `chooser` would send `profile`, and what its region policies allow (admin dry-run)."""
+    try:
+        decision = chooser.choose(profile, view, now)
+    except GatewayError as e:  # e.g. no policy known yet: the dry-run says so instead of failing
+        return {"site": None, "reason": e.message, "allowed_sites": None, "home_site": None, "spill": None,
+                "policies_applied": [], "candidates": []}
+    res = chooser.residency(profile, view)  # None: the chooser applies no region policy
+    return {
+        "site": decision.site, "reason": decision.reason,
+        "allowed_sites": sorted(res.allowed) if res else None,
+        "home_site": res.home if res else None, "spill": res.spill if res else None,
+        "policies_applied": list(res.policies) if res else [],
+        "candidates": [{"site": c.name, "score_s": c.score, **dict(c.detail)} for c in decision.candidates],
+    }
+
+
 def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyAdmin, relay: Any,
                          placement: Any = None, keys: Any = None) -> None:
     """`keys`: the API-created tenant keys (`gateway.keys`; they get 403 here, not 401). `placement`: the planner the admin API talks to (`gateway.replica_state.PlannerAdmin` over the gateway's
     `PlacementLoop`: its mode durable, the lease holder's log on any replica), or None when it is off."""
     auth = AdminAuth(config, keys)
+    tenant_names = {t.name for t in config.tenants}
 
     def if_match(request: Request) -> int | None:
         raw = request.headers.get("if-match")
@@ -245,15 +268,21 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
             prompt_tokens=body.prompt_tokens, tenant=body.tenant,
             request_class=body.request_class, client_region=body.region or config.entry_region)
         view = relay.state.view()
-        decision = relay.site_chooser.choose(profile, view, relay.clock())
-        res = relay.site_chooser.residency(profile, view)  # None: the chooser applies no region policy
-        return JSONResponse({
-            "site": decision.site, "reason": decision.reason,
-            "allowed_sites": sorted(res.allowed) if res else None,
-            "home_site": res.home if res else None, "spill": res.spill if res else None,
-            "policies_applied": list(res.policies) if res else [],
-            "candidates": [{"site": c.name, "score_s": c.score, **dict(c.detail)} for c in decision.candidates],
-        })
+        now = relay.clock()
+        answer = _where(relay.site_chooser, profile, view, now)
+        warnings = [] if not config.tenants or body.tenant in tenant_names else [
+            f"unknown tenant {body.tenant!r}: no key of this fleet maps to it (known: {', '.join(sorted(tenant_names))})"]
+        if body.proposed is not None:
+            p = body.proposed
+            proposal = admin.validate(p.tenant, p.model, p)  # 400 naming the field (unknown tenant too), as a PUT
+            snap = await admin.load()
+            policies = [q for q in snap.policies if q.key != proposal.key] + [proposal]
+            chooser = relay.site_chooser.with_policies(PolicySet(policies, version=snap.version + 1))
+            answer["proposed"] = with_it = _where(chooser, profile, view, now)
+            answer["changes"] = [k for k in ("site", "allowed_sites", "home_site", "spill", "policies_applied")
+                                 if with_it[k] != answer[k]]
+        answer["warnings"] = warnings
+        return JSONResponse(answer)
 
     @app.get("/admin/v1/planner")
     async def planner(request: Request, limit: int = 200) -> JSONResponse:

@@ -161,6 +161,9 @@ async def _up(args: argparse.Namespace) -> int:
             _say(f"ops      http://{f'[{ops_host}]' if ':' in ops_host else ops_host}:{ops_bound}")
         key = _dev_key(config)
         _say(f"api key  {key}" if key else "api key  (none needed: the fleet file has no tenants)")
+        if args.fleet is None and config.admin_api_keys:
+            # Only the embedded local fleet's plain dev key: a real fleet file's keys are never echoed.
+            _say(f"admin key {config.admin_api_keys[0]}  (dev only: /admin/v1/..., /dashboard, /docs)")
         budgets = sum(1 for t in config.tenants if t.budgets is not None)
         _say(f"admission {config.admission.policy} (classes {', '.join(sorted(config.admission.class_names))}; "
              f"{budgets} tenant(s) with budgets); goodput report at /v1/reports/goodput")

@@ -167,6 +167,9 @@ class GuardedSiteChooser(SiteChooser):
     def set_policies(self, policies: PolicySet) -> None:
         self.inner.set_policies(policies)
 
+    def with_policies(self, policies: PolicySet) -> SiteChooser:
+        return self.inner.with_policies(policies)
+
 
 def build_policy_sync(config: FleetConfig, store: PolicyStore | None, chooser: SiteChooser,
                       interval_s: float = 0.5) -> PolicySync:

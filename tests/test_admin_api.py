@@ -116,6 +116,32 @@ async def test_policy_change_reroutes_within_a_second_and_is_audited(gateway: st
         assert audit[0]["actor"].startswith("admin:") and "sk-admin" not in str(audit)
 
 
+async def test_dry_run_of_a_proposed_policy_says_what_would_change(gateway: str) -> None:
+    """A proposed policy is tried, not stored: today's answer next to the proposal's, the fields
+    that differ, and a warning for a tenant no key maps to."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        before = (await c.get(f"{gateway}/admin/v1/region-policies", headers=ADMIN)).json()
+        body = {"model": MODEL, "tenant": "acme", "region": "us-east",
+                "proposed": {"tenant": "acme", "model": "*", "allowed_jurisdictions": ["eu"]}}
+        dry = await c.post(f"{gateway}/admin/v1/dry-run", headers=ADMIN, json=body)
+        assert dry.status_code == 200, dry.text
+        d = dry.json()
+        assert d["site"] == "use1" and d["proposed"]["site"] == "euw1"
+        assert d["proposed"]["allowed_sites"] == ["euw1"] and d["proposed"]["policies_applied"] == ["acme/*"]
+        assert "site" in d["changes"] and "allowed_sites" in d["changes"] and d["warnings"] == []
+        # nothing was stored, and the live chooser still routes acme at home
+        assert (await c.get(f"{gateway}/admin/v1/region-policies", headers=ADMIN)).json() == before
+        assert await served_site(c, gateway, ACME) == "use1"
+        # an unknown tenant in the sample request is a warning, not an error
+        d2 = (await c.post(f"{gateway}/admin/v1/dry-run", headers=ADMIN,
+                           json={"model": MODEL, "tenant": "nobody"})).json()
+        assert d2["warnings"] and "unknown tenant 'nobody'" in d2["warnings"][0] and "changes" not in d2
+        # a proposal naming an unknown tenant is refused like a PUT would be
+        r = await c.post(f"{gateway}/admin/v1/dry-run", headers=ADMIN,
+                         json={"model": MODEL, "proposed": {"tenant": "nobody", "allowed_jurisdictions": ["eu"]}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+
+
 async def test_fleet_view_shows_probed_rtts(gateway: str) -> None:
     """The gateway measures the round trip to each site from its health probes (the emulated WAN)."""
     async with httpx.AsyncClient(timeout=10) as c:

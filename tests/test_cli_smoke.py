@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")
 
 
@@ -109,3 +112,39 @@ def test_check_reports_fleet_file_errors(tmp_path: Path) -> None:
     ok = subprocess.run([sys.executable, "-m", "tokenfleet", "check"], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
     assert "8 instance(s)" in ok.stdout
+
+
+@pytest.mark.slow
+def test_tokenfleet_up_on_the_local_fleet_prints_a_working_admin_key() -> None:
+    """The embedded local fleet's dev admin key is printed (discoverability), and it is the admin's."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", "up", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = read_until(proc, r"gateway\s+(http://\S+)/v1", 90).group(1)
+        tenant_key = read_until(proc, r"api key\s+(\S+)", 5).group(1)
+        admin_key = read_until(proc, r"admin key\s+(\S+)", 5).group(1)
+        assert admin_key != tenant_key
+        admin = httpx.get(f"{url}/admin/v1/fleet", headers={"Authorization": f"Bearer {admin_key}"}, timeout=10)
+        assert admin.status_code == 200, admin.text
+        tenant = httpx.get(f"{url}/admin/v1/fleet", headers={"Authorization": f"Bearer {tenant_key}"}, timeout=10)
+        assert tenant.status_code == 403, tenant.text
+        # The README's admin examples run as written against this fleet (only the port differs).
+        examples = readme_admin_examples()
+        assert len(examples) >= 15
+        for line in examples:
+            argv = shlex.split(line.replace("localhost:8080", url.removeprefix("http://")))
+            done = subprocess.run([*argv, "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "20"],
+                                  capture_output=True, text=True, timeout=30)
+            assert done.stdout.strip() in ("200", "201"), f"{line} -> {done.stdout} {done.stderr}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def readme_admin_examples() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- admin-examples:", 1)[1].split("<!-- /admin-examples -->", 1)[0]
+    return [ln.strip() for ln in block.splitlines() if ln.strip().startswith("curl ")]
+
