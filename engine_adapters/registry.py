@@ -70,17 +70,21 @@ def _check_sim_hardware(spec: str, gpu: str, tp: int, where: str) -> None:
         raise FleetConfigError(f"deployment {where}: {e}") from None
 
 
-def build_adapters(config: FleetConfig) -> list[EngineAdapter]:
-    """One adapter per deployment; instance ids read `site/model/N` (`site/model#k/N` when a
-    site runs several deployments of one model)."""
+def adapter_prefixes(config: FleetConfig) -> list[str]:
+    """Each deployment's instance-id prefix: instance ids read `site/model/N` (`site/model#k/N`
+    when a site runs several deployments of one model)."""
     seen: Counter[tuple[str, str]] = Counter()
-    adapters = []
+    out = []
     for d in config.deployments:
         k = seen[(d.site, d.model)]
         seen[(d.site, d.model)] += 1
-        prefix = f"{d.site}/{d.model}" + (f"#{k}" if k else "")
-        adapters.append(build_adapter(config, d, prefix))
-    return adapters
+        out.append(f"{d.site}/{d.model}" + (f"#{k}" if k else ""))
+    return out
+
+
+def build_adapters(config: FleetConfig) -> list[EngineAdapter]:
+    """One adapter per deployment (ids from `adapter_prefixes`)."""
+    return [build_adapter(config, d, prefix) for d, prefix in zip(config.deployments, adapter_prefixes(config))]
 
 
 async def launch_all(adapters: list[EngineAdapter]) -> list[Instance]:

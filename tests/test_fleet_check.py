@@ -95,3 +95,31 @@ def test_field_errors_and_unknown_names_in_one_pass() -> None:
     got = {(p.line, p.where): p.message for p in problems}
     assert got[(12, "deployments.1.gpuu")] == "unknown field 'gpuu' (did you mean 'gpu'?)"
     assert got[(11, "deployments.1.model")].endswith("(did you mean 'llama'?)")
+
+
+ADAPTER_ERRORS = """\
+sites:
+  - {name: s1, region: r, jurisdiction: j}
+models:
+  - name: m
+    engine: {spec: llama-3.1-8b}
+deployments:
+  - {site: s1, model: m, instances: 1, gpu: H100, options: {network_rtt: 5}}
+  - {site: s1, model: m, instances: 1, gpu: H100, options: {time_scael: 2}}
+"""
+
+
+def test_adapter_options_are_problems_too_not_a_traceback(tmp_path: Path) -> None:
+    """Unknown sim options live in the adapter; `check` reports each deployment's, with lines."""
+    f = tmp_path / "fleet.yaml"
+    f.write_text(ADAPTER_ERRORS)
+    done = subprocess.run([sys.executable, "-m", "tokenfleet", "check", "--fleet", str(f)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = [ln.strip() for ln in done.stderr.splitlines()[1:]]
+    assert lines == [
+        f"{f}:7: deployments.0.options: s1/m: unknown sim option(s) 'network_rtt' (did you mean 'network_rtt_ms'?) "
+        "(known: time_scale, num_gpu_blocks_override, startup_s, network_rtt_ms, urls)",
+        f"{f}:8: deployments.1.options: s1/m#1: unknown sim option(s) 'time_scael' (did you mean 'time_scale'?) "
+        "(known: time_scale, num_gpu_blocks_override, startup_s, network_rtt_ms, urls)",
+    ]

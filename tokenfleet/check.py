@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_adapters.registry import build_adapters
-from fleetcore.fleet_check import check_fleet_text
-from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfigError
+from engine_adapters.base import AdapterError
+from engine_adapters.registry import adapter_prefixes, build_adapter
+from fleetcore.fleet_check import Problem, check_fleet_text, line_map
+from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, FleetConfigError
 
 
 def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,8 +36,27 @@ def run_check(args: argparse.Namespace) -> int:
         for p in problems:
             print("  " + p.format(str(path)), file=sys.stderr)
         return 2
-    build_adapters(config)
+    problems = adapter_problems(config, line_map(text))
+    if problems:  # checks that live in the adapters (sim options, a model that does not fit its GPU)
+        print(f"{path}: invalid fleet file ({len(problems)} problem(s))", file=sys.stderr)
+        for p in problems:
+            print("  " + p.format(str(path)), file=sys.stderr)
+        return 2
     n = sum(d.instance_count for d in config.deployments)
     print(f"{path}: ok — {len(config.sites)} site(s), {len(config.models)} model(s), {n} instance(s), "
           f"{len(config.tenants)} tenant(s)")
     return 0
+
+
+def adapter_problems(config: FleetConfig, lines: dict[tuple[str | int, ...], int]) -> list[Problem]:
+    """Each deployment's adapter built on its own, so every deployment's problem is reported."""
+    out = []
+    for i, (d, prefix) in enumerate(zip(config.deployments, adapter_prefixes(config))):
+        try:
+            build_adapter(config, d, prefix)
+        except (AdapterError, FleetConfigError) as e:
+            where = ("deployments", i, "options") if d.options else ("deployments", i)
+            line = next((lines[where[:n]] for n in range(len(where), 0, -1) if where[:n] in lines), None)
+            out.append(Problem(line, ".".join(map(str, where)), str(e)))
+    return out
+

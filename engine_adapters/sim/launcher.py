@@ -22,6 +22,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fleetcore.fleet_config import did_you_mean
 from engine_adapters.base import AdapterError, Instance, KVEventBatch
 from engine_adapters.http_engine import HttpEngineAdapter, ndjson_kv_events
 from engine_adapters.process import drain, exit_code_soon, spawn, terminate
@@ -73,8 +74,9 @@ class SimAdapter(HttpEngineAdapter):
         if rtt:
             self._args += ["--network-rtt-ms", str(rtt)]
         if opts:
-            raise AdapterError(f"{id_prefix}: unknown sim option(s) {sorted(opts)} "
-                               f"(known: {', '.join(SIM_OPTIONS)})")
+            raise AdapterError(f"{id_prefix}: unknown sim option(s) "
+                               + ", ".join(f"{k!r}{did_you_mean(k, SIM_OPTIONS)}" for k in sorted(opts))
+                               + f" (known: {', '.join(SIM_OPTIONS)})")
         self._gpu_util = gpu_memory_utilization
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._instances: list[Instance] = []
