@@ -50,7 +50,8 @@ class InstanceState:
     instance: Instance
     load: LoadSnapshot | None = None
     ready: bool = False
-    inflight: int = 0
+    inflight: int = 0  # this replica's dispatches not yet finished
+    remote_inflight: int = 0  # the other replicas' (gateway.load_sync), one period stale
     failed_at: float = float("-inf")  # clock time of the last failed connection
     last_poll: float | None = None
     last_error: str | None = None
@@ -82,7 +83,7 @@ def instance_snapshot(st: InstanceState) -> InstanceSnapshot:
     inst, load = st.instance, st.load
     return InstanceSnapshot(
         instance_id=inst.instance_id, site=inst.site, model=inst.model, version=inst.version,
-        url=inst.url, ready=st.up, draining=st.draining, inflight=st.inflight,
+        url=inst.url, ready=st.up, draining=st.draining, inflight=st.inflight + st.remote_inflight,
         num_running=load.num_running if load else 0,
         num_waiting=load.num_waiting if load else 0,
         kv_usage=load.kv_usage if load else 0.0,

@@ -17,7 +17,9 @@ from fleetcore.fleet_config import FleetConfig
 from gateway.admin_store import AdminKV, RedisKV
 from gateway.budget_store import SharedBudgets
 from gateway.lease import LeaderLease
+from gateway.fleet_state import FleetState
 from gateway.ledger_sync import LedgerSync
+from gateway.load_sync import LoadSync
 from gateway.placement import MODES, Mode, PlacementLoop
 from gateway.policy_store import StoreUnavailable
 from gateway.shared_state import SharedRedis, SharedStateCollector
@@ -70,14 +72,18 @@ class PlannerAdmin:
 
 class Replicas:
     def __init__(self, config: FleetConfig, gate: Any, placement: PlacementLoop | None, registry: Any,
-                 clock: Callable[[], float], policy_store: Any, local_kv: AdminKV | None) -> None:
+                 clock: Callable[[], float], policy_store: Any, local_kv: AdminKV | None,
+                 state: FleetState | None = None) -> None:
         g = config.gateway
         url = g.redis_url or getattr(policy_store, "url", None)
         self.shared = SharedRedis(url, g) if url else None
         self.budgets: SharedBudgets | None = None
         self.ledger: LedgerSync | None = None
         self.lease: LeaderLease | None = None
+        self.load: LoadSync | None = None
         if self.shared is not None:
+            if state is not None:
+                self.load = LoadSync(self.shared, state, g.load_sync_s)
             if g.shared_budgets and isinstance(gate.policy, SLOMax):  # the policy that keeps budgets
                 self.budgets = SharedBudgets(self.shared, gate.policy, clock)
                 gate.shared_budgets = self.budgets
@@ -104,6 +110,8 @@ class Replicas:
                 log.warning("planner mode: %s; keeping the fleet file's %s", e, self.planner.mode)
         if self.ledger is not None:
             self.ledger.start()
+        if self.load is not None:
+            self.load.start()
         if self.lease is not None:
             self.lease.start()
 
@@ -112,6 +120,8 @@ class Replicas:
             await self.lease.stop()
         if self.ledger is not None:
             await self.ledger.stop()
+        if self.load is not None:
+            await self.load.stop()
         if self.budgets is not None:
             await self.budgets.close()
         if self.shared is not None:

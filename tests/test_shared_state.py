@@ -262,3 +262,42 @@ async def test_one_gateway_without_redis_keeps_policies_and_planner_mode_across_
     audit = await get_json(url + "/admin/v1/audit")
     assert [e["action"] for e in audit["entries"]][:1] == ["create"]
     assert (await get_json(url + "/admin/v1/planner"))["mode"] == "off"
+
+
+async def test_in_flight_load_is_seen_by_every_replica(gateways: Gateways, stub_upstream: Any, fake_adapter: Any,
+                                                       instance_factory: Any, tmp_path: Path,
+                                                       redis_proc: RedisProc) -> None:
+    """Two replicas in front of one engine instance: what one dispatches, the other's routing view
+    counts within a few load-sync periods (0.1 s); gone from it when it ends, or when Redis is."""
+    up = await stub_upstream(chunks=1, delay_s=0.0)
+    apps = []
+    for i in range(2):
+        app = create_app(fleet(tmp_path / f"state{i}", redis_proc.url),
+                         [fake_adapter([instance_factory("i0", up.url)])], poll_interval_s=60)
+        await gateways.start(app)
+        apps.append(app)
+    a, b = (x.state.tokenfleet.state for x in apps)
+
+    def seen_by_b() -> int:
+        (snap,) = [i for i in b.view().instances() if i.instance_id == "i0"]
+        return snap.inflight
+
+    for _ in range(3):
+        a.begin("i0")  # three requests in flight through replica A
+    took = await until(lambda: _is(seen_by_b, 3), 2)
+    assert took < 1.0, f"replica B saw A's load only after {took:.2f} s"
+    b.begin("i0")  # B's own dispatch adds to the others'
+    assert seen_by_b() == 4
+    b.end("i0")
+    for _ in range(3):
+        a.end("i0")
+    await until(lambda: _is(seen_by_b, 0), 2)
+    for _ in range(2):
+        a.begin("i0")
+    await until(lambda: _is(seen_by_b, 2), 2)
+    redis_proc.stop()  # stale counts are dropped, not kept: B routes on its own and the engines' figures
+    await until(lambda: _is(seen_by_b, 0), 5)
+
+
+async def _is(probe: Callable[[], int], want: int) -> bool:
+    return probe() == want
