@@ -238,6 +238,8 @@ class GatewaySettings(_Strict):
                                                                        "ledger deltas to Redis")
     load_sync_s: float = Field(default=0.1, gt=0, le=10, description="how often replicas exchange their "
                                                                      "per-instance in-flight counts")
+    route_share_s: float = Field(default=0.1, gt=0, le=10, description="how often replicas exchange their routes "
+                                                                       "(history-mode prefix index)")
     lease_ttl_s: float = Field(default=5.0, gt=0, description="the planner leader lease; a holder that cannot "
                                                               "renew stops acting before it runs out")
     lease_renew_s: float = Field(default=1.0, gt=0, description="how often the holder renews (at most a third "

@@ -84,6 +84,11 @@ class InstanceRouter(ABC):
                           now: float) -> None:
         """Engine KV cache events (only sent when `follows_kv_events`). Default: ignored."""
 
+    def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
+        """Another gateway replica sent a prompt with these leading prefix blocks to the instance
+        (its blocks will be cached there): a history-mode index learns it as its own route.
+        Default: ignored (the router keeps no prefix index)."""
+
     def cache_blocks(self, instance_id: str) -> int | None:
         """Prefix blocks the router's cache index holds for the instance (operators' fleet view).
         None: the router keeps no index it can report."""

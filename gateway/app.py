@@ -207,7 +207,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     metrics.registry.register(FleetCollector(state, placement))
     # Several replicas: budgets, ledger, lease and admin state shared through Redis (gateway.replica_state).
     replicas = Replicas(config, gate, placement, metrics.registry, clock, policy_store or policy_sync.store,
-                        getattr(policy_sync.store, "kv", None), state)
+                        getattr(policy_sync.store, "kv", None), state, relay)
     dash_recorder, dash_sampler = dashboard.wire(admission.ledger, dashboard_sample_s)
     relay.listeners.append(dash_recorder)
     gate.on_released.append(dash_recorder.released)  # per-site goodput: class and outcome meet there

@@ -56,6 +56,7 @@ from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instan
 from gateway.fleet_state import FleetState
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
+from gateway.route_share import RouteShare
 from gateway.shutdown import Shutdown
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -445,6 +446,8 @@ class Relay:
         # Others that learn from traffic (FleetMind's placement loop): `arrived(profile)` for
         # every parsed request, before admission; `observe(outcome)` like the policies.
         self.listeners: list[Any] = []
+        # Several replicas: each route also goes to the others' history-mode prefix index.
+        self.route_share: RouteShare | None = None
 
     def observe(self, outcome: RequestOutcome) -> None:
         """Feed every policy that learns; a policy bug must not fail the request."""
@@ -531,6 +534,8 @@ class Relay:
                     self.admission.retried(parsed.profile.request_id)
             if self.admission is not None:
                 self.admission.routed(parsed.profile.request_id, target.instance.instance_id)
+            if self.route_share is not None:
+                self.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
             try:
                 return await self._dispatch(watch, parsed, path, target)
             except RetryableFailure as f:

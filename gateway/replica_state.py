@@ -20,6 +20,7 @@ from gateway.lease import LeaderLease
 from gateway.fleet_state import FleetState
 from gateway.ledger_sync import LedgerSync
 from gateway.load_sync import LoadSync
+from gateway.route_share import RouteShare
 from gateway.placement import MODES, Mode, PlacementLoop
 from gateway.policy_store import StoreUnavailable
 from gateway.shared_state import SharedRedis, SharedStateCollector
@@ -73,7 +74,7 @@ class PlannerAdmin:
 class Replicas:
     def __init__(self, config: FleetConfig, gate: Any, placement: PlacementLoop | None, registry: Any,
                  clock: Callable[[], float], policy_store: Any, local_kv: AdminKV | None,
-                 state: FleetState | None = None) -> None:
+                 state: FleetState | None = None, relay: Any = None) -> None:
         g = config.gateway
         url = g.redis_url or getattr(policy_store, "url", None)
         self.shared = SharedRedis(url, g) if url else None
@@ -81,9 +82,12 @@ class Replicas:
         self.ledger: LedgerSync | None = None
         self.lease: LeaderLease | None = None
         self.load: LoadSync | None = None
+        self.routes: RouteShare | None = None
         if self.shared is not None:
             if state is not None:
                 self.load = LoadSync(self.shared, state, g.load_sync_s)
+            if relay is not None:
+                self.routes = relay.route_share = RouteShare(self.shared, relay.router, clock, g.route_share_s)
             if g.shared_budgets and isinstance(gate.policy, SLOMax):  # the policy that keeps budgets
                 self.budgets = SharedBudgets(self.shared, gate.policy, clock)
                 gate.shared_budgets = self.budgets
@@ -112,6 +116,8 @@ class Replicas:
             self.ledger.start()
         if self.load is not None:
             self.load.start()
+        if self.routes is not None:
+            self.routes.start()
         if self.lease is not None:
             self.lease.start()
 
@@ -122,6 +128,8 @@ class Replicas:
             await self.ledger.stop()
         if self.load is not None:
             await self.load.stop()
+        if self.routes is not None:
+            await self.routes.stop()
         if self.budgets is not None:
             await self.budgets.close()
         if self.shared is not None:

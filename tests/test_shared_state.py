@@ -301,3 +301,33 @@ async def test_in_flight_load_is_seen_by_every_replica(gateways: Gateways, stub_
 
 async def _is(probe: Callable[[], int], want: int) -> bool:
     return probe() == want
+
+
+async def test_routes_reach_the_other_replicas_history_index(gateways: Gateways, stub_upstream: Any,
+                                                            fake_adapter: Any, instance_factory: Any,
+                                                            tmp_path: Path, redis_proc: RedisProc) -> None:
+    """History mode (no KV events): a prompt routed by replica A is in replica B's prefix index
+    within a few periods, as the same blocks A's own index recorded."""
+    up = await stub_upstream(chunks=1, delay_s=0.0)
+    apps, urls = [], []
+    for i in range(2):
+        app = create_app(fleet(tmp_path / f"state{i}", redis_proc.url),
+                         [fake_adapter([instance_factory("i0", up.url)])], poll_interval_s=60)
+        urls.append(await gateways.start(app))
+        apps.append(app)
+    ra, rb = (x.state.tokenfleet.relay.router for x in apps)
+    assert rb.cache_blocks("i0") == 0
+    prompt = " ".join(f"word{i}" for i in range(600))  # ~600 tokens: many full blocks
+    body = {**BODY, "messages": [{"role": "user", "content": prompt}]}
+    async with aiohttp.ClientSession() as s, s.post(urls[0] + "/v1/chat/completions", json=body,
+                                                    headers={"Authorization": f"Bearer {KEY_A}"}) as r:
+        assert r.status == 200, await r.text()
+    own = ra.cache_blocks("i0")
+    assert own is not None and own > 5
+
+    async def learned() -> bool:
+        return rb.cache_blocks("i0") == own
+    took = await until(learned, 2)
+    assert took < 1.0, f"replica B learned A's route only after {took:.2f} s"
+    assert apps[1].state.replicas.routes.heard == 1
+    assert apps[0].state.replicas.routes.heard == 0  # a replica does not hear itself

@@ -435,6 +435,10 @@ class TokenPilot(InstanceRouter):
             learned.decode.update(outcome.mean_tpot_s, max(float(predicted), 1e-4))
             m[s.DECODE_FACTOR, k] = learned.decode.value
 
+    def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
+        if self._s.slot(instance_id) is not None:  # a known instance (exact ones keep following their events)
+            self.index.record_route(instance_id, block_hashes, now)
+
     def observe_kv_events(self, instance_id: str, seq: int, events: Sequence[Mapping[str, object]],
                           now: float) -> None:
         """Engine KV events: the cache index follows them exactly (see `PrefixCacheIndex`)."""
