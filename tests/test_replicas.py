@@ -81,6 +81,43 @@ def test_requests_spread_over_replicas_streams_intact(fleet: ReplicaFleet) -> No
     assert {s.replica for s in results} == {"replica0", "replica1", "replica2"}, [s.replica for s in results]
 
 
+def test_budget_is_held_fleet_wide_behind_haproxy_and_reports_agree(fleet: ReplicaFleet) -> None:
+    """Tenant `capped` may make 12 requests/minute: through HAProxy, spread over three replicas,
+    at most that (plus its refill and one per replica of slack) gets in, at least 0.9 of it; and
+    the goodput report gives the same totals from every replica within 2 s."""
+    rpm, n, sent = 12, 3, 36
+    capped = {"authorization": "Bearer sk-test-capped"}
+    one = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+
+    async def main() -> tuple[list[int], set[str]]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            sem = asyncio.Semaphore(6)
+
+            async def go() -> tuple[int, str]:
+                async with sem:
+                    r = await c.post(f"{fleet.lb_url}/v1/chat/completions", headers=capped, json=one)
+                    return r.status_code, r.headers.get("x-tokenfleet-replica", "")
+            done = await asyncio.gather(*(go() for _ in range(sent)))
+            return [s for s, _ in done], {rep for _, rep in done}
+
+    t0 = time.monotonic()
+    statuses, replicas = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    admitted = statuses.count(200)
+    assert set(statuses) <= {200, 429}, statuses
+    assert len(replicas) >= 2, replicas  # it really was spread (else one replica's own bucket would do)
+    assert 0.9 * rpm <= admitted <= rpm + rpm * elapsed / 60 + n, (admitted, elapsed)
+    with httpx.Client(timeout=10) as c:
+        deadline = time.monotonic() + 2.0
+        while True:
+            totals = [c.get(f"{u}/v1/reports/goodput?tenant=capped", headers=ADMIN).json()["totals"]
+                      for u in fleet.urls.values()]
+            if all(t["arrived"] == sent and t["admitted"] == admitted for t in totals):
+                break
+            assert time.monotonic() < deadline, totals
+            time.sleep(0.05)
+
+
 def test_policy_change_through_one_replica_routes_on_every_replica_within_2s(fleet: ReplicaFleet) -> None:
     path = f"/admin/v1/region-policies/acme/{MODEL}"
 
