@@ -60,7 +60,7 @@ def test_with_a_large_lag_replicas_see_fewer_of_each_others_dispatches() -> None
     assert r0.remote_dispatches == r1.remote_dispatches == 240  # all heard, the stale ones after the run
     # Each replica's prefix tree holds only its own dispatches: it sends a conversation
     # where another replica never sent it, so the engines' caches are hit less.
-    assert stale < fresh - 0.03, (fresh, stale)
+    assert stale < fresh - 0.1, (fresh, stale)
 
 
 class _Seen(InstanceRouter):
