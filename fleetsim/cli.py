@@ -40,6 +40,7 @@ from tokenpilot.registry import ROUTER_NAMES, make_router
 from .metrics import RequestRecord, summarize, summarize_all
 from .planning import PlannerLoop
 from .plots import PlotUnavailable, Run, require_matplotlib, write_plots
+from .replicas import ReplicatedRouter
 from .report import (
     build_report,
     format_table,
@@ -181,6 +182,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="client timeout: a request not finished S seconds after arrival is cancelled")
     p.add_argument("--describe-capacity", action="store_true",
                    help="print the fleet's estimated capacity for this workload and exit")
+    p.add_argument("--gateways", type=int, default=1, metavar="N",
+                   help="N gateway replicas behind a round-robin load balancer, each with its own router "
+                        "(default 1)")
+    p.add_argument("--sync-ms", type=float, default=0.0, metavar="M",
+                   help="with --gateways: a replica hears of the others' dispatches and releases M ms late "
+                        "(default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -261,6 +268,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err("--max-requests must be at least 1")
     if args.timeout is not None and not args.timeout > 0:
         return _err("--timeout must be positive")
+    if args.gateways < 1:
+        return _err("--gateways must be at least 1")
+    if not args.sync_ms >= 0:
+        return _err("--sync-ms must be >= 0")
     if not Path(args.trace).is_file():
         return _err(f"trace file not found: {args.trace}")
     if args.plot:
@@ -283,6 +294,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     desc = wl.describe()
     desc.update({"trace": str(args.trace), "rate_scale": args.rate_scale, "max_requests": args.max_requests,
                  "seed": args.seed, "timeout_s": args.timeout})
+    if args.gateways > 1:  # one replica's report stays as it was
+        desc.update({"gateways": args.gateways, "sync_ms": args.sync_ms})
     fsum["capacity"] = cap
     deps = ", ".join(f"{d['instances']} x {d['model']} on {d['tp']}x{d['gpu']} @ {d['site']}"
                      for d in fsum["deployments"])
@@ -320,6 +333,10 @@ def run_simulate(args: argparse.Namespace) -> int:
             random.seed(args.seed)  # for any policy that draws from the module RNG
             try:
                 router = make_policy(name, args.seed, fleet)
+                if args.gateways > 1:  # replica i: its own router, seeded apart
+                    router = ReplicatedRouter([router] + [make_policy(name, args.seed + i, fleet)
+                                                          for i in range(1, args.gateways)],
+                                              sync_s=args.sync_ms / 1000.0)
             except Exception as e:  # a policy that cannot be built must not sink the others
                 return _err(f"policy {name!r} could not be built: {e}")
             label = name if len(placements) == 1 else f"{name}/{placement}"

@@ -68,6 +68,7 @@ from fleetcore.policies import EnginePrior
 from tokenpilot.priors import prior_from_physics
 
 from .metrics import RequestRecord, Status
+from .replicas import ReplicatedRouter
 
 # --- inputs -------------------------------------------------------------------
 
@@ -297,7 +298,7 @@ class _Req:
 
 
 # Heap event kinds; ties at one instant run in push order (the sequence number).
-_REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL, _TICK, _READY = range(8)
+_REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL, _TICK, _READY, _SYNC = range(9)
 
 # A periodic controller (e.g. FleetMind's placement planner): called as fn(simulator, now).
 Controller = Callable[["FleetSimulator", float], None]
@@ -328,6 +329,8 @@ class FleetSimulator:
                  controllers: Sequence[tuple[float, Controller]] = ()) -> None:
         self.fleet = fleet
         self.router = router
+        if isinstance(router, ReplicatedRouter):  # gateway replicas: their syncs run in virtual time
+            router.attach(lambda t, fn: self._push(t, _SYNC, fn))
         self.site_chooser: SiteChooser = site_chooser or NearestReadySite()
         self.admission = admission or AdmitAll()
         self.progress = progress
@@ -636,6 +639,8 @@ class FleetSimulator:
                     self._after_release(now)  # queued work may start on it
                     if b is not None:
                         b(a.iid, now)
+                elif kind == _SYNC:
+                    a(now)  # a gateway replica hears of another's dispatch or release
                 else:  # _ABORT
                     a.engine.abort(b)
             elif i < n:
