@@ -109,6 +109,21 @@ async def scenario(url: str, admission: str, flood: int, chats: int) -> Report:
     return rep
 
 
+async def all_ready(url: str, instances: int, timeout_s: float = 30.0) -> None:
+    """Wait until the gateway's health checks have seen every instance ready: the scenario measures
+    admission in steady state, not a race with the gateway's first polls (which sized the
+    prefill budget for fewer instances and let the flood's queue time out on some runs)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        while True:
+            async with s.get(f"{url}/health") as r:
+                if (await r.json()).get("ready_instances") == instances:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not all {instances} instances ready within {timeout_s:g} s")
+            await asyncio.sleep(0.05)
+
+
 async def run(admission: str, flood: int = 48, chats: int = 60, fleet_path: Path = FLEET) -> dict[str, Any]:
     """One fleet (fresh worker processes) and gateway under `admission`; returns the summary."""
     from gateway.app import create_app
@@ -124,6 +139,7 @@ async def run(admission: str, flood: int = 48, chats: int = 60, fleet_path: Path
     try:
         app = create_app(config, adapters, poll_interval_s=0.2, admission=policy)
         async with serve_app(app) as url:
+            await all_ready(url, sum(d.instance_count for d in config.deployments))
             rep = await scenario(url, admission, flood, chats)
     finally:
         await stop_all(adapters)
