@@ -13,8 +13,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -28,10 +27,10 @@ from fleetcore.model_tokenizer import PromptTokenizer, model_tokenizers
 from gateway.admin import AdminAuth, RegionPolicyAdmin, install_admin_routes
 from gateway.admission import AdmissionGate, AdmissionPolicy
 from gateway.admission_metrics import AdmissionCollector
-from gateway.aliases import alias_entries, serve_with_fallbacks
+from gateway.aliases import alias_entries
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
-from gateway.errors import GatewayError, body_too_large, install_handlers
+from gateway.errors import body_too_large, install_handlers
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
 from gateway.goodput_report import ReportAccess, install_report_routes
@@ -51,7 +50,8 @@ from gateway.responses_api import serve_responses
 from gateway.replica_state import Replicas
 from gateway.telemetry import Telemetry
 from gateway.routing import DEFAULT_ROUTER, build_router, build_site_chooser, reset_instances
-from gateway.requests import Kind, ParsedRequest, new_request_id, parse_request
+from gateway.requests import Kind, ParsedRequest, parse_request
+from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 from gateway.openapi import chat_body, completion_body, embeddings_body, responses_body
 from gateway.tokenize_pool import TokenizePool
 from fleetmind.demand import DemandModel
@@ -61,7 +61,6 @@ from slomax import make_admission
 
 # Bodies up to this size parse and tokenize inline (well under a millisecond per KB);
 # larger ones go to the bounded tokenizer pool, so no request stalls the loop for long.
-_INLINE_PARSE_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,36 +346,7 @@ def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:
 
 
 async def _serve(ctx: GatewayContext, request: Request, kind: Kind, path: str) -> Response:
-    rid = new_request_id(request.headers)
-    obs = ctx.telemetry.begin(request.headers, kind, rid) if ctx.telemetry is not None else None
-    try:
-        caller = ctx.auth.authenticate(request.headers)
-        parsed = await _parse(ctx, request, kind, caller, rid)
-    except GatewayError as e:
-        e.headers.setdefault("x-request-id", rid)
-        ctx.metrics.answered("", "", "", str(e.status))
-        if obs is not None:  # auth failures and bad bodies get their access log line too
-            obs.end(e.status, e.message)
-        raise
-    # A capacity 503 tries the model's fallbacks (`gateway.aliases`), each parsed for its own model.
-    if obs is None:
-        return await serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, path,
-                                          lambda model: _parse(ctx, request, kind, caller, rid, model))
-
-    async def reparse(model: str) -> ParsedRequest:
-        return replace(await _parse(ctx, request, kind, caller, rid, model), obs=obs)
-
-    obs.parsed(parsed.profile)
-    return await obs.tel.serve(obs, serve_with_fallbacks(ctx.relay, ctx.metrics, request, replace(parsed, obs=obs),
-                                                         path, reparse))
-
-
-async def _parse(ctx: GatewayContext, request: Request, kind: Kind, caller: Caller,
-                 rid: str, model_override: str | None = None) -> ParsedRequest:
-    raw = await request.body()
-    args: dict[str, Any] = dict(config=ctx.config, caller=caller, headers=request.headers,
-                                request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers,
-                                model_override=model_override)
-    if len(raw) > _INLINE_PARSE_BYTES and ctx.tokenize_pool is not None:
-        return await ctx.tokenize_pool.run(parse_request, kind, raw, **args)
-    return parse_request(kind, raw, **args)
+    async def parse(caller: Caller, rid: str, model: str | None) -> ParsedRequest:
+        raw = await request.body()
+        return await parse_off_loop(ctx, parse_request, raw, kind, **parser_args(ctx, request, caller, rid, model))
+    return await serve_endpoint(ctx, request, kind, path, parse)

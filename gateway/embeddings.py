@@ -10,7 +10,6 @@ a 400 naming `model` (`gateway.requests.check_model_kind`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -20,12 +19,12 @@ from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.prefix import block_hashes
 from fleetcore.tokens import PromptTooLong
 from fleetcore.types import RequestProfile
-from gateway.aliases import serve_with_fallbacks
 from gateway.auth import Caller
-from gateway.errors import GatewayError, bad_request, context_length_exceeded
+from gateway.errors import bad_request, context_length_exceeded
 from gateway.json_body import parse_json_object
-from gateway.requests import (ParsedRequest, builtin_ids, check_model_kind, json_value_cap, new_request_id,
+from gateway.requests import (ParsedRequest, builtin_ids, check_model_kind, json_value_cap,
                               requested_class, resolve_model, resolve_region, REGION_HEADER, TASK_TYPE_HEADER)
+from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 from fleetcore.fleet_config import FleetConfig
 
 if TYPE_CHECKING:
@@ -98,32 +97,9 @@ def parse_embeddings_request(raw: bytes, *, config: FleetConfig, caller: Caller,
 
 
 async def serve_embeddings(ctx: GatewayContext, request: Request) -> Response:
-    rid = new_request_id(request.headers)
     # Traced and access-logged like chat (gateway.telemetry), as operation "embeddings".
-    obs = ctx.telemetry.begin(request.headers, "embeddings", rid) if ctx.telemetry is not None else None
-    try:
-        caller = ctx.auth.authenticate(request.headers)
+    async def parse(caller: Caller, rid: str, model: str | None) -> ParsedRequest:
         raw = await request.body()
-
-        async def parse(model: str | None = None) -> ParsedRequest:
-            args: dict[str, Any] = dict(config=ctx.config, caller=caller, headers=request.headers,
-                                        request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers,
-                                        model_override=model)
-            if len(raw) > 16 * 1024 and ctx.tokenize_pool is not None:  # off the loop, as gateway.app does
-                p = await ctx.tokenize_pool.run(parse_embeddings_request, raw, **args)
-            else:
-                p = parse_embeddings_request(raw, **args)
-            return p if obs is None else replace(p, obs=obs)
-
-        parsed = await parse()
-    except GatewayError as e:
-        e.headers.setdefault("x-request-id", rid)
-        ctx.metrics.answered("", "", "", str(e.status))
-        if obs is not None:
-            obs.end(e.status, e.message)
-        raise
-    work = serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, PATH, parse)
-    if obs is None:
-        return await work
-    obs.parsed(parsed.profile)
-    return await obs.tel.serve(obs, work)
+        return await parse_off_loop(ctx, parse_embeddings_request, raw,
+                                    **parser_args(ctx, request, caller, rid, model))
+    return await serve_endpoint(ctx, request, "embeddings", PATH, parse)

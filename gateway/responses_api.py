@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +26,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fleetcore.sse import SSESplitter, parse_sse_event
-from gateway.aliases import serve_with_fallbacks
+from gateway.auth import Caller
 from gateway.errors import GatewayError, bad_request
 from gateway.json_body import parse_json_object
-from gateway.requests import ParsedRequest, json_value_cap, new_request_id, parse_request
+from gateway.requests import ParsedRequest, json_value_cap, parse_request
+from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 
 if TYPE_CHECKING:
     from gateway.app import GatewayContext
@@ -45,7 +45,6 @@ _ROLES = frozenset({"user", "system", "developer", "assistant"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # Chat-side names in errors from `gateway.requests`, as the Responses client knows them.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
-_INLINE_PARSE_BYTES = 16 * 1024  # as in gateway.app: larger bodies are parsed off the loop
 
 
 def _unsupported(name: str, why: str = "is not supported by this gateway") -> GatewayError:
@@ -284,41 +283,25 @@ def _client_param(e: GatewayError) -> GatewayError:
 
 
 async def serve_responses(ctx: GatewayContext, request: Request) -> Response:
-    rid = new_request_id(request.headers)
     # Traced and access-logged like chat (gateway.telemetry), as operation "responses".
-    obs = ctx.telemetry.begin(request.headers, "responses", rid) if ctx.telemetry is not None else None
-    try:
-        caller = ctx.auth.authenticate(request.headers)
-        raw = await request.body()
-        body = parse_json_object(raw, max_depth=ctx.config.gateway.max_json_depth,
-                                 max_values=json_value_cap(ctx.config))
-        chat_raw = json.dumps(to_chat_body(body), separators=(",", ":")).encode()
+    body: dict[str, Any] | None = None
+    chat_raw = b""
 
-        async def parse(model: str | None = None) -> ParsedRequest:
-            args: dict[str, Any] = dict(config=ctx.config, caller=caller, headers=request.headers,
-                                        request_id=rid, now=ctx.relay.clock(), tokenizers=ctx.tokenizers,
-                                        model_override=model)
-            try:
-                if len(chat_raw) > _INLINE_PARSE_BYTES and ctx.tokenize_pool is not None:
-                    p = await ctx.tokenize_pool.run(parse_request, "chat", chat_raw, **args)
-                else:
-                    p = parse_request("chat", chat_raw, **args)
-            except GatewayError as e:
-                raise _client_param(e) from None
-            return p if obs is None else replace(p, obs=obs)
+    async def parse(caller: Caller, rid: str, model: str | None) -> ParsedRequest:
+        nonlocal body, chat_raw
+        if body is None:  # the Responses body, read and translated to chat once
+            body = parse_json_object(await request.body(), max_depth=ctx.config.gateway.max_json_depth,
+                                     max_values=json_value_cap(ctx.config))
+            chat_raw = json.dumps(to_chat_body(body), separators=(",", ":")).encode()
+        try:
+            return await parse_off_loop(ctx, parse_request, chat_raw, "chat",
+                                        **parser_args(ctx, request, caller, rid, model))
+        except GatewayError as e:
+            raise _client_param(e) from None
 
-        parsed = await parse()
-    except GatewayError as e:
-        e.headers.setdefault("x-request-id", rid)
-        ctx.metrics.answered("", "", "", str(e.status))
-        if obs is not None:
-            obs.end(e.status, e.message)
-        raise
+    resp = await serve_endpoint(ctx, request, "responses", CHAT_PATH, parse)
+    assert body is not None  # parsed before anything was served
     shape = ResponseShape(body, str(body.get("model")))  # the name the client asked for, alias or not
-    work = serve_with_fallbacks(ctx.relay, ctx.metrics, request, parsed, CHAT_PATH, parse)
-    if obs is not None:
-        obs.parsed(parsed.profile)
-    resp = await (work if obs is None else obs.tel.serve(obs, work))
     if isinstance(resp, StreamingResponse):
         # The relay's stream: usage, SLO and report accounting happen there, on the chat chunks.
         resp.body_iterator = translate_stream(resp.body_iterator, EventStream(shape))
