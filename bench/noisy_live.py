@@ -27,7 +27,6 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
 from fleetcore.sse import StreamReader
 from workloads.prompts import prompt_text
@@ -126,23 +125,16 @@ async def all_ready(url: str, instances: int, timeout_s: float = 30.0) -> None:
 
 async def run(admission: str, flood: int = 48, chats: int = 60, fleet_path: Path = FLEET) -> dict[str, Any]:
     """One fleet (fresh worker processes) and gateway under `admission`; returns the summary."""
-    from gateway.app import create_app
     from slomax import from_fleet, make_admission
     from slomax.config import Knobs
-    from gateway.embedded import serve_app
+    from gateway.embedded import serve_fleet
 
     config = load_fleet_file(fleet_path)
     # Engines 4x faster than real time: the valve's starting target scaled alike (0.25 s x 0.25).
     policy = make_admission(admission, from_fleet(config, knobs=Knobs(engine_wait_s=0.0625)))
-    adapters = build_adapters(config)
-    await launch_all(adapters)
-    try:
-        app = create_app(config, adapters, poll_interval_s=0.2, admission=policy)
-        async with serve_app(app) as url:
-            await all_ready(url, sum(d.instance_count for d in config.deployments))
-            rep = await scenario(url, admission, flood, chats)
-    finally:
-        await stop_all(adapters)
+    async with serve_fleet(config, poll_interval_s=0.2, admission=policy) as f:
+        await all_ready(f.url, sum(d.instance_count for d in config.deployments))
+        rep = await scenario(f.url, admission, flood, chats)
     classes = from_fleet(config).classes
     slo = classes["interactive"].slo
     out = rep.summary(slo.ttft_s or 1.0, slo.tpot_s or 1.0, classes["long_context"].slo.ttft_s or 8.0)

@@ -10,9 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
+from engine_adapters.base import EngineAdapter
+from engine_adapters.registry import build_adapters, launch_all, stop_all
+from fleetcore.fleet_config import FleetConfig
 from gateway.listener import bind_socket
 
 
@@ -41,3 +46,26 @@ async def serve_app(app: object, host: str = "127.0.0.1") -> AsyncIterator[str]:
         server.should_exit = True
         await task
         sock.close()
+
+
+@dataclass
+class ServedFleet:
+    url: str  # the gateway's base URL (no /v1)
+    app: Any  # the FastAPI app (`app.state.tokenfleet` is its GatewayContext)
+    adapters: list[EngineAdapter]
+
+
+@contextlib.asynccontextmanager
+async def serve_fleet(config: FleetConfig, **app_options: Any) -> AsyncIterator[ServedFleet]:
+    """The fleet's engines launched, the gateway over them served in-process; both stopped after.
+    `app_options` go to `gateway.app.create_app`."""
+    from gateway.app import create_app  # the app imports this module's neighbours; built on demand
+
+    adapters = build_adapters(config)
+    await launch_all(adapters)
+    try:
+        app = create_app(config, adapters, **app_options)
+        async with serve_app(app) as url:
+            yield ServedFleet(url, app, adapters)
+    finally:
+        await stop_all(adapters)

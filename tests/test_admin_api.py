@@ -11,9 +11,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from gateway.embedded import serve_app
+from gateway.embedded import serve_fleet
 from tests.waits import wait_until
 
 FLEET_FILE = Path(__file__).with_name("fleet_3sites.yaml")
@@ -27,16 +26,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gateway() -> AsyncIterator[str]:
-    from gateway.app import create_app
-
-    config = load_fleet_file(FLEET_FILE)
-    adapters = build_adapters(config)
-    await launch_all(adapters)
-    try:
-        async with serve_app(create_app(config, adapters, poll_interval_s=0.2)) as url:
-            yield url
-    finally:
-        await stop_all(adapters)
+    async with serve_fleet(load_fleet_file(FLEET_FILE), poll_interval_s=0.2) as f:
+        yield f.url
 
 
 async def served(c: httpx.AsyncClient, url: str, key: dict[str, str], region: str | None = None) -> tuple[str, float]:

@@ -13,7 +13,6 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
 from fleetcore.slo import ClassSLO
 from fleetcore.types import RequestOutcome, RequestProfile
@@ -24,7 +23,7 @@ from slomax import FCFS, SLOMax
 from slomax.config import SLOMaxConfig, TenantPolicy
 from slomax.ledger import GoodputLedger
 from tests.chromium import headless_page
-from gateway.embedded import serve_app
+from gateway.embedded import serve_fleet
 
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")
 ADMIN_KEY = "sk-admin"
@@ -139,17 +138,8 @@ async def test_sampler_samples_on_its_timer_and_stops() -> None:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gateway() -> AsyncIterator[str]:
-    from gateway.app import create_app
-
-    config = load_fleet_file(FLEET_FILE)
-    adapters = build_adapters(config)
-    await launch_all(adapters)
-    try:
-        app = create_app(config, adapters, poll_interval_s=0.1, dashboard_sample_s=SAMPLE_S)
-        async with serve_app(app) as url:
-            yield url
-    finally:
-        await stop_all(adapters)
+    async with serve_fleet(load_fleet_file(FLEET_FILE), poll_interval_s=0.1, dashboard_sample_s=SAMPLE_S) as f:
+        yield f.url
 
 
 async def traffic(c: httpx.AsyncClient, url: str, n: int) -> list[int]:

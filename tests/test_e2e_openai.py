@@ -17,9 +17,8 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_adapters.base import EngineAdapter, Instance
-from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from gateway.embedded import serve_app
+from gateway.embedded import serve_fleet
 from tests.waits import wait_until
 
 FLEET_FILE = Path(__file__).with_name("fleet_test.yaml")
@@ -48,17 +47,8 @@ class Fleet:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def fleet() -> AsyncIterator[Fleet]:
-    from gateway.app import create_app
-
-    config = load_fleet_file(FLEET_FILE)
-    adapters = build_adapters(config)
-    await launch_all(adapters)
-    try:
-        app = create_app(config, adapters, poll_interval_s=0.2)
-        async with serve_app(app) as url:
-            yield Fleet(url, adapters, app)
-    finally:
-        await stop_all(adapters)
+    async with serve_fleet(load_fleet_file(FLEET_FILE), poll_interval_s=0.2) as f:
+        yield Fleet(f.url, f.adapters, f.app)
 
 
 def long_prompt(topic: str, words: int = 1500) -> str:

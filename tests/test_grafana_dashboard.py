@@ -13,9 +13,8 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
-from gateway.embedded import serve_app
+from gateway.embedded import serve_fleet
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "tokenfleet.json"
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")  # planner on: its metrics are exposed too
@@ -70,22 +69,14 @@ def exposed_names(text: str) -> set[str]:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def metrics_text() -> AsyncIterator[str]:
-    from gateway.app import create_app
-
-    config = load_fleet_file(FLEET_FILE)
-    adapters = build_adapters(config)
-    await launch_all(adapters)
-    try:
-        async with serve_app(create_app(config, adapters, poll_interval_s=0.1)) as url:
-            async with httpx.AsyncClient(timeout=30) as c:
-                r = await c.post(f"{url}/v1/completions", headers=ACME,
-                                 json={"model": "llama-3.1-8b", "prompt": "hello", "max_tokens": 4})
-                assert r.status_code == 200, r.text
-                m = await c.get(f"{url}/metrics", headers=ADMIN)  # admin: per-tenant series included
-                assert m.status_code == 200
-                yield m.text
-    finally:
-        await stop_all(adapters)
+    async with serve_fleet(load_fleet_file(FLEET_FILE), poll_interval_s=0.1) as f:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(f"{f.url}/v1/completions", headers=ACME,
+                             json={"model": "llama-3.1-8b", "prompt": "hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            m = await c.get(f"{f.url}/metrics", headers=ADMIN)  # admin: per-tenant series included
+            assert m.status_code == 200
+            yield m.text
 
 
 def test_dashboard_is_grafana_json_with_queries() -> None:

@@ -16,7 +16,6 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import load_fleet_file
 from fleetmind.demand import DemandModel
 from fleetmind.placement_cycle import CycleSettings, PlacementCycle
@@ -24,7 +23,7 @@ from fleetmind.planner import Move, Planner, PlannerConfig
 from gateway.fleet_state import FleetState
 from gateway.placement import PlacementLoop
 from slomax.ledger import GoodputLedger
-from gateway.embedded import serve_app
+from gateway.embedded import serve_fleet
 from tokenpilot.registry import make_router
 
 FLEET_FILE = Path(__file__).with_name("fleet_planner.yaml")
@@ -38,17 +37,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gateway() -> AsyncIterator[tuple[str, Any]]:
-    from gateway.app import create_app
-
-    config = load_fleet_file(FLEET_FILE)
-    adapters = build_adapters(config)
-    await launch_all(adapters)
-    try:
-        app = create_app(config, adapters, poll_interval_s=0.1)
-        async with serve_app(app) as url:
-            yield url, app.state.tokenfleet
-    finally:
-        await stop_all(adapters)
+    async with serve_fleet(load_fleet_file(FLEET_FILE), poll_interval_s=0.1) as f:
+        yield f.url, f.app.state.tokenfleet
 
 
 async def planner(c: httpx.AsyncClient, url: str) -> dict[str, Any]:
