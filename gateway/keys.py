@@ -194,17 +194,22 @@ class KVKeyStore:
                 log.exception("api keys: refresh failed")
 
     async def refresh(self) -> bool:
-        """Reload the key set if the store changed since the last load; True when it did."""
-        newest = await self.kv.tail("keys:audit", 1)
-        head = newest[0] if newest else ""
-        if self._loaded and head == self._seen:
-            return False
-        records = await self._load_all()
-        self._records = {r.id: r for r in records}
-        self._by_hash = {r.sha256: r.id for r in records}
-        self._seen = head
-        self._loaded = True
-        return True
+        """Reload the key set if the store changed since the last load; True when it did.
+
+        Under the same lock as this replica's own changes (`put`): a reload that read the store
+        before a local revocation must not install its older set after it (the revoked key would
+        work again until the next refresh)."""
+        async with self._lock:
+            newest = await self.kv.tail("keys:audit", 1)
+            head = newest[0] if newest else ""
+            if self._loaded and head == self._seen:
+                return False
+            records = await self._load_all()
+            self._records = {r.id: r for r in records}
+            self._by_hash = {r.sha256: r.id for r in records}
+            self._seen = head
+            self._loaded = True
+            return True
 
     async def _load_all(self) -> list[KeyRecord]:
         ids = list(dict.fromkeys(await self.kv.tail("keys:index", INDEX_MAX)))
