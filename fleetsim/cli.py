@@ -188,6 +188,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-ms", type=float, default=0.0, metavar="M",
                    help="with --gateways: a replica hears of the others' dispatches and releases M ms late "
                         "(default 0)")
+    p.add_argument("--no-spread", action="store_true",
+                   help="with --gateways: replicas route over the whole pool, not their share of it "
+                        "(fleetcore.replica_spread; to measure how they herd without it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -295,7 +298,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     desc.update({"trace": str(args.trace), "rate_scale": args.rate_scale, "max_requests": args.max_requests,
                  "seed": args.seed, "timeout_s": args.timeout})
     if args.gateways > 1:  # one replica's report stays as it was
-        desc.update({"gateways": args.gateways, "sync_ms": args.sync_ms})
+        desc.update({"gateways": args.gateways, "sync_ms": args.sync_ms, "spread": not args.no_spread})
     fsum["capacity"] = cap
     deps = ", ".join(f"{d['instances']} x {d['model']} on {d['tp']}x{d['gpu']} @ {d['site']}"
                      for d in fsum["deployments"])
@@ -336,7 +339,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 if args.gateways > 1:  # replica i: its own router, seeded apart
                     router = ReplicatedRouter([router] + [make_policy(name, args.seed + i, fleet)
                                                           for i in range(1, args.gateways)],
-                                              sync_s=args.sync_ms / 1000.0)
+                                              sync_s=args.sync_ms / 1000.0, spread=not args.no_spread)
             except Exception as e:  # a policy that cannot be built must not sink the others
                 return _err(f"policy {name!r} could not be built: {e}")
             label = name if len(placements) == 1 else f"{name}/{placement}"

@@ -11,6 +11,9 @@ engines, the same for every replica.
 
 * each request goes to one replica, round robin over requests as they are first routed
   (a retry of a request stays on its replica);
+* replica k of N routes within its share of the pool unless that costs too much
+  (`fleetcore.replica_spread.SpreadRouter`, the same wrapper the live gateway routes
+  through): replicas deciding at the same instant, blind to each other, pick apart;
 * the replica's router routes it with candidates whose `inflight` is the replica's view:
   the gateway's true count less the other replicas' dispatches it has not heard of yet,
   plus their releases it has not heard of yet;
@@ -36,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from fleetcore.policies import EnginePrior, InstanceRouter
+from fleetcore.replica_spread import ReplicaSlot, SpreadRouter
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 
 Schedule = Callable[[float, Callable[[float], None]], None]
@@ -44,12 +48,16 @@ Schedule = Callable[[float, Callable[[float], None]], None]
 class ReplicatedRouter(InstanceRouter):
     """N independent routers of one policy behind a round-robin load balancer."""
 
-    def __init__(self, routers: Sequence[InstanceRouter], sync_s: float = 0.0) -> None:
+    def __init__(self, routers: Sequence[InstanceRouter], sync_s: float = 0.0, *, spread: bool = True) -> None:
         if not routers:
             raise ValueError("at least one router")
         if sync_s < 0:
             raise ValueError("sync lag must be >= 0")
-        self.routers = list(routers)
+        n = len(routers)
+        # One replica is the bare router (exactly today's run); several: each spreads within its
+        # share, unless `spread` is off (how the replicas herd without it: bench/ROUTING.md).
+        self.routers: list[InstanceRouter] = list(routers) if n == 1 or not spread else \
+            [SpreadRouter(r, ReplicaSlot(n, k)) for k, r in enumerate(routers)]
         self.name = self.routers[0].name
         self.follows_kv_events = self.routers[0].follows_kv_events  # type: ignore[misc]
         self.sync_s = sync_s

@@ -47,9 +47,10 @@ def _prefix_heavy():
     return [req(i * 150.0, 2300, 4, [1000 * (i % 23) + b for b in range(4)] + [10 ** 6 + i]) for i in range(240)]
 
 
-def _hit(name: str, gateways: int, sync_ms: float) -> tuple[float, ReplicatedRouter]:
+def _hit(name: str, gateways: int, sync_ms: float, spread: bool = False) -> tuple[float, ReplicatedRouter]:
     fleet = small_fleet(instances=4)
-    router = ReplicatedRouter([make_policy(name, s, fleet) for s in range(gateways)], sync_s=sync_ms / 1000)
+    router = ReplicatedRouter([make_policy(name, s, fleet) for s in range(gateways)], sync_s=sync_ms / 1000,
+                              spread=spread)
     res = FleetSimulator(fleet, router).run(prepare(_prefix_heavy(), fleet))
     return sum(r.cached_tokens for r in res.records) / sum(r.prompt_tokens for r in res.records), router
 

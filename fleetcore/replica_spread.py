@@ -1,0 +1,130 @@
+"""Several gateway replicas routing one pool: keep them from herding onto the same instance.
+
+A replica hears of the other replicas' dispatches one sync period late (`gateway.load_sync_s`,
+the simulator's `--sync-ms`). Requests that arrive together (a burst split by the load
+balancer) are routed by every replica at once, each blind to the others' picks; with the same
+fleet view and the same policy they all pick the same best instance (measured: a burst's
+requests landing on an instance another replica just chose went from 247 with one replica to
+876 with four at 100 ms lag, and goodput fell to 0.76x). More load figures cannot help: what the
+others are choosing *right now* is not in any figure yet (counting one's own unheard
+dispatches as if every replica had made them was measured too, and changed nothing).
+
+The cure is to break the symmetry: replica k of N routes within its *share* of the pool
+(the serving instances at positions k, k + N, k + 2N, ... in instance-id order), so that
+replicas deciding at the same instant pick disjoint instances; the router's own rule
+(cache affinity, queues, KV pressure) decides within the share. The share gives way to
+the whole pool when that is worth it: for a router with a cost model (`predict`), when the
+best of the pool would have more tokens cached than the best of the share, or a TTFT more
+than `slack` shorter. A router without one cannot say what the share costs; it routes within
+the share always (the load balancer spreads requests evenly over the replicas, so each
+share gets its part of the load).
+
+One replica (`replicas == 1`) is never touched: the candidates go through as they are.
+Pure: no clock, no I/O. The live gateway (`gateway.load_sync` sets the slot from the
+roster) and the simulator (`fleetsim.replicas`) wrap their routers in the same `SpreadRouter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fleetcore.policies import EnginePrior, InstanceRouter
+from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
+
+# A share's best may predict this much longer a TTFT than the pool's best (relative) and still
+# be taken. Measured 0.05-0.3 on the Mooncake conversation trace: 0.1 was as good as any.
+SPREAD_SLACK = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSlot:
+    """This replica's place among the live ones: `index` in 0 .. `replicas` - 1."""
+
+    replicas: int = 1
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or not 0 <= self.index < self.replicas:
+            raise ValueError(f"replica index {self.index} of {self.replicas}")
+
+
+ALONE = ReplicaSlot()
+
+
+def share(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    """The slot's part of the serving candidates (ready, not draining), in instance-id order."""
+    serving = sorted((c for c in candidates if c.ready and not c.draining), key=lambda c: c.instance_id)
+    return serving[slot.index::slot.replicas]
+
+
+def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
+           candidates: Sequence[InstanceSnapshot], now: float,
+           slack: float = SPREAD_SLACK) -> Sequence[InstanceSnapshot]:
+    """The candidates replica `slot` should route `profile` among (see the module docstring)."""
+    if slot.replicas <= 1 or len(candidates) <= 1:
+        return candidates
+    part = share(slot, candidates)
+    if not part or len(part) == len(candidates):
+        return candidates
+    whole = router.predict(profile, candidates, now)
+    if whole is None:
+        return part  # no cost model to weigh the share against the pool
+    mine = router.predict(profile, part, now)
+    if mine is None:  # nothing in the share is eligible for this router
+        return candidates
+    (ttft_all, cached_all), (ttft_mine, cached_mine) = whole, mine
+    if cached_mine >= cached_all and ttft_mine <= ttft_all * (1 + slack):
+        return part
+    return candidates
+
+
+class SpreadRouter(InstanceRouter):
+    """A replica's router: routes among `spread(...)` of the candidates; everything else is the
+    wrapped router's. `slot` is set by whoever knows the roster (ALONE: exactly the wrapped router)."""
+
+    def __init__(self, inner: InstanceRouter, slot: ReplicaSlot = ALONE, slack: float = SPREAD_SLACK) -> None:
+        self.inner = inner
+        self.slot = slot
+        self.slack = slack
+        self.name = inner.name
+        self.follows_kv_events = inner.follows_kv_events  # type: ignore[misc]
+        self.spread_routes = 0  # routed within the share (metrics, tests)
+
+    def route(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+              now: float) -> RouteDecision:
+        view = spread(self.inner, self.slot, profile, candidates, now, self.slack)
+        if view is not candidates:
+            self.spread_routes += 1
+        return self.inner.route(profile, view, now)
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        self.inner.observe(outcome)
+
+    def register_instance(self, instance_id: str, prior: EnginePrior) -> None:
+        self.inner.register_instance(instance_id, prior)
+
+    def forget_instance(self, instance_id: str) -> None:
+        self.inner.forget_instance(instance_id)
+
+    def predict(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                now: float) -> tuple[float, int] | None:
+        return self.inner.predict(profile, candidates, now)  # whole sites compared: no share
+
+    def observe_kv_events(self, instance_id: str, seq: int, events: Sequence[Mapping[str, object]],
+                          now: float) -> None:
+        self.inner.observe_kv_events(instance_id, seq, events, now)
+
+    def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
+        self.inner.note_route(instance_id, block_hashes, now)
+
+    def cache_blocks(self, instance_id: str) -> int | None:
+        return self.inner.cache_blocks(instance_id)
+
+    def cache_exact(self, instance_id: str, now: float) -> bool:
+        return self.inner.cache_exact(instance_id, now)
+
+    def __getattr__(self, name: str) -> Any:
+        # The wrapped router's own extras (TokenPilot's `decisions`, `explain`) stay reachable.
+        return getattr(self.__dict__["inner"], name) if "inner" in self.__dict__ else super().__getattribute__(name)

@@ -1,0 +1,71 @@
+"""Replicas routing one pool pick apart (fleetcore.replica_spread), in the simulator and alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetcore.replica_spread import ALONE, ReplicaSlot, SpreadRouter, share, spread
+from fleetcore.types import InstanceSnapshot, RequestProfile
+from fleetsim.cli import make_policy
+from fleetsim.replicas import ReplicatedRouter
+from fleetsim.simulator import FleetSimulator, prepare
+from tests.test_fleetsim import req, small_fleet
+
+
+def _snaps(n: int, **kw) -> list[InstanceSnapshot]:
+    return [InstanceSnapshot(instance_id=f"i{j}", site="s1", model="m", version="v", url=f"http://i{j}", **kw)
+            for j in range(n)]
+
+
+def _profile(rid: str, blocks: tuple[int, ...] = (), prompt: int = 2048) -> RequestProfile:
+    return RequestProfile(request_id=rid, model="m", prompt_tokens=prompt, block_hashes=blocks, max_tokens=16)
+
+
+def test_shares_split_the_serving_pool_between_the_replicas() -> None:
+    pool = _snaps(10)
+    pool[3] = InstanceSnapshot(instance_id="i3", site="s1", model="m", version="v", url="u", draining=True)
+    parts = [{c.instance_id for c in share(ReplicaSlot(4, k), pool)} for k in range(4)]
+    assert set().union(*parts) == {c.instance_id for c in pool} - {"i3"}  # every serving one, once
+    assert sum(len(p) for p in parts) == 9
+    assert {len(p) for p in parts} == {2, 3}
+    with pytest.raises(ValueError):
+        ReplicaSlot(2, 2)
+
+
+def test_one_replica_routes_among_exactly_the_candidates_it_was_given() -> None:
+    router = make_policy("tokenpilot", 0, small_fleet(instances=4))
+    pool = _snaps(4)
+    assert spread(router, ALONE, _profile("a"), pool, 0.0) is pool
+
+
+def test_replicas_deciding_at_the_same_instant_pick_different_instances() -> None:
+    # Eight requests at one instant, no shared prefix, four replicas that never hear of each other.
+    fleet = small_fleet(instances=8)
+    burst = [req(0.0, 3000, 32, [500 + i]) for i in range(8)]
+
+    def instances(name: str, spread_on: bool) -> set[str]:
+        routers = [make_policy(name, s, fleet) for s in range(4)]
+        records = FleetSimulator(fleet, ReplicatedRouter(routers, sync_s=1000.0, spread=spread_on)) \
+            .run(prepare(burst, fleet)).records
+        return {r.instance for r in records}
+
+    for name in ("tokenpilot", "dynamo_kv"):  # with a cost model and without
+        herd, apart = instances(name, False), instances(name, True)
+        assert len(apart) == 8, (name, apart)
+        assert len(herd) < 8, (name, herd)
+
+
+def test_the_share_gives_way_to_a_prefix_cached_outside_it() -> None:
+    fleet = small_fleet(instances=4)
+    router = SpreadRouter(make_policy("tokenpilot", 0, fleet))
+    pool = _snaps(4)
+    prefix = tuple(range(1, 121))  # 1,920 tokens of shared prefix
+    first = router.route(_profile("warm", prefix, 2000), pool, 0.0).instance_id
+    assert first is not None
+    outside = next(k for k in range(4) if first not in {c.instance_id for c in share(ReplicaSlot(4, k), pool)})
+    router.slot = ReplicaSlot(4, outside)
+    again = router.route(_profile("again", prefix, 2000), pool, 0.1)
+    assert again.instance_id == first and again.cached_tokens > 0  # the cache wins over the share
+    fresh = router.route(_profile("fresh", (9999,), 2000), pool, 0.2)
+    assert fresh.instance_id in {c.instance_id for c in share(router.slot, pool)}
+    assert router.spread_routes == 1
