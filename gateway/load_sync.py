@@ -10,8 +10,14 @@ count: the policies see one fleet-wide in-flight figure, at most one period plus
 stale. Engine metrics (running, waiting, KV use), polled by every replica, stay the ground
 truth for what the engines are doing; this only closes the gap between two polls.
 
+The same round trip tells each replica its place in the roster (index among the live replicas'
+ids, sorted, and their number): the router wrapper (`fleetcore.replica_spread.SpreadRouter`) uses
+it so that replicas routing at the same instant, blind to each other for up to a period, pick
+apart instead of all sending to the one instance each believes best.
+
 Redis unreachable: the others' counts are dropped (each replica routes on its own dispatches
-and the engines' metrics, as a single gateway does) and the next period tries again.
+and the engines' metrics, as a single gateway does), the replica routes over the whole pool
+as one does, and the next period tries again.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import logging
 from collections.abc import Iterable
 
+from fleetcore.replica_spread import ALONE, ReplicaSlot, SpreadRouter
 from gateway.background import cancel_and_wait
 from gateway.fleet_state import FleetState
 from gateway.policy_store import StoreUnavailable
@@ -29,12 +36,17 @@ from gateway.shared_state import SharedRedis
 log = logging.getLogger("tokenfleet.gateway")
 
 # KEYS[1]: this replica's load key; KEYS[2]: the roster. ARGV: own counts (JSON), TTL in ms,
-# own replica id, the load-key prefix. Returns the other live replicas' counts (JSON each).
+# own replica id, the load-key prefix. Returns the number of live replicas, this one's index
+# among their sorted ids (-1: not in the roster yet), then the others' counts (JSON each).
 _EXCHANGE = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-local out = {}
-for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  if id ~= ARGV[3] then
+local ids = redis.call('ZRANGE', KEYS[2], 0, -1)
+table.sort(ids)
+local out = {#ids, -1}
+for i, id in ipairs(ids) do
+  if id == ARGV[3] then
+    out[2] = i - 1
+  else
     local v = redis.call('GET', ARGV[4] .. id)
     if v then table.insert(out, v) end
   end
@@ -44,6 +56,13 @@ return out
 
 # A replica's counts outlive it by this many periods at most (then they expire in Redis).
 _TTL_PERIODS = 5
+
+
+def roster_slot(replicas: object, index: object) -> ReplicaSlot:
+    """This replica's slot from the exchange's answer; ALONE when it is not (yet) in the roster."""
+    if isinstance(replicas, int) and isinstance(index, int) and 0 <= index < replicas:
+        return ReplicaSlot(replicas, index)
+    return ALONE
 
 
 def merge_remote(own_id: str, payloads: Iterable[str]) -> dict[str, int]:
@@ -65,10 +84,12 @@ def merge_remote(own_id: str, payloads: Iterable[str]) -> dict[str, int]:
 class LoadSync:
     """Exchanges in-flight counts with the other replicas every `period_s` (`start`/`stop`)."""
 
-    def __init__(self, shared: SharedRedis, state: FleetState, period_s: float) -> None:
+    def __init__(self, shared: SharedRedis, state: FleetState, period_s: float,
+                 router: SpreadRouter | None = None) -> None:
         self.shared = shared
         self.state = state
         self.period_s = period_s
+        self.router = router  # gets this replica's slot in the roster at every exchange
         self._script = shared.redis.register_script(_EXCHANGE)
         self._task: asyncio.Task[None] | None = None
 
@@ -80,16 +101,18 @@ class LoadSync:
         s = self.shared
         ttl_ms = max(1, round(self.period_s * _TTL_PERIODS * 1000))
         own = json.dumps(self.own_counts(), separators=(",", ":"))
-        payloads = await s.call("load_sync", self._script(
+        answer = await s.call("load_sync", self._script(
             keys=[s.key("load", s.replica_id), s.key("replicas")],
             args=[own, ttl_ms, s.replica_id, s.key("load", "")]))
-        remote = merge_remote(s.replica_id, payloads)
-        self._apply(remote)
+        remote = merge_remote(s.replica_id, answer[2:])
+        self._apply(remote, roster_slot(*answer[:2]) if len(answer) >= 2 else ALONE)
         return remote
 
-    def _apply(self, remote: dict[str, int]) -> None:
+    def _apply(self, remote: dict[str, int], slot: ReplicaSlot) -> None:
         for st in self.state.states():
             st.remote_inflight = remote.get(st.instance.instance_id, 0)
+        if self.router is not None:
+            self.router.slot = slot
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load-sync")
@@ -99,7 +122,7 @@ class LoadSync:
             try:
                 await self.exchange()
             except StoreUnavailable:
-                self._apply({})  # stale counts are worse than none: route on our own and the engines'
+                self._apply({}, ALONE)  # stale counts are worse than none: route on our own and the engines'
             except Exception:  # a bug must not end the exchange: the next period tries again
                 log.exception("load sync failed")
             await asyncio.sleep(self.period_s)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.replica_spread import SpreadRouter
 from gateway.admin_store import AdminKV, RedisKV
 from gateway.budget_store import SharedBudgets
 from gateway.lease import LeaderLease
@@ -84,8 +85,11 @@ class Replicas:
         self.load: LoadSync | None = None
         self.routes: RouteShare | None = None
         if self.shared is not None:
+            spread: SpreadRouter | None = None
+            if relay is not None:  # replicas routing at one instant pick apart (fleetcore.replica_spread)
+                spread = relay.router = SpreadRouter(relay.router)
             if state is not None:
-                self.load = LoadSync(self.shared, state, g.load_sync_s)
+                self.load = LoadSync(self.shared, state, g.load_sync_s, spread)
             if relay is not None:
                 self.routes = relay.route_share = RouteShare(self.shared, relay.router, clock, g.route_share_s)
             if g.shared_budgets and isinstance(gate.policy, SLOMax):  # the policy that keeps budgets

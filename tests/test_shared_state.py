@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 
 from fleetcore.fleet_config import FleetConfig, parse_fleet
+from fleetcore.replica_spread import ALONE, SpreadRouter
 from gateway.app import create_app
 from tests.redis_control import RedisProc
 
@@ -297,6 +298,33 @@ async def test_in_flight_load_is_seen_by_every_replica(gateways: Gateways, stub_
     await until(lambda: _is(seen_by_b, 2), 2)
     redis_proc.stop()  # stale counts are dropped, not kept: B routes on its own and the engines' figures
     await until(lambda: _is(seen_by_b, 0), 5)
+
+
+async def test_each_replica_routes_within_its_own_share_of_the_pool(gateways: Gateways, stub_upstream: Any,
+                                                                      fake_adapter: Any, instance_factory: Any,
+                                                                      tmp_path: Path, redis_proc: RedisProc) -> None:
+    """Two replicas on one Redis learn distinct slots from the load exchange (fleetcore.replica_spread);
+    with Redis gone each routes over the whole pool, as one gateway does."""
+    up = await stub_upstream(chunks=1, delay_s=0.0)
+    apps = []
+    for i in range(2):
+        app = create_app(fleet(tmp_path / f"state{i}", redis_proc.url),
+                         [fake_adapter([instance_factory(f"i{j}", up.url) for j in range(4)])], poll_interval_s=60)
+        await gateways.start(app)
+        apps.append(app)
+    routers = [x.state.tokenfleet.relay.router for x in apps]
+    assert all(isinstance(r, SpreadRouter) for r in routers)
+
+    async def slots() -> bool:
+        return sorted((r.slot.replicas, r.slot.index) for r in routers) == [(2, 0), (2, 1)]
+
+    await until(slots, 3)
+    redis_proc.stop()
+
+    async def alone() -> bool:
+        return all(r.slot == ALONE for r in routers)
+
+    await until(alone, 5)
 
 
 async def _is(probe: Callable[[], int], want: int) -> bool:
