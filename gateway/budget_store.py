@@ -8,6 +8,11 @@ buckets live in one Redis hash per tenant and every check-and-charge is one Lua 
 so no two replicas can both take the last unit. The script reads Redis server time, so
 replicas' clocks never need to agree.
 
+Give-backs (unused tokens, the stream's slot) leave the request's path: `settle` queues them
+(bounded) and one background flush sends everything queued since the last one as one
+pipeline every `SETTLE_TICK_S`, so the admission call neither shares the loop with one
+round trip per finished request nor waits behind them for a pooled connection.
+
 Streams are counted per replica (a hash field per replica id); the script sums only
 fields of replicas alive in the roster (`gateway.shared_state`), so a replica that died
 with streams open stops holding them within `replica_ttl_s`, and each replica rewrites
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,7 +44,8 @@ from slomax.config import Budgets
 log = logging.getLogger("tokenfleet.gateway")
 
 Mode = Literal["shared", "local_share"]
-_MAX_PENDING = 1024  # settlements in flight at once; beyond, dropped (the heartbeat repairs streams)
+_MAX_PENDING = 1024  # settlements queued at once; beyond, dropped (the heartbeat repairs streams)
+SETTLE_TICK_S = 0.005  # queued settlements go out together at most this often (one pipeline)
 _IDLE_EXPIRE_MS = 120_000  # a bucket untouched for over a minute is full: its hash may go
 
 # KEYS: bucket hash, streams hash, replica roster. ARGV: replica, rpm, tpm, max streams (-1: none),
@@ -118,8 +125,9 @@ class SharedBudgets:
         self.policy = policy  # slomax.SLOMax: `budgets` (BudgetBook) and `budget_charge`
         self.clock = clock
         self._acquire = shared.redis.register_script(_ACQUIRE)
-        self._settle = shared.redis.register_script(_SETTLE)
-        self._pending: set[asyncio.Task[None]] = set()
+        self._outbox: deque[tuple[list[str], list[Any]]] = deque()  # settlements not sent yet
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
         self._streams: dict[str, int] = {}  # tenant -> this replica's open streams charged in Redis
         self.dropped = 0  # settlements not sent (too many in flight)
         self.mode: Mode = "shared"
@@ -170,28 +178,49 @@ class SharedBudgets:
 
     def settle(self, charge: Charge, used_tokens: int) -> None:
         """The request ended (or never ran: used 0): free its stream and give back unused tokens,
-        in the background, off the request's path."""
+        in the background (the next flush), off the request's path."""
         if charge.budgets.concurrent_streams is not None:
             n = self._streams.get(charge.tenant, 0) - 1
             if n > 0:
                 self._streams[charge.tenant] = n
             else:
                 self._streams.pop(charge.tenant, None)
-        if len(self._pending) >= _MAX_PENDING:
+        if len(self._outbox) >= _MAX_PENDING:
             self.dropped += 1
             return
         keys = [self.shared.key("budget", charge.tenant), self.shared.key("streams", charge.tenant)]
         args = [self.shared.replica_id, charge.budgets.tokens_per_minute or 0, charge.tokens - used_tokens,
                 "1" if charge.budgets.concurrent_streams is not None else "0", _IDLE_EXPIRE_MS]
-        task = asyncio.get_running_loop().create_task(self._send_settle(keys, args))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._outbox.append((keys, args))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="budget-settle")
+        self._wake.set()
 
-    async def _send_settle(self, keys: list[str], args: list[Any]) -> None:
-        try:
-            await self.shared.call("budget_settle", self._settle(keys=keys, args=args))
-        except StoreUnavailable:
-            pass  # tokens not given back: this tenant is limited a little early; streams are repaired
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(SETTLE_TICK_S)  # let the tick's settlements gather
+            self._wake.clear()
+            try:
+                await self.flush()
+            except Exception:  # a bug must not end the give-backs: the next tick tries again
+                log.exception("budget settlements failed")
+
+    async def flush(self) -> int:
+        """Send every queued settlement as one pipeline; how many were sent (0 on failure)."""
+        batch = [self._outbox.popleft() for _ in range(len(self._outbox))]
+        if not batch:
+            return 0
+        # EVAL, not EVALSHA: redis-py's pipelines check every script with an extra SCRIPT EXISTS
+        # round trip, and a Redis restarted without the script would fail the whole batch.
+        async with self.shared.redis.pipeline(transaction=False) as pipe:
+            for keys, args in batch:
+                pipe.eval(_SETTLE, len(keys), *keys, *args)
+            try:
+                await self.shared.call("budget_settle", pipe.execute())
+            except StoreUnavailable:
+                return 0  # tokens not given back: this tenant is limited a little early; streams are repaired
+        return len(batch)
 
     async def _after_beat(self) -> None:
         """Redis answered the heartbeat: budgets are shared again, and this replica writes its true
@@ -207,8 +236,12 @@ class SharedBudgets:
             await self.shared.call("streams", pipe.execute())
 
     async def close(self) -> None:
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=self.shared.timeout_s)
+        """Send what is queued (within `store_timeout_s`), then stop the flush."""
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.cancel()
+            await asyncio.wait([flusher], timeout=self.shared.timeout_s)
+        await self.flush()  # bounded by the store's deadline
 
 
 def _verdict(ok: int, code: str, retry: float, seen: str, b: Budgets, tokens: int) -> BudgetVerdict:

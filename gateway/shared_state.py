@@ -5,9 +5,11 @@ budgets (`gateway.budget_store`), goodput ledger (`gateway.ledger_sync`), admin 
 (`gateway.admin_store`), planner lease (`gateway.lease`). This module holds what they
 share:
 
-- one bounded redis-py client: connect/read timeouts and an `asyncio.wait_for` of
-  `gateway.store_timeout_s` over every call, no retries inside redis-py, a bounded pool;
-  every failure is `StoreUnavailable` (the same contract as the policy store);
+- one bounded redis-py client: a connect timeout and one deadline of `gateway.store_timeout_s`
+  over every call (`asyncio.timeout`, in the caller's task: no socket read timeout on top, no
+  extra task per call as `wait_for` makes on 3.11; both were measured on the admission path),
+  no retries inside redis-py, a bounded pool; every failure is `StoreUnavailable` (the same
+  contract as the policy store);
 - the roster: every replica announces itself each `replica_heartbeat_s` in a sorted set
   scored by Redis server time (`TIME`, so replicas' clocks never need to agree); an entry
   older than `replica_ttl_s` is a replica that is gone. `live` is the count the budgets'
@@ -66,10 +68,10 @@ class SharedRedis:
         self.prefix = settings.redis_prefix
         self.replica_id = replica_id or new_replica_id()
         # One attempt per deadline (the loops are the retry); a bounded pool: when every connection
-        # is stuck the next call fails instead of queueing behind them.
-        self.redis = aioredis.from_url(url, decode_responses=True, socket_timeout=self.timeout_s,
-                                       socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
-                                       max_connections=64)
+        # is stuck the next call fails instead of queueing behind them. Reads are bounded by `call`'s
+        # deadline, not a socket timeout: redis-py arms a second timer around every read for that.
+        self.redis = aioredis.from_url(url, decode_responses=True, socket_connect_timeout=self.timeout_s,
+                                       retry=Retry(NoBackoff(), 0), max_connections=64)
         self.up = False  # until the first heartbeat answers
         self.live = 1  # replicas alive, this one included (the last count Redis gave)
         self.errors: dict[str, int] = {}  # failed calls by operation, since start
@@ -85,8 +87,9 @@ class SharedRedis:
         from redis.exceptions import RedisError
 
         try:
-            result = await asyncio.wait_for(coro, self.timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):
+            async with asyncio.timeout(self.timeout_s):  # the one deadline (see the module docstring)
+                result = await coro
+        except TimeoutError:
             self._failed(op, f"no answer within {self.timeout_s:g} s")
             raise StoreUnavailable(f"shared state: {op}: no answer within {self.timeout_s:g} s") from None
         except (RedisError, OSError) as e:
