@@ -1,10 +1,14 @@
 """Added latency of fleet-wide budgets on the admission path (one Redis round trip, loopback).
 
-Runs ~2000 admissions through `AdmissionGate.enter` (the gateway's admission step: SLOMax
-with a budgeted tenant) twice, shared budgets off then on, against a private redis-server,
-and prints p50/p99 per admission and the difference.
+Runs admissions through `AdmissionGate.enter` and `release` (the gateway's admission step and
+its give-back: SLOMax with a budgeted tenant), shared budgets off and on, against a private
+redis-server, and prints p50/p99 per admission and the difference. Off and on alternate in
+`--rounds` rounds of n / rounds admissions each, so that a machine whose load drifts during
+the run weighs on both alike. The event loop is the gateway's (`--loop uvloop`, what
+`tokenfleet up` runs) unless asked otherwise; the line printed first says which loop and
+whether redis-py found hiredis.
 
-    .venv/bin/python -m bench.shared_budget_latency [--n 2000]
+    .venv/bin/python -m bench.shared_budget_latency [--n 2000] [--rounds 4] [--loop uvloop|asyncio]
 """
 
 from __future__ import annotations
@@ -78,13 +82,30 @@ def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def main() -> None:
+async def measure(n: int, rounds: int) -> tuple[list[float], list[float]]:
+    off: list[float] = []
+    on: list[float] = []
+    async with private_redis() as url:  # the one `tokenfleet up --replicas` starts
+        for _ in range(rounds):
+            off += await run(max(1, n // rounds), None)
+            on += await run(max(1, n // rounds), url)
+    return off, on
+
+
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     args = ap.parse_args()
-    async with private_redis() as url:  # the one `tokenfleet up --replicas` starts
-        off = await run(args.n, None)
-        on = await run(args.n, url)
+    from redis.utils import HIREDIS_AVAILABLE
+
+    print(f"loop {args.loop}, redis-py {'with' if HIREDIS_AVAILABLE else 'without'} hiredis")
+    if args.loop == "uvloop":
+        import uvloop
+        off, on = uvloop.run(measure(args.n, max(1, args.rounds)))
+    else:
+        off, on = asyncio.run(measure(args.n, max(1, args.rounds)))
     for name, xs in (("shared budgets off", off), ("shared budgets on ", on)):
         print(f"{name}: p50 {pct(xs, 0.5):.3f} ms  p99 {pct(xs, 0.99):.3f} ms  mean {statistics.mean(xs):.3f} ms "
               f"(n={len(xs)})")
@@ -93,4 +114,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()
