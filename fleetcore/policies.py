@@ -80,6 +80,13 @@ class InstanceRouter(ABC):
         chooser falls back to its own estimate)."""
         return None
 
+    def prefix_match(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                     now: float) -> list[int] | None:
+        """Blocks of the prompt's prefix the router believes each candidate holds (in candidate
+        order), without routing: what a replica would give up by leaving an instance out
+        (`fleetcore.replica_spread`). None: the router keeps no prefix index."""
+        return None
+
     def observe_kv_events(self, instance_id: str, seq: int, events: Sequence[Mapping[str, object]],
                           now: float) -> None:
         """Engine KV cache events (only sent when `follows_kv_events`). Default: ignored."""

@@ -15,9 +15,10 @@ replicas deciding at the same instant pick disjoint instances; the router's own 
 (cache affinity, queues, KV pressure) decides within the share. The share gives way to
 the whole pool when that is worth it: for a router with a cost model (`predict`), when the
 best of the pool would have more tokens cached than the best of the share, or a TTFT more
-than `slack` shorter. A router without one cannot say what the share costs; it routes within
-the share always (the load balancer spreads requests evenly over the replicas, so each
-share gets its part of the load).
+than `slack` shorter. A router without one routes within
+the share unless its prefix index (`prefix_match`) holds more of the prompt elsewhere. A
+router with neither (load only, or an implicit affinity like a hash ring) is left alone:
+there is nothing to weigh the share against.
 
 One replica (`replicas == 1`) is never touched: the candidates go through as they are.
 Pure: no clock, no I/O. The live gateway (`gateway.load_sync` sets the slot from the
@@ -69,8 +70,13 @@ def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
     if not part or len(part) == len(candidates):
         return candidates
     whole = router.predict(profile, candidates, now)
-    if whole is None:
-        return part  # no cost model to weigh the share against the pool
+    if whole is None:  # no cost model: the share gives way to a longer cached prefix only
+        match = router.prefix_match(profile, candidates, now)
+        if match is None:
+            return candidates  # nothing to weigh the share against the pool with
+        ids = {c.instance_id for c in part}
+        mine_best = max((m for c, m in zip(candidates, match) if c.instance_id in ids), default=0)
+        return part if mine_best >= max(match, default=0) else candidates
     mine = router.predict(profile, part, now)
     if mine is None:  # nothing in the share is eligible for this router
         return candidates
@@ -111,6 +117,10 @@ class SpreadRouter(InstanceRouter):
     def predict(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
                 now: float) -> tuple[float, int] | None:
         return self.inner.predict(profile, candidates, now)  # whole sites compared: no share
+
+    def prefix_match(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                     now: float) -> list[int] | None:
+        return self.inner.prefix_match(profile, candidates, now)
 
     def observe_kv_events(self, instance_id: str, seq: int, events: Sequence[Mapping[str, object]],
                           now: float) -> None:

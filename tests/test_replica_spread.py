@@ -55,9 +55,10 @@ def test_replicas_deciding_at_the_same_instant_pick_different_instances() -> Non
         assert len(herd) < 8, (name, herd)
 
 
-def test_the_share_gives_way_to_a_prefix_cached_outside_it() -> None:
+@pytest.mark.parametrize("name", ["tokenpilot", "sglang_cache_aware"])  # a cost model; a prefix index only
+def test_the_share_gives_way_to_a_prefix_cached_outside_it(name: str) -> None:
     fleet = small_fleet(instances=4)
-    router = SpreadRouter(make_policy("tokenpilot", 0, fleet))
+    router = SpreadRouter(make_policy(name, 0, fleet))
     pool = _snaps(4)
     prefix = tuple(range(1, 121))  # 1,920 tokens of shared prefix
     first = router.route(_profile("warm", prefix, 2000), pool, 0.0).instance_id
@@ -69,3 +70,9 @@ def test_the_share_gives_way_to_a_prefix_cached_outside_it() -> None:
     fresh = router.route(_profile("fresh", (9999,), 2000), pool, 0.2)
     assert fresh.instance_id in {c.instance_id for c in share(router.slot, pool)}
     assert router.spread_routes == 1
+
+
+def test_a_router_with_neither_a_cost_model_nor_a_prefix_index_is_left_alone() -> None:
+    router = make_policy("least_request", 0, small_fleet(instances=4))
+    pool = _snaps(4)
+    assert spread(router, ReplicaSlot(4, 1), _profile("a"), pool, 0.0) is pool

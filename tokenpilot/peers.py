@@ -255,7 +255,18 @@ class PrefixHash(InstanceRouter):
 # ---- cache-aware policies -----------------------------------------------------------
 
 
-class SGLangCacheAware(InstanceRouter):
+class _HistoryIndexed(InstanceRouter):
+    """A router whose cache index is its routing history (`self.index`): it can say how much of a
+    prompt each candidate holds without routing (`prefix_match`), as its rule would read it."""
+
+    index: PrefixIndex
+
+    def prefix_match(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                     now: float) -> list[int] | None:
+        return self.index.match_many([c.instance_id for c in candidates], profile.block_hashes)
+
+
+class SGLangCacheAware(_HistoryIndexed):
     """SGLang router cache-aware policy: approximate radix tree per worker + balance switch.
 
     Source: sgl-project/sglang sgl-router `src/policies/cache_aware.rs`
@@ -348,7 +359,7 @@ class _Worker:
     prefill_tokens: int = 0
 
 
-class DynamoKv(InstanceRouter):
+class DynamoKv(_HistoryIndexed):
     """NVIDIA Dynamo KV router (approximate mode, `--no-kv-events`).
 
     Source: ai-dynamo/dynamo `lib/llm/src/kv_router/scheduler.rs`
@@ -510,7 +521,7 @@ class DynamoKv(InstanceRouter):
         self._free(outcome.request_id)
 
 
-class LlmdScheduler(InstanceRouter):
+class LlmdScheduler(_HistoryIndexed):
     """llm-d inference scheduler (Gateway API Inference Extension EPP), default profile.
 
     Source: kubernetes-sigs/gateway-api-inference-extension `pkg/epp/scheduling/
@@ -575,7 +586,7 @@ class LlmdScheduler(InstanceRouter):
                              _Scored(("prefix", "queue", "kv"), rows), cached_tokens=matches[k] * profile.block_size)
 
 
-class AIBrixPrefixCache(InstanceRouter):
+class AIBrixPrefixCache(_HistoryIndexed):
     """AIBrix gateway prefix-cache router.
 
     Source: vllm-project/aibrix `pkg/plugins/gateway/algorithms/prefix_cache.go`
