@@ -57,6 +57,28 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# Stages of a request's way, as cumulative time (callees included) of the function that does
+# each, per request: (label, path suffix, function name). They nest (the ASGI stack holds the
+# rest), so they do not sum to 100%; "ASGI stack" is everything under the outermost app.
+STAGES: tuple[tuple[str, str, str], ...] = (
+    ("ASGI stack (middlewares + routing + handler)", "uvicorn/middleware/proxy_headers.py", "__call__"),
+    ("  endpoint handler (starlette routing.handle)", "starlette/routing.py", "handle"),
+    ("    parse + tokenize (gateway.requests)", "gateway/requests.py", "parse_request"),
+    ("    admission enter (gateway.admission)", "gateway/admission.py", "enter"),
+    ("    place: site + instance (fleetmind.place)", "fleetmind/place.py", "place"),
+    ("      site choice (FleetMind.choose)", "fleetmind/site_choice.py", "choose"),
+    ("        TokenPilot.predict (site scoring)", "tokenpilot/router.py", "predict"),
+    ("      TokenPilot.route", "tokenpilot/router.py", "route"),
+    ("    upstream send (aiohttp post)", "gateway/relay.py", "_send"),
+    ("    SSE event processing (RelayStream._process)", "gateway/relay.py", "_process"),
+    ("    attempt bookkeeping (Dispatch.finish)", "gateway/relay.py", "finish"),
+    ("    admission release", "gateway/admission.py", "release"),
+    ("  fleet view builds (FleetState.build_view)", "gateway/fleet_state.py", "build_view"),
+    ("  Prometheus .labels() lookups", "prometheus_client/metrics.py", "labels"),
+    ("loop monitor ticks (process_time)", "gateway/loop_monitor.py", "_arm"),
+)
+
+
 def group_of(filename: str) -> str:
     if filename.startswith("~") or filename == "":
         return "builtins (C calls)"
@@ -89,7 +111,7 @@ def child(port: int, engine_url: str, stats_path: str) -> None:
         prof.dump_stats(stats_path)
 
 
-def report(stats_path: str, top: int) -> None:
+def report(stats_path: str, top: int, requests: int) -> None:
     st = pstats.Stats(stats_path)
     by_group: dict[str, float] = {}
     funcs = []
@@ -102,6 +124,11 @@ def report(stats_path: str, top: int) -> None:
     print(f"profiled self time: {total:.2f} s")
     for g, t in sorted(by_group.items(), key=lambda kv: -kv[1]):
         print(f"  {g:<32} {100 * t / total:5.1f}%  {t:7.2f} s")
+    print(f"stages, cumulative time per request (of {requests}; share of profiled self time):")
+    for label, suffix, name in STAGES:
+        ct = sum(v[3] for (f, _, n), v in st.stats.items()  # type: ignore[attr-defined]
+                 if n == name and f.endswith(suffix))
+        print(f"  {label:<50} {1e6 * ct / requests:8.1f} us  {100 * ct / total:5.1f}%")
     print(f"top {top} functions by self time:")
     for tt, fn, g in sorted(funcs, reverse=True)[:top]:
         print(f"  {100 * tt / total:5.1f}%  {fn}  [{g}]")
@@ -144,7 +171,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         stats_path = args.stats or os.path.join(tmp, "gateway.pstats")
         asyncio.run(run(args, stats_path))
-        report(stats_path, args.top)
+        report(stats_path, args.top, args.requests)
     return 0
 
 
