@@ -12,7 +12,9 @@ tokenpilot/, h11, aiohttp, asyncio, ...) and prints the shares, largest first, p
 top functions. Only the event-loop thread is profiled (cProfile is per thread): work in the
 tokenizer pool's threads is not in the split. cProfile's own overhead inflates small,
 frequently called functions, so read shares, not absolute times. `--stats FILE` keeps the
-raw pstats file. Linux only (as otel_overhead.py).
+raw pstats file. It also prints every garbage collection's pause by generation while serving
+(the first full one is the gateway's own `gc.collect()` before `gc.freeze()` at start-up);
+`--gc-thresholds A,B,C` runs the gateway with other thresholds. Linux only (as otel_overhead.py).
 
 bench/README.md quotes a split of this kind (2,200 requests, "no single hotspot").
 """
@@ -101,7 +103,10 @@ def child(port: int, engine_url: str, stats_path: str) -> None:
     sys.path.insert(0, str(ROOT))
     import uvicorn  # noqa: F401
 
-    import gateway.app  # noqa: F401
+    import gateway.app
+    if os.environ.get("PROFILE_GC_THRESHOLDS"):  # an experiment: thresholds other than the gateway's
+        gateway.app.GC_THRESHOLDS = tuple(int(x) for x in os.environ["PROFILE_GC_THRESHOLDS"].split(","))  # type: ignore[assignment]
+    pauses = _watch_gc()
     prof = cProfile.Profile()
     prof.enable()
     try:
@@ -109,6 +114,35 @@ def child(port: int, engine_url: str, stats_path: str) -> None:
     finally:
         prof.disable()
         prof.dump_stats(stats_path)
+        _print_gc(pauses)
+
+
+def _watch_gc() -> dict[int, list[float]]:
+    """Every collection's pause, by generation (gc.callbacks), from here to the end."""
+    import gc
+    import time
+
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    started: list[float] = [0.0]
+
+    def cb(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(cb)
+    return pauses
+
+
+def _print_gc(pauses: dict[int, list[float]]) -> None:
+    import gc
+
+    print(f"gc (threshold {gc.get_threshold()}, frozen {gc.get_freeze_count()} objects):", flush=True)
+    for gen, ps in pauses.items():
+        if ps:
+            print(f"  gen {gen}: {len(ps):6d} collections, total {1e3 * sum(ps):8.1f} ms, "
+                  f"max {1e3 * max(ps):6.2f} ms", flush=True)
 
 
 def report(stats_path: str, top: int, requests: int) -> None:
@@ -137,7 +171,11 @@ def report(stats_path: str, top: int, requests: int) -> None:
 async def run(args: argparse.Namespace, stats_path: str) -> None:
     engine_runner, engine_url = await oo.serve(oo.engine_app(args.chunks))
     port = oo.free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(port), engine_url, stats_path], cwd=ROOT)
+    env = dict(os.environ)
+    if args.gc_thresholds:
+        env["PROFILE_GC_THRESHOLDS"] = args.gc_thresholds
+    proc = subprocess.Popen([sys.executable, __file__, "--child", str(port), engine_url, stats_path], cwd=ROOT,
+                            env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         await oo.wait_ready(url, proc)
@@ -159,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=16, help="SSE chunks per answer from the stub engine")
     p.add_argument("--top", type=int, default=15, help="functions to list")
     p.add_argument("--stats", metavar="FILE", help="keep the raw pstats file here")
+    p.add_argument("--gc-thresholds", metavar="A,B,C",
+                   help="run the gateway with these gc thresholds instead of gateway.app.GC_THRESHOLDS")
     p.add_argument("--child", nargs=3, metavar=("PORT", "ENGINE_URL", "STATS"), help=argparse.SUPPRESS)
     return p
 

@@ -59,8 +59,11 @@ from fleetmind.placement_cycle import placement_cycle_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
 
-# Bodies up to this size parse and tokenize inline (well under a millisecond per KB);
-# larger ones go to the bounded tokenizer pool, so no request stalls the loop for long.
+# The collector's generation thresholds once start-up is frozen. CPython's default: a young
+# collection every ~6 streamed requests, ~0.5 ms each. Raising the first threshold to 10,000
+# made them 14x rarer but 3-35 ms each, the same total and a worse tail (bench/README.md,
+# "GC discipline"), so the default stays, set here explicitly: the one place to tune it.
+GC_THRESHOLDS: tuple[int, int, int] = (700, 10, 10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +246,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").
             gc.collect()
             gc.freeze()
+            gc.set_threshold(*GC_THRESHOLDS)
             yield
         finally:
             await dash_sampler.stop()
