@@ -37,6 +37,7 @@ from gateway.goodput_report import ReportAccess, install_report_routes
 from gateway.kv_feed import KVEventFeed
 from gateway.loop_monitor import LoopLagCollector, LoopMonitor
 from gateway.metrics import GatewayMetrics
+from gateway.overload import Backlog, OverloadLimit
 from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
@@ -223,6 +224,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor, telemetry)
 
+    backlog = Backlog(g.max_inflight_requests, g.max_pending_requests, g.overload_retry_after_s)
+    metrics.watch_backlog(lambda: backlog.pending, lambda: backlog.inflight)
+
     kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
@@ -273,8 +277,11 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                               "operators (admin key); errors are OpenAI-shaped `{\"error\": {...}}`.")
     app.state.tokenfleet = ctx
     app.state.replicas = replicas  # shared state of several replicas (gateway.replica_state): tests, tools
+    app.state.backlog = backlog  # the overload bounds' counts (gateway.overload)
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    # Added last, so outermost of ours: an overloaded gateway refuses before reading a body.
+    app.add_middleware(OverloadLimit, backlog=backlog, on_refused=metrics.refused_overload)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, replicas.planner, key_store)

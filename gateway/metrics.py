@@ -11,7 +11,7 @@ the admin (`/metrics` with an admin key).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
@@ -50,6 +50,19 @@ class GatewayMetrics:
                                  "requested one could not serve", ["model", "fallback", "reason"], registry=r)
         self.inflight = Gauge("tokenfleet_inflight", "Requests the gateway has in flight per instance",
                               ["instance"], registry=r)
+        self.overload_refused = Counter("tokenfleet_overload_refused", "/v1 requests refused with 503 "
+                                        "gateway_overloaded, by the bound they hit", ["bound"], registry=r)
+
+    def watch_backlog(self, pending: Callable[[], float], inflight: Callable[[], float]) -> None:
+        """Gauges of the overload bounds' counts (`gateway.overload`)."""
+        Gauge("tokenfleet_requests_pending", "/v1 requests accepted whose response has not started",
+              registry=self.registry).set_function(pending)
+        Gauge("tokenfleet_requests_in_progress", "/v1 requests in progress, streams included",
+              registry=self.registry).set_function(inflight)
+
+    def refused_overload(self, bound: str) -> None:
+        self.overload_refused.labels(bound).inc()
+        self.answered("", "", "", "503")
 
     def render(self, per_tenant: bool = False) -> bytes:
         return generate_latest(self.registry if per_tenant else _WithoutTenants(self.registry))
