@@ -222,7 +222,10 @@ class GatewaySettings(_Strict):
                                        "admission queue, routing, waiting for the first byte); more: 503")
     overload_retry_after_s: int = Field(default=1, ge=1, description="Retry-After of an overload 503")
     # --- work before routing ---
-    tokenize_workers: int = Field(default=2, ge=1, description="threads that tokenize prompts off the event loop")
+    tokenize_workers: int = Field(
+        default=1, ge=1, description="threads that tokenize prompts off the event loop (more help only with "
+                                     "models' own Rust tokenizers, which release the GIL; the built-in one "
+                                     "holds it, and a second thread only contends with the event loop)")
     tokenize_queue: int = Field(default=256, ge=1, description="prompts waiting for a tokenizer thread; more: 503")
     tokenize_timeout_s: float = Field(default=5.0, gt=0)
     # --- shared state ---

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -65,6 +66,12 @@ from slomax import make_admission
 # made them 14x rarer but 3-35 ms each, the same total and a worse tail (bench/README.md,
 # "GC discipline"), so the default stays, set here explicitly: the one place to tune it.
 GC_THRESHOLDS: tuple[int, int, int] = (700, 10, 10)
+# How long a thread may hold the GIL while another waits (CPython's default is 5 ms). The
+# tokenizer pool's threads tokenize in Python (the built-in tokenizer) or call into Rust; the
+# event loop re-takes the GIL after every poll and every socket call, and at 5 ms it waited
+# that long each time: a burst of 16 prompts of 32k tokens held the loop ~50 ms, at 1 ms
+# ~7-19 ms (tests/test_tokenize_stall.py; bench/README.md, "Tokenization off the loop").
+SWITCH_INTERVAL_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +258,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             gc.collect()
             gc.freeze()
             gc.set_threshold(*GC_THRESHOLDS)
+            switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
             yield
+            sys.setswitchinterval(switch_interval)
         finally:
             await dash_sampler.stop()
             if placement is not None:

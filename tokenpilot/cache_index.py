@@ -28,6 +28,7 @@ to a prefill's cost. Callers pass and receive ordinary block counts.
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,10 +169,27 @@ class PrefixCacheIndex:
         e.batch_refs = len(e.last)
 
     def _remove(self, e: _InstanceBlocks, hashes: Iterable[int]) -> None:
-        last = e.last
-        for h in hashes:
-            if last.pop(h, None) is not None:
-                self._unset(h, e.bit)
+        """Engines remove blocks in batches of thousands (KV events, on the event loop): set
+        operations and C-level maps do the bulk; only keys other instances hold too (shared
+        prefixes, few) take a Python step each."""
+        gone = e.last.keys() & hashes
+        if not gone:
+            return
+        deque(map(e.last.__delitem__, gone), 0)
+        mask, b = self._mask, 1 << e.bit
+        # (every key an instance holds has its bit in the mask; `get` with b and `pop` with a
+        # default keep a broken invariant from raising on the event loop)
+        shared = [h for h, m in zip(gone, map(mask.get, gone, repeat(b))) if m != b]
+        if shared:
+            gone.difference_update(shared)
+            clear = ~b
+            for h in shared:
+                m = mask[h] & clear
+                if m:
+                    mask[h] = m
+                else:
+                    del mask[h]
+        deque(map(mask.pop, gone, repeat(None)), 0)
 
     def _set_bit(self, hashes: set[int], bit: int) -> None:
         """Add `bit` to the masks of `hashes`. Most of a request's new keys are new to the
