@@ -413,7 +413,7 @@ class TokenPilot(InstanceRouter):
         m[s.CONTEXT, k] += profile.prompt_tokens
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
-        self.index.record_route(instance_id, profile.block_hashes, now)
+        self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
         self._inflight[profile.request_id] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
 
     # -- feedback --------------------------------------------------------------
