@@ -32,6 +32,7 @@ from gateway.aliases import alias_entries
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
 from gateway.errors import body_too_large, install_handlers
+from gateway.fast_path import Endpoints, GatewayApp
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
 from gateway.goodput_report import ReportAccess, install_report_routes
@@ -282,7 +283,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             await telemetry.shutdown()
 
     # The contract for clients and fuzzers: /openapi.json, /docs (Swagger UI), /redoc.
-    app = FastAPI(title="TokenFleet gateway", lifespan=lifespan, version="1",
+    app = GatewayApp(title="TokenFleet gateway", lifespan=lifespan, version="1",
                   description="OpenAI-compatible gateway: /v1 for tenants (API key), /admin/v1 for "
                               "operators (admin key); errors are OpenAI-shaped `{\"error\": {...}}`.")
     app.state.tokenfleet = ctx
@@ -293,6 +294,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     # Added last, so outermost of ours: an overloaded gateway refuses before reading a body.
     app.add_middleware(OverloadLimit, backlog=backlog, on_refused=metrics.refused_overload)
     _add_openai_routes(app, ctx)
+    # The /v1 endpoints' lean path (gateway.fast_path): the same two limits, then the handler.
+    app.fast_stack = OverloadLimit(BodySizeLimit(Endpoints(app, app.fast_routes), max_bytes=max_body_bytes),
+                                   backlog=backlog, on_refused=metrics.refused_overload)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, replicas.planner, key_store)
     install_key_routes(app, config, key_store, AdminAuth(config, key_store).require)
@@ -301,7 +305,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     return app
 
 
-def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
+def _add_openai_routes(app: GatewayApp, ctx: GatewayContext) -> None:
     created = int(time.time())
 
     # The bodies are parsed by `gateway.requests` (raw, forwarded with unknown fields intact);
@@ -321,6 +325,11 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
     @app.post("/v1/responses", openapi_extra=responses_body(ctx.config.models[0].name))
     async def responses(request: Request) -> Response:
         return await serve_responses(ctx, request)  # stateless Responses API over the chat path
+
+    # POST /v1/...: served by the lean path; the declarations above are for the OpenAPI document
+    # (and serve the same handlers should the lean path be bypassed).
+    app.fast_routes = {"/v1/chat/completions": chat_completions, "/v1/completions": completions,
+                       "/v1/embeddings": embeddings, "/v1/responses": responses}
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
