@@ -40,6 +40,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,6 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--record", metavar="OUT", help=argparse.SUPPRESS)  # internal: one side
     ap.add_argument("--tree", metavar="DIR", help=argparse.SUPPRESS)
     return ap
+
+
+def next_prompt(rng: Any, convs: list[list[int]], next_id: int) -> tuple[list[int], int]:
+    """Mooncake-like block ids: a shared first block, then up to 47 more; 40% extend an earlier
+    conversation. Returns them and the next free id; `convs` keeps the last 2,000."""
+    if convs and rng.random() < 0.4:
+        blocks = rng.choice(convs) + list(range(next_id, next_id + rng.randrange(1, 6)))
+    else:
+        blocks = [0] + list(range(next_id, next_id + rng.randrange(2, 48)))
+    convs.append(blocks)
+    if len(convs) > 2000:
+        convs.pop(0)
+    return blocks, next_id + 64
 
 
 def record(out: str, decisions: int, instances: int, seed: int) -> None:
@@ -77,14 +91,7 @@ def record(out: str, decisions: int, instances: int, seed: int) -> None:
     pending: list[tuple[str, str, int, float | None]] = []
     with open(out, "w") as f:
         for n in range(decisions):
-            if convs and rng.random() < 0.4:
-                blocks = rng.choice(convs) + list(range(next_id, next_id + rng.randrange(1, 6)))
-            else:
-                blocks = [0] + list(range(next_id, next_id + rng.randrange(2, 48)))
-            next_id += 64
-            convs.append(blocks)
-            if len(convs) > 2000:
-                convs.pop(0)
+            blocks, next_id = next_prompt(rng, convs, next_id)
             pool = [InstanceSnapshot(i, "s", "m", "v", f"http://{i}", num_running=rng.randrange(0, 40)) for i in ids]
             rng.shuffle(pool)
             if rng.random() < 0.2:
@@ -147,14 +154,7 @@ def record_place(out: str, decisions: int, instances: int, seed: int) -> None:
     now = 0.0
     with open(out, "w") as f:
         for n in range(decisions):
-            if convs and rng.random() < 0.4:
-                blocks = rng.choice(convs) + list(range(next_id, next_id + rng.randrange(1, 6)))
-            else:
-                blocks = [0] + list(range(next_id, next_id + rng.randrange(2, 48)))
-            next_id += 64
-            convs.append(blocks)
-            if len(convs) > 2000:
-                convs.pop(0)
+            blocks, next_id = next_prompt(rng, convs, next_id)
             hashes = tuple(synthetic_block_hashes(blocks, 32))
             busy = {name for name, _, _ in sites if rng.random() < 0.25}  # a site whose queues are long
             snaps = [InstanceSnapshot(i, site_of[i], "m", "v", f"http://{i}", ready=rng.random() > 0.05,

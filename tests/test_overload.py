@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -69,11 +70,15 @@ def _assert_refusal(r: httpx.Response, bound_words: str) -> None:
     assert bound_words in err["message"]
 
 
+def _served(time_scale: float, max_pending: int, max_inflight: int) -> AbstractAsyncContextManager[ServedFleet]:
+    gateway = {"max_pending_requests": max_pending, "max_inflight_requests": max_inflight}
+    return serve_fleet(parse_fleet(_fleet(time_scale, gateway)), poll_interval_s=0.2)
+
+
 @pytest.fixture
 async def slow_start() -> AsyncIterator[ServedFleet]:
     # physics 40x slower: a ~2k-token prompt takes a good fraction of a second to its first token
-    config = parse_fleet(_fleet(40.0, {"max_pending_requests": 4, "max_inflight_requests": 1000}))
-    async with serve_fleet(config, poll_interval_s=0.2) as f:
+    async with _served(40.0, max_pending=4, max_inflight=1000) as f:
         yield f
 
 
@@ -112,8 +117,7 @@ async def test_a_flood_past_the_pending_bound_is_refused_at_once_and_the_rest_se
 
 @pytest.fixture
 async def long_streams() -> AsyncIterator[ServedFleet]:
-    config = parse_fleet(_fleet(1.0, {"max_pending_requests": 100, "max_inflight_requests": 5}))
-    async with serve_fleet(config, poll_interval_s=0.2) as f:
+    async with _served(1.0, max_pending=100, max_inflight=5) as f:
         yield f
 
 

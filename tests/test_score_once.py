@@ -12,9 +12,7 @@ and the one made in this process with the memo bypassed.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -27,22 +25,18 @@ from tokenpilot.priors import prior_from_physics
 from tokenpilot.router import TokenPilot
 from tokenpilot.score_memo import ScoreMemo
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "place_replay_09d9070.jsonl.gz"
 RECORDED_DECISIONS = 1500  # what the fixture was recorded with (seed 0, 64 instances)
 
 
-def _replay_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("decision_replay", REPO / "bench" / "decision_replay.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _record(tmp_path: Path, name: str, decisions: int) -> list[str]:
     out = tmp_path / name
-    _replay_module().record_place(str(out), decisions, 64, 0)
+    load_bench("decision_replay").record_place(str(out), decisions, 64, 0)
     return out.read_text().splitlines()
 
 

@@ -10,25 +10,15 @@ tokenizer threads holding the GIL included; the machine starving us does not cou
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from fleetcore.fleet_config import parse_fleet
 from fleetcore.tokens import count_tokens
 from gateway.embedded import serve_fleet
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load_bench
 
 STALL_BOUND_S = 0.020
 
 
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tokenize_stall", REPO / "bench" / "tokenize_stall.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 async def test_a_burst_of_16_prompts_of_32k_tokens_stalls_the_loop_under_20_ms() -> None:
@@ -37,7 +27,7 @@ async def test_a_burst_of_16_prompts_of_32k_tokens_stalls_the_loop_under_20_ms()
     meanwhile, so on a crowded machine the OS descheduling the loop thread while the tokenizer
     thread runs reads as a stall of ours; a stall the gateway causes shows in every burst (the
     code before issue 14 held the loop 50-56 ms in each)."""
-    b = _bench()  # the bursts of bench/tokenize_stall.py: its fleet, prompts and client process
+    b = load_bench("tokenize_stall")  # the bursts of bench/tokenize_stall.py: its fleet, prompts and client process
     prompts = [b.prompt(k) for k in range(3 * b.BURST)]
     assert count_tokens(prompts[0]) >= b.PROMPT_TOKENS
     async with serve_fleet(parse_fleet(b.FLEET), poll_interval_s=0.2) as f:
