@@ -246,6 +246,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         await replicas.start()
         if isinstance(key_store, KVKeyStore):
             await key_store.start()
+        switch_interval = sys.getswitchinterval()  # a process-wide setting: given back at the end
         try:
             await state.start()
             if kv_feed is not None:
@@ -259,11 +260,10 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             gc.collect()
             gc.freeze()
             gc.set_threshold(*GC_THRESHOLDS)
-            switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             yield
-            sys.setswitchinterval(switch_interval)
         finally:
+            sys.setswitchinterval(switch_interval)
             await dash_sampler.stop()
             if placement is not None:
                 await placement.stop()
