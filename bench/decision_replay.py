@@ -16,6 +16,17 @@ prints the first divergence. Exit status 0 when identical, 1 otherwise.
 
 The figure in bench/ROUTING.md ("checked by replaying ~15,000 decisions ... identical
 choices, predicted TTFTs and explanations") is reproduced by the default command.
+
+`--through place` replays whole placements instead: `fleetmind.place` with FleetMind over
+three sites (home-site, residency and spill policies, clients in several regions) and
+TokenPilot as both its predictor and its router, with exclusions (retries), admission's
+avoid hint, unready instances, KV pressure, engine KV events, other replicas' routes and
+outcomes fed back. It records every try (site, site scores and their details, instance,
+reason, predicted TTFT, candidate scores) and, at the end, what TokenPilot has learned per
+instance. `tests/test_score_once.py` compares this record with one made at the commit before
+the router scored each pool once per request (`tests/fixtures/place_replay_09d9070.jsonl.gz`):
+
+    python bench/decision_replay.py --through place --old 09d9070 --new WORKTREE --decisions 3000
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,9 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--instances", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", metavar="DIR", help="keep both decision records (JSONL) in DIR")
+    ap.add_argument("--through", choices=("route", "place"), default="route",
+                    help="replay TokenPilot.route alone (default) or whole placements (fleetmind.place)")
     ap.add_argument("--record", metavar="OUT", help=argparse.SUPPRESS)  # internal: one side
     ap.add_argument("--tree", metavar="DIR", help=argparse.SUPPRESS)
     return ap
+
+
+def next_prompt(rng: Any, convs: list[list[int]], next_id: int) -> tuple[list[int], int]:
+    """Mooncake-like block ids: a shared first block, then up to 47 more; 40% extend an earlier
+    conversation. Returns them and the next free id; `convs` keeps the last 2,000."""
+    if convs and rng.random() < 0.4:
+        blocks = rng.choice(convs) + list(range(next_id, next_id + rng.randrange(1, 6)))
+    else:
+        blocks = [0] + list(range(next_id, next_id + rng.randrange(2, 48)))
+    convs.append(blocks)
+    if len(convs) > 2000:
+        convs.pop(0)
+    return blocks, next_id + 64
 
 
 def record(out: str, decisions: int, instances: int, seed: int) -> None:
@@ -64,14 +91,7 @@ def record(out: str, decisions: int, instances: int, seed: int) -> None:
     pending: list[tuple[str, str, int, float | None]] = []
     with open(out, "w") as f:
         for n in range(decisions):
-            if convs and rng.random() < 0.4:
-                blocks = rng.choice(convs) + list(range(next_id, next_id + rng.randrange(1, 6)))
-            else:
-                blocks = [0] + list(range(next_id, next_id + rng.randrange(2, 48)))
-            next_id += 64
-            convs.append(blocks)
-            if len(convs) > 2000:
-                convs.pop(0)
+            blocks, next_id = next_prompt(rng, convs, next_id)
             pool = [InstanceSnapshot(i, "s", "m", "v", f"http://{i}", num_running=rng.randrange(0, 40)) for i in ids]
             rng.shuffle(pool)
             if rng.random() < 0.2:
@@ -96,6 +116,96 @@ def record(out: str, decisions: int, instances: int, seed: int) -> None:
                                           mean_tpot_s=rng.uniform(0.01, 0.06)))
 
 
+def _hex(x: float | None) -> str | None:
+    return None if x is None else float(x).hex()
+
+
+def record_place(out: str, decisions: int, instances: int, seed: int) -> None:
+    """One side of `--through place` (see the module doc); only APIs that predate score-once."""
+    import random
+
+    from fleetcore.prefix import synthetic_block_hashes
+    from fleetcore.region_policy import PolicySet, RegionPolicy
+    from fleetcore.slo import DEFAULT_SLOS
+    from fleetcore.types import FleetView, InstanceSnapshot, RequestOutcome, RequestProfile, SiteSnapshot
+    from fleetmind.place import place
+    from fleetmind.site_choice import FleetMind, FleetMindConfig
+    from tokenpilot.priors import prior_from_physics
+    from tokenpilot.router import TokenPilot
+
+    rng = random.Random(seed)
+    prior = prior_from_physics("llama-3.1-8b", "H100")
+    sites = (("use1", "us-east", "us"), ("usw2", "us-west", "us"), ("euw1", "eu-west", "eu"))
+    rtt = {"us-east": {"us-east": 1.0, "us-west": 60.0, "eu-west": 80.0},
+           "us-west": {"us-east": 60.0, "us-west": 1.0, "eu-west": 140.0},
+           "eu-west": {"us-east": 80.0, "us-west": 140.0, "eu-west": 1.0}}
+    ids = [f"i{k:02d}" for k in range(instances)]
+    site_of = {i: sites[k % len(sites)][0] for k, i in enumerate(ids)}
+    tp = TokenPilot({i: prior for i in ids[:-2]})  # the last two are registered on first sight
+    policies = PolicySet([RegionPolicy(tenant="home", home_site="use1", spill_sites=["usw2"]),
+                          RegionPolicy(tenant="eu", allowed_jurisdictions=["eu"]),
+                          RegionPolicy(tenant="pinned", home_site="usw2", spill=False)])
+    fm = FleetMind(policies, tp, slos=DEFAULT_SLOS, config=FleetMindConfig(hold_s=1.0))
+    tenants = ("home", "eu", "pinned", "anonymous", "anonymous")
+    regions = ("us-east", "us-west", "eu-west", None)
+    convs: list[list[int]] = []
+    next_id = 1
+    pending: list[tuple[str, str, str, int, float | None]] = []
+    now = 0.0
+    with open(out, "w") as f:
+        for n in range(decisions):
+            blocks, next_id = next_prompt(rng, convs, next_id)
+            hashes = tuple(synthetic_block_hashes(blocks, 32))
+            busy = {name for name, _, _ in sites if rng.random() < 0.25}  # a site whose queues are long
+            snaps = [InstanceSnapshot(i, site_of[i], "m", "v", f"http://{i}", ready=rng.random() > 0.05,
+                                      num_running=rng.randrange(0, 40),
+                                      num_waiting=rng.randrange(20, 400) if site_of[i] in busy else rng.randrange(0, 6),
+                                      kv_usage=rng.choice((0.1, 0.5, 0.8, 0.9, 0.99)) if rng.random() < 0.3 else 0.2)
+                     for i in ids]
+            view = FleetView(tuple(SiteSnapshot(name, region, jur, rtt[region],
+                                                tuple(sn for sn in snaps if sn.site == name))
+                                   for name, region, jur in sites))
+            if rng.random() < 0.7:  # several requests at one clock reading, as in the simulator
+                now += rng.choice((0.01, 0.05, 0.3))
+            region = rng.choice(regions)
+            prof = RequestProfile(f"r{n}", "m", 512 * len(blocks), hashes, tenant=rng.choice(tenants),
+                                  client_region=region)
+            exclude = (rng.choice(ids),) if rng.random() < 0.1 else ()
+            avoid = tuple(rng.sample(ids, rng.randrange(1, 4))) if rng.random() < 0.15 else ()
+            choice = place(prof, view, now, fm, tp, exclude=exclude, avoid=avoid)
+            for t in choice.tries():
+                f.write(json.dumps({
+                    "n": n, "site": t.site.site, "site_reason": t.site.reason,
+                    "site_cands": [[c.name, _hex(c.score), sorted((k, _hex(v)) for k, v in c.detail.items())]
+                                   for c in t.site.candidates],
+                    "instance": None if t.route is None else t.route.instance_id,
+                    "reason": None if t.route is None else t.route.reason,
+                    "ttft": None if t.route is None else _hex(t.route.predicted_ttft_s),
+                    "cached": None if t.route is None else t.route.cached_tokens,
+                    "cands": [] if t.route is None else [[c.name, _hex(c.score)] for c in t.route.candidates],
+                    "chosen": None if t.instance is None else t.instance.instance_id,
+                }, sort_keys=True) + "\n")
+            inst = choice.instance
+            if inst is not None and choice.route is not None:
+                pending.append((prof.request_id, inst.instance_id, inst.site, prof.prompt_tokens,
+                                choice.route.predicted_ttft_s))
+            r = rng.random()
+            if r < 0.05:  # another replica routed a request there
+                tp.note_route(rng.choice(ids), hashes[: rng.randrange(1, len(hashes) + 1)], now)
+            elif r < 0.08:  # an engine's KV events
+                tp.observe_kv_events(rng.choice(ids), n, [{"type": "BlockStored", "block_hashes": list(hashes)}], now)
+            while pending and rng.random() < 0.6:
+                rid, iid, site, ptoks, pred = pending.pop(rng.randrange(len(pending)))
+                base = pred if pred is not None else 0.2
+                outcome = RequestOutcome(rid, iid, site, ok=rng.random() > 0.02, prompt_tokens=ptoks,
+                                         output_tokens=rng.randrange(1, 600), ttft_s=base * rng.uniform(0.7, 1.5),
+                                         mean_tpot_s=rng.uniform(0.01, 0.06))
+                tp.observe(outcome)
+                fm.observe(outcome)
+        learned = {i: {k: _hex(v) for k, v in sorted(tp.explain(i).items())} for i in ids}
+        f.write(json.dumps({"learned": learned}, sort_keys=True) + "\n")
+
+
 def tree_at(ref: str, tmp: str) -> Path:
     if ref == "WORKTREE":
         return ROOT
@@ -114,7 +224,8 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.record:
         sys.path.insert(0, args.tree)
-        record(args.record, args.decisions, args.instances, args.seed)
+        (record_place if args.through == "place" else record)(args.record, args.decisions, args.instances,
+                                                               args.seed)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         outs = []
@@ -127,7 +238,7 @@ def main() -> int:
             env = {**os.environ, "PYTHONPATH": str(tree)}
             subprocess.run([sys.executable, __file__, "--record", out, "--tree", str(tree),
                             "--decisions", str(args.decisions), "--instances", str(args.instances),
-                            "--seed", str(args.seed)], check=True, env=env, cwd=str(tree))
+                            "--seed", str(args.seed), "--through", args.through], check=True, env=env, cwd=str(tree))
             digest = hashlib.sha256(Path(out).read_bytes()).hexdigest()
             print(f"{side}: {ref} ({rev}): {args.decisions} decisions, record sha256 {digest}")
             outs.append(out)

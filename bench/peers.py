@@ -129,11 +129,12 @@ class Processes:
         self.workdir = workdir
         self.procs: list[Proc] = []
 
-    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
+              cwd: Path = REPO) -> Proc:
         log = self.workdir / f"{name}.log"
         with open(log, "wb") as out:  # the child keeps its own descriptor
             popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, env={**os.environ, **(env or {})},
+                                     cwd=cwd, env={**os.environ, **(env or {})},
                                      preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads here
         proc = Proc(name, popen, log)
         self.procs.append(proc)
@@ -286,14 +287,16 @@ def parse_stack(spec: str) -> tuple[str, str]:
 
 
 async def start_gateway(procs: Processes, shape: FleetShape, urls: Sequence[str], router: str,
-                        name: str = "gateway", stack: str = "auto") -> Proc:
+                        name: str = "gateway", stack: str = "auto", tree: Path | None = None) -> Proc:
     """Our gateway over `urls`; `stack` forces uvicorn's HTTP parser/event loop (see
-    GATEWAY_SHIM). proc.extra["stack"] is the stack it really runs, e.g. 'httptools+uvloop'."""
+    GATEWAY_SHIM). proc.extra["stack"] is the stack it really runs, e.g. 'httptools+uvloop'.
+    `tree`: run the gateway code of that source tree (another commit's, `--baseline-ref`)."""
     http, loop = parse_stack(stack)
     path = procs.workdir / f"{name}-fleet.yaml"
     path.write_text(yaml.safe_dump(gateway_fleet(shape, urls), sort_keys=False))
+    env = {"PYTHONPATH": str(tree)} if tree is not None else None
     proc = procs.spawn(name, [PY, "-c", GATEWAY_SHIM, http, loop, "up", "--fleet", str(path), "--port", "0",
-                              "--router", router])
+                              "--router", router], env=env, cwd=tree or REPO)
     m = await _wait_for_log(proc, r"gateway\s+(http://\S+)")
     proc.url = m.group(1)
     await _wait_http(proc.url.removesuffix("/v1") + "/health", lambda j: j.get("ready_instances") == len(urls))
@@ -477,11 +480,18 @@ class _Path:
 
 async def run_overhead(procs: Processes, sglang_py: Path | None, sglang_policy: str, rate: float, n: int,
                        rounds: int, router: str, modes: Sequence[str], max_busy: float = 0.5,
-                       quiet_wait_s: float = 120.0, stacks: Sequence[str] = ("auto",)) -> list[dict[str, Any]]:
+                       quiet_wait_s: float = 120.0, stacks: Sequence[str] = ("auto",),
+                       baseline: tuple[str, Path] | None = None) -> list[dict[str, Any]]:
     shape = FleetShape(workers=1, time_scale=0.001)
     worker = await start_worker(procs, shape, 99)
     paths = [_Path("direct", worker.url, None, worker)]
     gateways: list[Proc] = []
+    if baseline is not None:  # the same gateway at another commit, measured in the same rounds
+        ref, tree = baseline
+        gw = await start_gateway(procs, shape, [worker.url], router, name="gateway-baseline", tree=tree)
+        gateways.append(gw)
+        paths.append(_Path(f"tokenfleet/{router} {gw.extra['stack']} @{ref}", gw.url, API_KEY, gw))
+        print(f"gateway   baseline {ref}: {gw.extra['stack']} at {gw.url}", flush=True)
     for i, stack in enumerate(stacks):  # one gateway per uvicorn stack, all measured in the same rounds
         gw = await start_gateway(procs, shape, [worker.url], router, name=f"gateway-overhead{i}", stack=stack)
         gateways.append(gw)
@@ -673,6 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routing runs open a connection per request (default: keep-alive)")
     p.add_argument("--overhead-connections", default="keepalive,fresh",
                    help="client connection modes of the overhead runs (keepalive, fresh)")
+    p.add_argument("--baseline-ref", metavar="REF",
+                   help="overhead runs: also our gateway at git commit REF (its tree, same venv), in the same rounds")
     p.add_argument("--overhead-stacks", default="auto",
                    help="our gateway's uvicorn stacks in the overhead runs, comma-separated, one gateway each: "
                         "'auto' (what `tokenfleet up` picks) or HTTP+LOOP, HTTP in auto/h11/httptools, LOOP in "
@@ -734,9 +746,13 @@ async def amain(args: argparse.Namespace) -> int:
                     print(format_fidelity(fid, shape.time_scale))
             if "overhead" in parts:
                 router = ours[0] if ours else "tokenpilot"
+                baseline = None
+                if args.baseline_ref:
+                    baseline = (args.baseline_ref, _tree_at(args.baseline_ref, Path(tmp) / "baseline-tree"))
                 tables = await run_overhead(procs, sglang_py, args.sglang_policy or "cache_aware",
                                             args.overhead_rate, args.overhead_requests, args.overhead_rounds,
-                                            router, modes, args.overhead_max_busy, stacks=stacks)
+                                            router, modes, args.overhead_max_busy, stacks=stacks,
+                                            baseline=baseline)
                 report["overhead"] = tables
                 for o in tables:
                     print()
@@ -747,6 +763,15 @@ async def amain(args: argparse.Namespace) -> int:
         write_json(report, args.json)
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _tree_at(ref: str, dest: Path) -> Path:
+    """The repository's tree at `ref` (`git archive`), extracted to `dest`."""
+    dest.mkdir(parents=True)
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref], check=True,
+                         capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    return dest
 
 
 def main(argv: Sequence[str] | None = None) -> int:

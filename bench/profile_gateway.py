@@ -12,7 +12,9 @@ tokenpilot/, h11, aiohttp, asyncio, ...) and prints the shares, largest first, p
 top functions. Only the event-loop thread is profiled (cProfile is per thread): work in the
 tokenizer pool's threads is not in the split. cProfile's own overhead inflates small,
 frequently called functions, so read shares, not absolute times. `--stats FILE` keeps the
-raw pstats file. Linux only (as otel_overhead.py).
+raw pstats file. It also prints every garbage collection's pause by generation while serving
+(the first full one is the gateway's own `gc.collect()` before `gc.freeze()` at start-up);
+`--gc-thresholds A,B,C` runs the gateway with other thresholds. Linux only (as otel_overhead.py).
 
 bench/README.md quotes a split of this kind (2,200 requests, "no single hotspot").
 """
@@ -57,6 +59,28 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# Stages of a request's way, as cumulative time (callees included) of the function that does
+# each, per request: (label, path suffix, function name). They nest (the ASGI stack holds the
+# rest), so they do not sum to 100%; "ASGI stack" is everything under the outermost app.
+STAGES: tuple[tuple[str, str, str], ...] = (
+    ("ASGI stack (middlewares + routing + handler)", "uvicorn/middleware/proxy_headers.py", "__call__"),
+    ("  endpoint handler (starlette routing.handle)", "starlette/routing.py", "handle"),
+    ("    parse + tokenize (gateway.requests)", "gateway/requests.py", "parse_request"),
+    ("    admission enter (gateway.admission)", "gateway/admission.py", "enter"),
+    ("    place: site + instance (fleetmind.place)", "fleetmind/place.py", "place"),
+    ("      site choice (FleetMind.choose)", "fleetmind/site_choice.py", "choose"),
+    ("        TokenPilot.predict (site scoring)", "tokenpilot/router.py", "predict"),
+    ("      TokenPilot.route", "tokenpilot/router.py", "route"),
+    ("    upstream send (aiohttp post)", "gateway/relay.py", "_send"),
+    ("    SSE event processing (RelayStream._process)", "gateway/relay.py", "_process"),
+    ("    attempt bookkeeping (Dispatch.finish)", "gateway/relay.py", "finish"),
+    ("    admission release", "gateway/admission.py", "release"),
+    ("  fleet view builds (FleetState.build_view)", "gateway/fleet_state.py", "build_view"),
+    ("  Prometheus .labels() lookups", "prometheus_client/metrics.py", "labels"),
+    ("loop monitor ticks (process_time)", "gateway/loop_monitor.py", "_arm"),
+)
+
+
 def group_of(filename: str) -> str:
     if filename.startswith("~") or filename == "":
         return "builtins (C calls)"
@@ -79,7 +103,10 @@ def child(port: int, engine_url: str, stats_path: str) -> None:
     sys.path.insert(0, str(ROOT))
     import uvicorn  # noqa: F401
 
-    import gateway.app  # noqa: F401
+    import gateway.app
+    if os.environ.get("PROFILE_GC_THRESHOLDS"):  # an experiment: thresholds other than the gateway's
+        gateway.app.GC_THRESHOLDS = tuple(int(x) for x in os.environ["PROFILE_GC_THRESHOLDS"].split(","))  # type: ignore[assignment]
+    pauses = _watch_gc()
     prof = cProfile.Profile()
     prof.enable()
     try:
@@ -87,9 +114,38 @@ def child(port: int, engine_url: str, stats_path: str) -> None:
     finally:
         prof.disable()
         prof.dump_stats(stats_path)
+        _print_gc(pauses)
 
 
-def report(stats_path: str, top: int) -> None:
+def _watch_gc() -> dict[int, list[float]]:
+    """Every collection's pause, by generation (gc.callbacks), from here to the end."""
+    import gc
+    import time
+
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    started: list[float] = [0.0]
+
+    def cb(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(cb)
+    return pauses
+
+
+def _print_gc(pauses: dict[int, list[float]]) -> None:
+    import gc
+
+    print(f"gc (threshold {gc.get_threshold()}, frozen {gc.get_freeze_count()} objects):", flush=True)
+    for gen, ps in pauses.items():
+        if ps:
+            print(f"  gen {gen}: {len(ps):6d} collections, total {1e3 * sum(ps):8.1f} ms, "
+                  f"max {1e3 * max(ps):6.2f} ms", flush=True)
+
+
+def report(stats_path: str, top: int, requests: int) -> None:
     st = pstats.Stats(stats_path)
     by_group: dict[str, float] = {}
     funcs = []
@@ -102,6 +158,11 @@ def report(stats_path: str, top: int) -> None:
     print(f"profiled self time: {total:.2f} s")
     for g, t in sorted(by_group.items(), key=lambda kv: -kv[1]):
         print(f"  {g:<32} {100 * t / total:5.1f}%  {t:7.2f} s")
+    print(f"stages, cumulative time per request (of {requests}; share of profiled self time):")
+    for label, suffix, name in STAGES:
+        ct = sum(v[3] for (f, _, n), v in st.stats.items()  # type: ignore[attr-defined]
+                 if n == name and f.endswith(suffix))
+        print(f"  {label:<50} {1e6 * ct / requests:8.1f} us  {100 * ct / total:5.1f}%")
     print(f"top {top} functions by self time:")
     for tt, fn, g in sorted(funcs, reverse=True)[:top]:
         print(f"  {100 * tt / total:5.1f}%  {fn}  [{g}]")
@@ -110,7 +171,11 @@ def report(stats_path: str, top: int) -> None:
 async def run(args: argparse.Namespace, stats_path: str) -> None:
     engine_runner, engine_url = await oo.serve(oo.engine_app(args.chunks))
     port = oo.free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(port), engine_url, stats_path], cwd=ROOT)
+    env = dict(os.environ)
+    if args.gc_thresholds:
+        env["PROFILE_GC_THRESHOLDS"] = args.gc_thresholds
+    proc = subprocess.Popen([sys.executable, __file__, "--child", str(port), engine_url, stats_path], cwd=ROOT,
+                            env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         await oo.wait_ready(url, proc)
@@ -132,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=16, help="SSE chunks per answer from the stub engine")
     p.add_argument("--top", type=int, default=15, help="functions to list")
     p.add_argument("--stats", metavar="FILE", help="keep the raw pstats file here")
+    p.add_argument("--gc-thresholds", metavar="A,B,C",
+                   help="run the gateway with these gc thresholds instead of gateway.app.GC_THRESHOLDS")
     p.add_argument("--child", nargs=3, metavar=("PORT", "ENGINE_URL", "STATS"), help=argparse.SUPPRESS)
     return p
 
@@ -144,7 +211,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         stats_path = args.stats or os.path.join(tmp, "gateway.pstats")
         asyncio.run(run(args, stats_path))
-        report(stats_path, args.top)
+        report(stats_path, args.top, args.requests)
     return 0
 
 

@@ -214,8 +214,18 @@ class GatewaySettings(_Strict):
     log_format: Literal["text", "json"] = Field(
         default="text", description="gateway log lines: text, or one JSON object per line "
                                     "(`tokenfleet up --log-format` overrides)")
+    # --- overload: refused, not queued without bound (gateway.overload) ---
+    max_inflight_requests: int = Field(
+        default=8192, ge=1, description="/v1 requests in progress at once (parsing, queued, streaming); more: 503")
+    max_pending_requests: int = Field(
+        default=512, ge=1, description="/v1 requests accepted whose response has not started yet (parsing, "
+                                       "admission queue, routing, waiting for the first byte); more: 503")
+    overload_retry_after_s: int = Field(default=1, ge=1, description="Retry-After of an overload 503")
     # --- work before routing ---
-    tokenize_workers: int = Field(default=2, ge=1, description="threads that tokenize prompts off the event loop")
+    tokenize_workers: int = Field(
+        default=1, ge=1, description="threads that tokenize prompts off the event loop (more help only with "
+                                     "models' own Rust tokenizers, which release the GIL; the built-in one "
+                                     "holds it, and a second thread only contends with the event loop)")
     tokenize_queue: int = Field(default=256, ge=1, description="prompts waiting for a tokenizer thread; more: 503")
     tokenize_timeout_s: float = Field(default=5.0, gt=0)
     # --- shared state ---

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -31,12 +32,14 @@ from gateway.aliases import alias_entries
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
 from gateway.errors import body_too_large, install_handlers
+from gateway.fast_path import Endpoints, GatewayApp
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
 from gateway.goodput_report import ReportAccess, install_report_routes
 from gateway.kv_feed import KVEventFeed
 from gateway.loop_monitor import LoopLagCollector, LoopMonitor
 from gateway.metrics import GatewayMetrics
+from gateway.overload import Backlog, OverloadLimit
 from gateway.placement import PlacementLoop
 from gateway.policy_store import PolicyStore
 from gateway.policy_sync import GuardedSiteChooser, build_policy_sync
@@ -59,8 +62,17 @@ from fleetmind.placement_cycle import placement_cycle_for
 from slomax import from_fleet as slomax_config
 from slomax import make_admission
 
-# Bodies up to this size parse and tokenize inline (well under a millisecond per KB);
-# larger ones go to the bounded tokenizer pool, so no request stalls the loop for long.
+# The collector's generation thresholds once start-up is frozen. CPython's default: a young
+# collection every ~6 streamed requests, ~0.5 ms each. Raising the first threshold to 10,000
+# made them 14x rarer but 3-35 ms each, the same total and a worse tail (bench/README.md,
+# "GC discipline"), so the default stays, set here explicitly: the one place to tune it.
+GC_THRESHOLDS: tuple[int, int, int] = (700, 10, 10)
+# How long a thread may hold the GIL while another waits (CPython's default is 5 ms). The
+# tokenizer pool's threads tokenize in Python (the built-in tokenizer) or call into Rust; the
+# event loop re-takes the GIL after every poll and every socket call, and at 5 ms it waited
+# that long each time: a burst of 16 prompts of 32k tokens held the loop ~50 ms, at 1 ms
+# ~7-19 ms (tests/test_tokenize_stall.py; bench/README.md, "Tokenization off the loop").
+SWITCH_INTERVAL_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +232,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor, telemetry)
 
+    backlog = Backlog(g.max_inflight_requests, g.max_pending_requests, g.overload_retry_after_s)
+    metrics.watch_backlog(lambda: backlog.pending, lambda: backlog.inflight)
+
     kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
@@ -231,6 +246,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         await replicas.start()
         if isinstance(key_store, KVKeyStore):
             await key_store.start()
+        switch_interval = sys.getswitchinterval()  # a process-wide setting: given back at the end
         try:
             await state.start()
             if kv_feed is not None:
@@ -243,8 +259,11 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").
             gc.collect()
             gc.freeze()
+            gc.set_threshold(*GC_THRESHOLDS)
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
             yield
         finally:
+            sys.setswitchinterval(switch_interval)
             await dash_sampler.stop()
             if placement is not None:
                 await placement.stop()
@@ -264,14 +283,20 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             await telemetry.shutdown()
 
     # The contract for clients and fuzzers: /openapi.json, /docs (Swagger UI), /redoc.
-    app = FastAPI(title="TokenFleet gateway", lifespan=lifespan, version="1",
+    app = GatewayApp(title="TokenFleet gateway", lifespan=lifespan, version="1",
                   description="OpenAI-compatible gateway: /v1 for tenants (API key), /admin/v1 for "
                               "operators (admin key); errors are OpenAI-shaped `{\"error\": {...}}`.")
     app.state.tokenfleet = ctx
     app.state.replicas = replicas  # shared state of several replicas (gateway.replica_state): tests, tools
+    app.state.backlog = backlog  # the overload bounds' counts (gateway.overload)
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    # Added last, so outermost of ours: an overloaded gateway refuses before reading a body.
+    app.add_middleware(OverloadLimit, backlog=backlog, on_refused=metrics.refused_overload)
     _add_openai_routes(app, ctx)
+    # The /v1 endpoints' lean path (gateway.fast_path): the same two limits, then the handler.
+    app.fast_stack = OverloadLimit(BodySizeLimit(Endpoints(app, app.fast_routes), max_bytes=max_body_bytes),
+                                   backlog=backlog, on_refused=metrics.refused_overload)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, replicas.planner, key_store)
     install_key_routes(app, config, key_store, AdminAuth(config, key_store).require)
@@ -280,7 +305,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     return app
 
 
-def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
+def _add_openai_routes(app: GatewayApp, ctx: GatewayContext) -> None:
     created = int(time.time())
 
     # The bodies are parsed by `gateway.requests` (raw, forwarded with unknown fields intact);
@@ -300,6 +325,11 @@ def _add_openai_routes(app: FastAPI, ctx: GatewayContext) -> None:
     @app.post("/v1/responses", openapi_extra=responses_body(ctx.config.models[0].name))
     async def responses(request: Request) -> Response:
         return await serve_responses(ctx, request)  # stateless Responses API over the chat path
+
+    # POST /v1/...: served by the lean path; the declarations above are for the OpenAPI document
+    # (and serve the same handlers should the lean path be bypassed).
+    app.fast_routes = {"/v1/chat/completions": chat_completions, "/v1/completions": completions,
+                       "/v1/embeddings": embeddings, "/v1/responses": responses}
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

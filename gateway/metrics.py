@@ -11,7 +11,9 @@ the admin (`/metrics` with an admin key).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
@@ -50,25 +52,65 @@ class GatewayMetrics:
                                  "requested one could not serve", ["model", "fallback", "reason"], registry=r)
         self.inflight = Gauge("tokenfleet_inflight", "Requests the gateway has in flight per instance",
                               ["instance"], registry=r)
+        # Labelled children, looked up once: `.labels()` validates and locks on every call, and
+        # these run several times per request. Bounded as the registry itself is: one child per
+        # label set ever seen (fleet size x statuses).
+        self._answered: dict[tuple[str, str, str, str], Any] = {}
+        self._per_site: dict[tuple[str, str], _SiteChildren] = {}
+        self._inflight: dict[str, Any] = {}
+        self.overload_refused = Counter("tokenfleet_overload_refused", "/v1 requests refused with 503 "
+                                        "gateway_overloaded, by the bound they hit", ["bound"], registry=r)
+
+    def watch_backlog(self, pending: Callable[[], float], inflight: Callable[[], float]) -> None:
+        """Gauges of the overload bounds' counts (`gateway.overload`)."""
+        Gauge("tokenfleet_requests_pending", "/v1 requests accepted whose response has not started",
+              registry=self.registry).set_function(pending)
+        Gauge("tokenfleet_requests_in_progress", "/v1 requests in progress, streams included",
+              registry=self.registry).set_function(inflight)
+
+    def refused_overload(self, bound: str) -> None:
+        self.overload_refused.labels(bound).inc()
+        self.answered("", "", "", "503")
 
     def render(self, per_tenant: bool = False) -> bytes:
         return generate_latest(self.registry if per_tenant else _WithoutTenants(self.registry))
 
     def answered(self, model: str, site: str, instance: str, status: str) -> None:
-        self.requests.labels(model, site, instance, status).inc()
+        key = (model, site, instance, status)
+        child = self._answered.get(key)
+        if child is None:
+            child = self._answered[key] = self.requests.labels(*key)
+        child.inc()
 
     def record_outcome(self, model: str, outcome: RequestOutcome) -> None:
-        site = outcome.site
+        key = (model, outcome.site)
+        children = self._per_site.get(key)
+        if children is None:
+            children = self._per_site[key] = _SiteChildren(
+                self.ttft.labels(*key), self.e2e.labels(*key), self.prompt_tokens.labels(*key),
+                self.output_tokens.labels(*key), self.cached_tokens.labels(*key))
         if outcome.ttft_s is not None:
-            self.ttft.labels(model, site).observe(outcome.ttft_s)
+            children.ttft.observe(outcome.ttft_s)
         if outcome.e2e_s is not None and outcome.ok:
-            self.e2e.labels(model, site).observe(outcome.e2e_s)
-        self.prompt_tokens.labels(model, site).inc(outcome.prompt_tokens)
-        self.output_tokens.labels(model, site).inc(outcome.output_tokens)
-        self.cached_tokens.labels(model, site).inc(outcome.cached_tokens)
+            children.e2e.observe(outcome.e2e_s)
+        children.prompt_tokens.inc(outcome.prompt_tokens)
+        children.output_tokens.inc(outcome.output_tokens)
+        children.cached_tokens.inc(outcome.cached_tokens)
 
     def set_inflight(self, instance: str, value: int) -> None:
-        self.inflight.labels(instance).set(value)
+        child = self._inflight.get(instance)
+        if child is None:
+            child = self._inflight[instance] = self.inflight.labels(instance)
+        child.set(value)
+
+
+@dataclass(frozen=True, slots=True)
+class _SiteChildren:
+    ttft: Any
+    e2e: Any
+    prompt_tokens: Any
+    output_tokens: Any
+    cached_tokens: Any
 
 
 TENANT_LABEL = "tenant"

@@ -57,6 +57,7 @@ from gateway.fleet_state import FleetState
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
 from gateway.route_share import RouteShare
+from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -448,6 +449,7 @@ class Relay:
         self.listeners: list[Any] = []
         # Several replicas: each route also goes to the others' history-mode prefix index.
         self.route_share: RouteShare | None = None
+        self._flush_index = index_flusher(router)  # the router's index update, once a request is sent
 
     def observe(self, outcome: RequestOutcome) -> None:
         """Feed every policy that learns; a policy bug must not fail the request."""
@@ -561,6 +563,8 @@ class Relay:
         handed_over = False
         try:
             d.resp = await watch.race(self._head(d, path))
+            if self._flush_index is not None:  # the engine has the request: index it now
+                self._flush_index()
             if d.resp.status >= 500:
                 status, text = d.resp.status, await self._error_text(d.resp)
                 raise RetryableFailure(f"http_{status}", text,

@@ -8,7 +8,7 @@ not described start from a generic prior.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine_adapters.base import Instance
 from fleetcore.fleet_config import FleetConfig
@@ -50,6 +50,16 @@ def reset_instances(router: InstanceRouter, instances: Iterable[Instance]) -> No
     insts = list(instances)
     forget_instances(router, [i.instance_id for i in insts])
     register_instances(router, insts)
+
+
+def index_flusher(router: InstanceRouter) -> Callable[[], None] | None:
+    """What applies the router's deferred prefix-index updates (TokenPilot records a routed
+    prompt after the decision, `PrefixCacheIndex.record_route_later`), or None. The relay calls
+    it once the request is on its way, so the update is off the request's path; the next
+    decision applies whatever is still pending first, so no decision sees a stale index."""
+    index = getattr(router, "index", None)
+    flush = getattr(index, "flush", None)
+    return flush if callable(flush) else None
 
 
 def build_router(name: str, instances: Iterable[Instance], seed: int = 0) -> InstanceRouter:

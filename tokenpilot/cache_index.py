@@ -28,11 +28,14 @@ to a prefill's cost. Callers pass and receive ordinary block counts.
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+MAX_LATER = 1024  # deferred route records kept before they are applied anyway (a bound on memory)
 
 
 @dataclass(slots=True)
@@ -71,6 +74,24 @@ class PrefixCacheIndex:
         self._free_bits: list[int] = []
         self._tick = 0
         self._want_cache: dict[tuple[str, ...], tuple[int, np.ndarray, int]] = {}
+        # Routes recorded after the decision (`record_route_later`), applied in order before any
+        # other read or write of the index: every answer is what it would have been had they
+        # been applied at once.
+        self._later: deque[tuple[str, Sequence[int], float]] = deque()
+
+    # -- deferred route records ------------------------------------------------
+    def record_route_later(self, instance: str, block_hashes: Sequence[int], now: float) -> None:
+        """`record_route`, applied by `flush()` (the gateway calls it once the request is on its
+        way to the engine) or else by the next use of the index: a decision does not pay for
+        indexing its own prompt before the request is sent."""
+        self._later.append((instance, block_hashes, now))
+        if len(self._later) > MAX_LATER:
+            self.flush()
+
+    def flush(self) -> None:
+        later = self._later
+        while later:
+            self._record_route(*later.popleft())
 
     # -- instances ---------------------------------------------------------
     def _entry(self, instance: str) -> _InstanceBlocks:
@@ -84,12 +105,16 @@ class PrefixCacheIndex:
         return e
 
     def set_capacity(self, instance: str, capacity_blocks: int) -> None:
+        if self._later:
+            self.flush()
         e = self._entry(instance)
         e.capacity = max(1, capacity_blocks // self.stride)
         self._evict(e, e.capacity)
 
     def forget(self, instance: str) -> None:
         """Drop an instance (gone from the fleet) and everything it held."""
+        if self._later:
+            self.flush()
         e = self._inst.pop(instance, None)
         if e is None:
             return
@@ -99,16 +124,22 @@ class PrefixCacheIndex:
         self._want_cache.clear()
 
     def is_exact(self, instance: str, now: float) -> bool:
+        if self._later:
+            self.flush()
         e = self._inst.get(instance)
         return e is not None and e.exact and now - e.last_event_at <= self.stale_after_s
 
     def entries(self, instance: str) -> int:
         """Index entries for `instance`: sparse keys from routing, every block from events."""
+        if self._later:
+            self.flush()
         e = self._inst.get(instance)
         return 0 if e is None else len(e.last)
 
     @property
     def total_entries(self) -> int:
+        if self._later:
+            self.flush()
         return len(self._mask)
 
     def _keys(self, block_hashes: Sequence[int]) -> Sequence[int]:
@@ -118,15 +149,22 @@ class PrefixCacheIndex:
     # -- updates -----------------------------------------------------------
     def record_route(self, instance: str, block_hashes: Sequence[int], now: float) -> None:
         """The request was sent to `instance`: its blocks will be cached there."""
+        if self._later:
+            self.flush()
+        self._record_route(instance, block_hashes, now)
+
+    def _record_route(self, instance: str, block_hashes: Sequence[int], now: float) -> None:
         e = self._entry(instance)
         self._touch(e, self._keys(block_hashes))
-        if not self.is_exact(instance, now):
+        if not (e.exact and now - e.last_event_at <= self.stale_after_s):  # (`is_exact`, inlined)
             self._evict(e, e.capacity)
         self._bound_total(e)
 
     def apply_events(self, instance: str, seq: int, events: Iterable[Mapping[str, Any]], now: float) -> None:
         """Engine KV events (vLLM KVEventBatch shape). A sequence number that goes
         backwards means the engine restarted with an empty cache."""
+        if self._later:
+            self.flush()
         e = self._entry(instance)
         if seq <= e.last_seq:
             self._clear(e)
@@ -168,10 +206,27 @@ class PrefixCacheIndex:
         e.batch_refs = len(e.last)
 
     def _remove(self, e: _InstanceBlocks, hashes: Iterable[int]) -> None:
-        last = e.last
-        for h in hashes:
-            if last.pop(h, None) is not None:
-                self._unset(h, e.bit)
+        """Engines remove blocks in batches of thousands (KV events, on the event loop): set
+        operations and C-level maps do the bulk; only keys other instances hold too (shared
+        prefixes, few) take a Python step each."""
+        gone = e.last.keys() & hashes
+        if not gone:
+            return
+        deque(map(e.last.__delitem__, gone), 0)
+        mask, b = self._mask, 1 << e.bit
+        # (every key an instance holds has its bit in the mask; `get` with b and `pop` with a
+        # default keep a broken invariant from raising on the event loop)
+        shared = [h for h, m in zip(gone, map(mask.get, gone, repeat(b))) if m != b]
+        if shared:
+            gone.difference_update(shared)
+            clear = ~b
+            for h in shared:
+                m = mask[h] & clear
+                if m:
+                    mask[h] = m
+                else:
+                    del mask[h]
+        deque(map(mask.pop, gone, repeat(None)), 0)
 
     def _set_bit(self, hashes: set[int], bit: int) -> None:
         """Add `bit` to the masks of `hashes`. Most of a request's new keys are new to the
@@ -267,6 +322,8 @@ class PrefixCacheIndex:
 
     def match(self, block_hashes: Sequence[int], instances: Iterable[str]) -> dict[str, int]:
         """Leading blocks of `block_hashes` held by each of `instances` (0 when none)."""
+        if self._later:
+            self.flush()
         result = dict.fromkeys(instances, 0)
         want = self._want_mask(tuple(result))
         levels = self._levels(self._keys(block_hashes), want)
@@ -285,6 +342,8 @@ class PrefixCacheIndex:
         group's bitmask is unpacked to a 0/1 vector by bit and the groups' key counts summed:
         the groups are nested, so the sum telescopes to the last group's count.
         """
+        if self._later:
+            self.flush()
         want, bits, nbytes = self._pool_bits(instances)
         levels = self._levels(self._keys(block_hashes), want)
         if not levels:

@@ -35,6 +35,7 @@ import numpy as np
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot.cache_index import PrefixCacheIndex
 from tokenpilot.learning import SpeedFactor
+from tokenpilot.score_memo import ScoreMemo
 from fleetcore.policies import InstanceRouter
 from fleetcore.policies import EnginePrior
 
@@ -188,11 +189,13 @@ class TokenPilot(InstanceRouter):
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
         self.decisions: list[tuple[str, RouteDecision]] = []
+        self._memo: ScoreMemo[tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]] = ScoreMemo()
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
 
     # -- fleet membership ----------------------------------------------------
     def register_instance(self, instance_id: str, prior: EnginePrior) -> None:
+        self._memo.clear()
         s = self._s
         k = s.slot(instance_id)
         if k is None:
@@ -210,6 +213,7 @@ class TokenPilot(InstanceRouter):
 
     def forget_instance(self, instance_id: str) -> None:
         """The instance left the fleet: its cache entries go (its learned speed stays, should it return)."""
+        self._memo.clear()
         self.index.forget(instance_id)
 
     def _slot(self, instance_id: str) -> int:
@@ -245,9 +249,14 @@ class TokenPilot(InstanceRouter):
         """(pool ids, their slots, the score terms): the prefix match runs before unknown
         instances are registered, as it always has, so index bits are handed out in the same order."""
         ids = tuple([c.instance_id for c in pool])
+        kept = self._memo.get(profile, ids, pool, now)  # the site chooser scored this pool already
+        if kept is not None:
+            return kept
         matched = self.index.match_blocks(profile.block_hashes, ids)
         k = self._pool_slots(ids)
-        return ids, k, self._score(profile, pool, k, matched, now)
+        terms = ids, k, self._score(profile, pool, k, matched, now)
+        self._memo.put(profile, ids, pool, now, terms)
+        return terms
 
     def predict(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
                 now: float) -> tuple[float, int] | None:
@@ -396,6 +405,7 @@ class TokenPilot(InstanceRouter):
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, now: float) -> None:
+        self._memo.clear()
         s, m = self._s, self._s.m
         m[s.BACKLOG, k] += prefill_s
         m[s.DUTY, k] += compute_s / self._duty_window()
@@ -403,7 +413,7 @@ class TokenPilot(InstanceRouter):
         m[s.CONTEXT, k] += profile.prompt_tokens
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
-        self.index.record_route(instance_id, profile.block_hashes, now)
+        self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
         self._inflight[profile.request_id] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
 
     # -- feedback --------------------------------------------------------------
@@ -411,6 +421,7 @@ class TokenPilot(InstanceRouter):
         rec = self._inflight.pop(outcome.request_id, None)
         if rec is None:
             return
+        self._memo.clear()
         s, m, k = self._s, self._s.m, rec.slot
         m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
         m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
@@ -437,11 +448,13 @@ class TokenPilot(InstanceRouter):
 
     def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
         if self._s.slot(instance_id) is not None:  # a known instance (exact ones keep following their events)
+            self._memo.clear()
             self.index.record_route(instance_id, block_hashes, now)
 
     def observe_kv_events(self, instance_id: str, seq: int, events: Sequence[Mapping[str, object]],
                           now: float) -> None:
         """Engine KV events: the cache index follows them exactly (see `PrefixCacheIndex`)."""
+        self._memo.clear()
         self.index.apply_events(instance_id, seq, events, now)
 
     def cache_blocks(self, instance_id: str) -> int | None:

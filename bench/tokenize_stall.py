@@ -1,0 +1,127 @@
+"""Event-loop stalls from a burst of long prompts: 16 prompts of 32k tokens sent at once.
+
+    .venv/bin/python bench/tokenize_stall.py [--bursts 3] [--workers N] [--switch-interval S]
+
+The gateway (`gateway.embedded.serve_fleet`, FCFS, one sim worker at time_scale 0.01, the
+built-in tokenizer) runs in this process; each burst comes from a client in a separate
+process (the fleet and client of `tests/test_tokenize_stall.py`). A `LoopMonitor` ticking every
+5 ms during the burst gives the longest lag and its busy part (lag less the time the process
+was off every CPU: the stall the gateway's own work caused, GIL held by a tokenizer thread
+included). `--workers` overrides `gateway.tokenize_workers`, `--switch-interval` the
+`gateway.app.SWITCH_INTERVAL_S` the gateway sets while serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.loop_monitor import LoopMonitor  # noqa: E402  (after the path: this tree's gateway)
+
+KEY = "sk-test-acme"
+BURST = 16
+PROMPT_TOKENS = 32_000
+
+FLEET: dict[str, Any] = yaml.safe_load(f"""
+sites:
+  - {{name: east, region: us-east, jurisdiction: us}}
+models:
+  - name: llama-3.1-8b
+    versions: ["v1"]
+    engine: {{spec: llama-3.1-8b, max_model_len: 65536, block_size: 16}}
+deployments:
+  - {{site: east, model: llama-3.1-8b, instances: 1, gpu: H100, adapter: sim, options: {{time_scale: 0.01}}}}
+admission: {{policy: fcfs}}
+tenants:
+  - {{name: acme, api_keys: [{KEY}]}}
+""")
+
+CLIENT = textwrap.dedent("""
+    import asyncio, json, sys
+    import httpx
+
+    async def main(url, bodies):
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+            rs = await asyncio.gather(*(c.post(url, content=b, headers={"Authorization": "Bearer %s",
+                                                                        "Content-Type": "application/json"})
+                                        for b in bodies))
+        print(json.dumps([[r.status_code, r.json().get("usage", {}).get("prompt_tokens")] for r in rs]))
+
+    url = sys.argv[1]
+    prompts = json.loads(sys.stdin.read())
+    bodies = [json.dumps({"model": "llama-3.1-8b", "max_tokens": 1,
+                          "messages": [{"role": "user", "content": p}]}).encode() for p in prompts]
+    asyncio.run(main(url, bodies))
+""") % KEY
+
+
+def prompt(k: int) -> str:
+    # distinct prompts (no shared prefix), each ~32k tokens of the built-in tokenizer
+    words = [f"w{k}x{i % 977}" for i in range(PROMPT_TOKENS // 2)]
+    return " ".join(words)
+
+
+async def burst(url: str, prompts: list[str]) -> LoopMonitor:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CLIENT, f"{url}/v1/chat/completions",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    monitor = LoopMonitor(0.005)
+    monitor.start()
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(prompts).encode()), 120)
+    finally:
+        monitor.stop()
+    assert proc.returncode == 0, err.decode()
+    results = json.loads(out)
+    assert [s for s, _ in results] == [200] * BURST
+    assert all(t >= PROMPT_TOKENS for _, t in results)  # the engine saw the whole prompts
+    assert monitor.ticks > 10
+    return monitor
+
+
+
+
+async def run(args: argparse.Namespace) -> None:
+    import gateway.app
+    from fleetcore.fleet_config import parse_fleet
+    from gateway.embedded import serve_fleet
+
+    if args.switch_interval is not None:
+        gateway.app.SWITCH_INTERVAL_S = args.switch_interval
+    fleet = dict(FLEET)
+    if args.workers is not None:
+        fleet["gateway"] = {"tokenize_workers": args.workers}
+    config = parse_fleet(fleet)
+    prompts = [prompt(k) for k in range(args.bursts * BURST)]
+    async with serve_fleet(config, poll_interval_s=0.2) as f:
+        for k in range(args.bursts):
+            t0 = time.monotonic()
+            m = await burst(f.url, prompts[k * BURST:(k + 1) * BURST])
+            print(f"burst {k}: busy max {m.max_busy_lag_s * 1e3:6.1f} ms   lag max {m.max_lag_s * 1e3:6.1f} ms   "
+                  f"wall {time.monotonic() - t0:5.2f} s   (workers {config.gateway.tokenize_workers}, switch "
+                  f"interval {gateway.app.SWITCH_INTERVAL_S * 1e3:g} ms)", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="Event-loop stalls from a burst of 16 prompts of 32k tokens.")
+    p.add_argument("--bursts", type=int, default=3)
+    p.add_argument("--workers", type=int, help="gateway.tokenize_workers (default: the fleet file's default)")
+    p.add_argument("--switch-interval", type=float, help="seconds (default: gateway.app.SWITCH_INTERVAL_S)")
+    args = p.parse_args()
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Overload is refused, not queued without bound: a cap on the /v1 requests in progress.
+
+Whatever the admission policy (FCFS admits everything), a gateway whose event loop cannot
+keep up would otherwise let accepted requests pile up inside it — parsed, queued, waiting —
+until every one of them is late. This outermost layer counts the POST /v1 requests it lets
+in on two bounds:
+
+* `pending`: accepted, response not started (parse, admission queue, routing, connect and
+  first byte). This is the backlog that grows when the gateway or the fleet falls behind.
+* `inflight`: in progress at all, streams included (memory, sockets).
+
+A request over either bound is answered at once, before its body is read or anything is
+parsed: 503, OpenAI-style body with code `gateway_overloaded`, `Retry-After`. Counting is
+exact: a request leaves `pending` with its response's first message (or when its handling
+ends without one) and `inflight` when its handling ends, however it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import overloaded
+
+
+@dataclass(slots=True)
+class Backlog:
+    """The two bounds and their counts (shared with /metrics: `GatewayMetrics.watch_backlog`)."""
+
+    max_inflight: int
+    max_pending: int
+    retry_after_s: int
+    inflight: int = 0
+    pending: int = 0
+
+
+class OverloadLimit:
+    """Pure ASGI middleware (no task, no buffering: two counters and a wrapped `send`)."""
+
+    def __init__(self, app: ASGIApp, backlog: Backlog, on_refused: Callable[[str], None] | None = None) -> None:
+        self.app = app
+        self.b = backlog
+        self.on_refused = on_refused  # (which bound) -> None: metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        b = self.b
+        if b.pending >= b.max_pending:
+            await self._refuse(scope, receive, send, "pending", f"{b.pending} requests are waiting for "
+                                                                "their response to start")
+            return
+        if b.inflight >= b.max_inflight:
+            await self._refuse(scope, receive, send, "inflight", f"{b.inflight} requests are in progress")
+            return
+        b.inflight += 1
+        b.pending += 1
+        started = False
+
+        async def counted_send(message: Message) -> None:
+            nonlocal started
+            if not started and message["type"] == "http.response.start":
+                started = True
+                b.pending -= 1
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            b.inflight -= 1
+            if not started:
+                b.pending -= 1
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, bound: str, why: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(bound)
+        err = overloaded(f"The gateway is overloaded ({why})", "gateway_overloaded", self.b.retry_after_s)
+        await err.response()(scope, receive, send)
