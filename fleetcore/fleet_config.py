@@ -29,6 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fleetcore.continuation import ContinuationLimits
 from fleetcore.admission_config import AdmissionConfig, BudgetConfig, ClassSLOConfig, check_tenant_classes
 from fleetcore.region_policy import RegionPolicy, check_policy
 
@@ -177,6 +178,21 @@ class PlannerSettings(_Strict):
         return {k: v for k, v in self.model_dump().items() if k not in runtime and v is not None}
 
 
+class ContinuationSettings(_Strict):
+    """`gateway.continuation`: continuing a stream on another instance when its engine dies,
+    stalls or is drained after the first byte (`fleetcore.continuation`, README "Streams that
+    survive their engine")."""
+
+    enabled: bool = Field(default=True, description="continue a failed stream elsewhere (off: an error event)")
+    max_continuations: int = Field(default=2, ge=0, le=16,
+                                   description="continuations per request; one more failure ends it with an error event")
+    max_reprefill_tokens: int = Field(default=32768, ge=1,
+                                      description="prompt + generated tokens a continuation may re-prefill")
+
+    def limits(self) -> ContinuationLimits:
+        return ContinuationLimits(self.enabled, self.max_continuations, self.max_reprefill_tokens)
+
+
 class GatewaySettings(_Strict):
     """The `gateway:` block: every timeout and limit of the serving path, in one place.
 
@@ -195,6 +211,7 @@ class GatewaySettings(_Strict):
     stream_idle_timeout_s: float = Field(
         default=30.0, gt=0, le=3600,
         description="no bytes from an engine for this long mid-response: it has stalled")
+    continuation: ContinuationSettings = Field(default_factory=ContinuationSettings)
     # --- clients ---
     header_timeout_s: float = Field(default=10.0, gt=0, description="a request's headers must arrive within this")
     body_timeout_s: float = Field(default=30.0, gt=0, description="a request's body must arrive within this")

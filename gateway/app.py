@@ -219,6 +219,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config, key_store),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor, telemetry)
+    relay.tokenizers = ctx.tokenizers  # continuations rebuild the engine's prompt ids with them
 
     kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
     policy_admin = RegionPolicyAdmin(config, policy_sync)

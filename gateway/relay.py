@@ -34,7 +34,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, TypeVar
 
 import aiohttp
@@ -43,12 +43,16 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine_adapters.base import Instance
+from fleetcore.continuation import ContinuationReason
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_body
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
+from gateway.continuation import (CONTINUATION_PATH, Continuation, ContinuationMetrics, continuation_tokenizer,
+                                  static_refusal)
 from gateway.aliases import SERVED_MODEL_HEADER, renamed_body, renamed_event
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
@@ -107,11 +111,12 @@ class DecisionLog:
 
     def __init__(self, size: int = 256) -> None:
         self._entries: deque[tuple[float, RequestProfile, int, tuple[str, ...], SiteDecision,
-                                   RouteDecision | None]] = deque(maxlen=size)
+                                   RouteDecision | None, tuple[int, str] | None]] = deque(maxlen=size)
 
     def add(self, profile: RequestProfile, attempt: int, excluded: Collection[str],
-            site: SiteDecision, route: RouteDecision | None) -> None:
-        self._entries.append((time.time(), profile, attempt, tuple(excluded), site, route))
+            site: SiteDecision, route: RouteDecision | None, leg: tuple[int, str] | None = None) -> None:
+        """`leg`: (continuation number, why) for a continuation's choice; None for a first attempt."""
+        self._entries.append((time.time(), profile, attempt, tuple(excluded), site, route, leg))
 
     def last(self, n: int, tenant: str | None = None) -> list[dict[str, Any]]:
         """The last `n` decisions, of `tenant` only when given (a tenant sees only its own)."""
@@ -120,9 +125,11 @@ class DecisionLog:
 
 
 def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded: tuple[str, ...],
-                     site: SiteDecision, route: RouteDecision | None) -> dict[str, Any]:
+                     site: SiteDecision, route: RouteDecision | None,
+                     leg: tuple[int, str] | None) -> dict[str, Any]:
     return {
         "request_id": profile.request_id, "time": at, "attempt": attempt,
+        "continuation": leg[0] if leg else 0, "continuation_reason": leg[1] if leg else None,
         "model": profile.model, "version": profile.model_version, "tenant": profile.tenant,
         "client_region": profile.client_region, "prompt_tokens": profile.prompt_tokens,
         "excluded": sorted(excluded),
@@ -200,6 +207,9 @@ class Dispatch:
     resp: aiohttp.ClientResponse | None = None
     stats: StreamStats = field(default_factory=StreamStats)
     finished: bool = False
+    # A continuation leg: (relay clock of the request's first token, tokens sent before this leg),
+    # so that admission hears the request's outcome, not only this leg's.
+    carried: tuple[float | None, int] | None = None
 
     @property
     def iid(self) -> str:
@@ -235,7 +245,7 @@ class Dispatch:
             r.metrics.answered(profile.model, self.target.site, self.iid, status)
         outcome = self._outcome(ok, error, cancelled)
         r.metrics.record_outcome(profile.model, outcome)
-        r.observe(outcome)
+        r.observe(outcome, self._request_outcome(outcome))
         if self.parsed.obs is not None:
             reason = self.stats.finish_reason
             self.parsed.obs.attempt_ended(outcome, status, (reason,) if reason else None)
@@ -255,6 +265,14 @@ class Dispatch:
             output_tokens=out_tokens, ttft_s=(first - arrival) if first is not None else None,
             mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled)
 
+    def _request_outcome(self, leg: RequestOutcome) -> RequestOutcome:
+        """The request as a whole when this is a continuation leg: its first token, every token."""
+        if self.carried is None:
+            return leg
+        first, before = self.carried
+        ttft = first - self.parsed.profile.arrival if first is not None else leg.ttft_s
+        return replace(leg, output_tokens=leg.output_tokens + before, ttft_s=ttft)
+
     def headers(self) -> dict[str, str]:
         h = {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
              "x-request-id": self.parsed.profile.request_id, SERVED_MODEL_HEADER: self.parsed.profile.model}
@@ -267,12 +285,44 @@ class Dispatch:
         return h
 
 
-class RelayStream:
-    """The upstream SSE body, relayed event by event with usage chunks filtered and stats taken."""
+@dataclass(frozen=True, slots=True)
+class LegFailure:
+    """How a stream's upstream failed after the client got its first byte. `reason`: why it may be
+    continued elsewhere (None: it may not: the gateway itself is ending it); `kind`: the upstream
+    error counted (None: not the engine's fault); `code`/`public`: the error event's; `detail`: the log's."""
 
-    def __init__(self, dispatch: Dispatch, include_usage: bool) -> None:
+    reason: ContinuationReason | None
+    kind: str | None
+    code: str
+    public: str
+    detail: str
+
+
+DRAINED = "drained"  # the Interrupted code with which a drain moves a stream off its instance
+
+
+class RelayStream:
+    """The upstream SSE body, relayed event by event with usage chunks filtered and stats taken.
+
+    When the upstream dies, stalls or is drained after the first byte and the request may be
+    continued (`cont`), the relay sends a continuation to another instance (`Relay.resume`) and
+    this stream reads on from it (`switch`), its events spliced into the client's format."""
+
+    def __init__(self, dispatch: Dispatch, include_usage: bool, cont: Continuation | None = None) -> None:
         self.d = dispatch
         self.include_usage = include_usage
+        self.cont = cont  # None: this request is not continued (disabled, or it cannot be faithfully)
+        self.splicing = False  # reading a continuation leg
+        self.gap_from: float | None = None  # relay clock of the last token before the failure
+        self.gap_reason = ""
+        self.first_token_at: float | None = None  # relay clock of the request's first token (any leg)
+        self._splitter = SSESplitter()
+        self._pending = b""
+
+    def switch(self, dispatch: Dispatch) -> None:
+        """Read on from a continuation leg."""
+        self.d = dispatch
+        self.splicing = True
         self._splitter = SSESplitter()
         self._pending = b""
 
@@ -286,15 +336,29 @@ class RelayStream:
         stats = self.d.stats
         first_seen = stats.first_token_at is not None
         rename = self.d.parsed.requested_model
+        cont = self.cont
         for raw in events:
             if stats.done:
                 break
             ev = parse_sse_event(raw)
-            if stats.account(ev, self.d.relay.clock()) and not self.include_usage:
+            usage = stats.account(ev, self.d.relay.clock())
+            if self.splicing:
+                assert cont is not None
+                out.append(cont.splice(ev, usage))
+                continue
+            if cont is not None and ev.obj is not None:
+                cont.sent.observe(ev.obj)  # what a continuation would have to rebuild
+            if usage and not self.include_usage:
                 continue  # the usage chunk the gateway asked for on its own behalf
             out.append(raw if rename is None else renamed_event(raw, ev.obj, rename))
-        if not first_seen and self.d.stats.first_token_at is not None:
-            self.d.relay.first_token(self.d.parsed.profile.request_id)
+        if not first_seen and stats.first_token_at is not None:
+            if self.first_token_at is None:
+                self.first_token_at = stats.first_token_at
+                self.d.relay.first_token(self.d.parsed.profile.request_id)
+            if self.splicing and self.gap_from is not None:
+                self.d.relay.continuation_metrics.gap.labels(self.gap_reason).observe(
+                    stats.first_token_at - self.gap_from)
+                self.gap_from = None
         return b"".join(out)
 
     async def prefetch(self) -> None:
@@ -316,10 +380,36 @@ class RelayStream:
             raise RetryableFailure("stream_start", _describe(e),
                                    f"engine instance {iid} connection broke before the first event") from None
 
+    def take_pending(self) -> bytes:
+        chunk, self._pending = self._pending, b""
+        return self._checked(chunk) if chunk else b""
+
     async def iter_bytes(self) -> AsyncIterator[bytes]:
-        if self._pending:
-            chunk, self._pending = self._pending, b""
-            yield self._checked(chunk)
+        relay = self.d.relay
+        try:
+            if self._pending:
+                yield self.take_pending()
+            while True:
+                failure = None
+                async for chunk in self._leg():
+                    if isinstance(chunk, LegFailure):
+                        failure = chunk
+                    else:
+                        yield chunk
+                if failure is None:
+                    return
+                resumed = await relay.resume(self, failure)
+                if resumed is None:
+                    yield self._fail(failure)
+                    return
+                if resumed:
+                    yield resumed
+        finally:
+            relay.live.discard(self)
+
+    async def _leg(self) -> AsyncIterator[bytes | LegFailure]:
+        """The current leg's bytes; its failure, if it fails, as the last item."""
+        iid = self.d.iid
         try:
             while not self.d.stats.done:
                 data = await self._read()
@@ -332,26 +422,28 @@ class RelayStream:
                 tail = self._process(self._splitter.flush())
                 if tail:
                     yield tail
-        except Interrupted as i:  # graceful shutdown's grace is over
-            yield self._fail(None, i.code, i.message, i.message)
+        except Interrupted as i:
+            if i.code == DRAINED:  # moved off an instance being drained: not the engine's fault
+                yield LegFailure("drained", None, "upstream_error", f"engine instance {iid} was drained", i.message)
+            else:  # graceful shutdown's grace is over: the gateway itself is going away
+                yield LegFailure(None, None, i.code, i.message, i.message)
             return
         except UpstreamStalled as e:
             # a stalled engine (stopped, hung, partitioned) gets no new work until it proves healthy
-            self.d.relay.state.mark_failed(self.d.iid, f"stalled mid-stream: {e}")
-            yield self._fail("stream_idle_timeout", "upstream_timeout",
-                             f"engine instance {self.d.iid} stalled mid-stream: nothing for {e.waited_s:.1f} s",
-                             str(e))
+            self.d.relay.state.mark_failed(iid, f"stalled mid-stream: {e}")
+            yield LegFailure("stalled", "stream_idle_timeout", "upstream_timeout",
+                             f"engine instance {iid} stalled mid-stream: nothing for {e.waited_s:.1f} s", str(e))
             return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             detail = f"upstream stream broke: {_describe(e)}"
             # a dropped connection mid-stream is an engine that died: stop sending it work now
-            self.d.relay.state.mark_failed(self.d.iid, detail)
-            yield self._fail("stream_broken", "upstream_error",
-                             f"engine instance {self.d.iid} connection broke mid-stream", detail)
+            self.d.relay.state.mark_failed(iid, detail)
+            yield LegFailure("engine_died", "stream_broken", "upstream_error",
+                             f"engine instance {iid} connection broke mid-stream", detail)
             return
         if not self.d.stats.done:
-            message = f"engine instance {self.d.iid} ended the stream without [DONE]"
-            yield self._fail("stream_truncated", "upstream_error", message, message)
+            message = f"engine instance {iid} ended the stream without [DONE]"
+            yield LegFailure("engine_died", "stream_truncated", "upstream_error", message, message)
 
     def _checked(self, chunk: bytes) -> bytes:
         """Finish the dispatch as soon as [DONE] passes by, before handing the last bytes on."""
@@ -360,17 +452,31 @@ class RelayStream:
             self.d.finish(ok=error is None, status="200" if error is None else "stream_error", error=error)
         return chunk
 
-    def _fail(self, kind: str | None, code: str, public: str, detail: str) -> bytes:
-        """End the stream: the client reads `public` (no addresses), the log `detail`; `kind` is the
-        upstream error counted (None: not the engine's fault)."""
-        log.warning("request %s on %s ended mid-stream: %s", self.d.parsed.profile.request_id, self.d.iid, detail)
-        if kind is not None:
-            self.d.relay.metrics.upstream_errors.labels(self.d.iid, kind).inc()
-        self.d.finish(ok=False, status="stream_error", error=public, abort=True)
-        return sse_error_event(public, code)
+    def end_leg(self, f: LegFailure) -> None:
+        """The current leg failed: log it, count it, release it."""
+        log.warning("request %s on %s failed mid-stream: %s", self.d.parsed.profile.request_id, self.d.iid, f.detail)
+        if f.kind is not None:
+            self.d.relay.metrics.upstream_errors.labels(self.d.iid, f.kind).inc()
+        self.d.finish(ok=False, status="stream_error", error=f.public, abort=True)
+
+    def _fail(self, f: LegFailure) -> bytes:
+        """End the stream: the client reads `public` (no addresses), the log `detail`."""
+        self.end_leg(f)  # a no-op past the first call: finish runs once
+        return sse_error_event(f.public, f.code)
+
+    def would_outlive(self, seconds: float) -> bool:
+        """Whether the current leg's remaining budget, at its pace so far, takes longer than `seconds`
+        (unknown budget or pace: it may, so yes)."""
+        st, p = self.d.stats, self.d.parsed.profile
+        if p.max_tokens is None or st.first_token_at is None or st.last_token_at is None or st.token_events < 2:
+            return True
+        remaining = p.max_tokens - st.token_events
+        tpot = (st.last_token_at - st.first_token_at) / (st.token_events - 1)
+        return remaining > 0 and remaining * tpot > seconds
 
     async def close(self) -> None:
         """The response is over; if the stream did not finish, the client left: abort upstream."""
+        self.d.relay.live.discard(self)
         self.d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
 
 
@@ -402,6 +508,10 @@ class RelayStreamingResponse(StreamingResponse):
             await self._relay_stream.close()
             if self.on_done is not None:
                 self.on_done()
+
+
+def _sse_usage(c: Continuation) -> bytes:
+    return b"data: " + json.dumps(c._chunk([], usage=c.total_usage(None)), separators=(",", ":")).encode() + b"\n\n"
 
 
 def _describe(e: BaseException) -> str:
@@ -448,11 +558,19 @@ class Relay:
         self.listeners: list[Any] = []
         # Several replicas: each route also goes to the others' history-mode prefix index.
         self.route_share: RouteShare | None = None
+        # Continuation of streams whose engine fails after the first byte (gateway.continuation).
+        self.continuation_limits = config.gateway.continuation.limits()
+        self.continuation_metrics = ContinuationMetrics(metrics.registry)
+        self.tokenizers: Mapping[str, PromptTokenizer] = {}  # the app's, set by create_app
+        self.live: set[RelayStream] = set()  # streams handed to their clients and not over yet
+        state.on_drain.append(self.drained)
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        """Feed every policy that learns; a policy bug must not fail the request."""
+    def observe(self, outcome: RequestOutcome, request_outcome: RequestOutcome | None = None) -> None:
+        """Feed every policy that learns; a policy bug must not fail the request. Admission hears
+        `request_outcome` (a continued request as a whole) where it differs from the attempt's."""
         if self.admission is not None:
-            self.admission.attempt_ended(outcome)  # the policy hears the final one, at release
+            # the policy hears the final one, at release
+            self.admission.attempt_ended(request_outcome if request_outcome is not None else outcome)
         for policy in (self.router, self.site_chooser, *self.listeners):
             try:
                 policy.observe(outcome)
@@ -460,12 +578,13 @@ class Relay:
                 log.exception("%s.observe failed", type(policy).__name__)
 
     def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int,
-               avoid: Collection[str] = ()) -> Target | None:
-        """Site and instance for this attempt (`fleetmind.place`); every try goes to the decision log."""
+               avoid: Collection[str] = (), leg: tuple[int, str] | None = None) -> Target | None:
+        """Site and instance for this attempt (`fleetmind.place`); every try goes to the decision log.
+        A continuation (`leg`: its number and why) is chosen the same way, region policy included."""
         choice: Choice = place(profile, self.state.view(), self.clock(), self.site_chooser, self.router,
                                exclude=excluded, avoid=avoid)
         for t in choice.tries():
-            self.decisions.add(profile, attempt, t.excluded, t.site, t.route)
+            self.decisions.add(profile, attempt, t.excluded, t.site, t.route, leg)
         st = self.state.get(choice.instance.instance_id) if choice.instance is not None else None
         if st is None or choice.site.site is None:
             return None
@@ -551,13 +670,7 @@ class Relay:
 
     async def _dispatch(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
                         target: Target) -> Response:
-        up = UpstreamWatch(self.deadlines.idle_s)
-        predicted = target.route.predicted_ttft_s if target.route is not None else None
-        d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
-        self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
-        self.shutdown.track(up)
-        if parsed.obs is not None:  # the attempt's CLIENT span starts before the send
-            parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
+        d = self._new_dispatch(parsed, target)
         handed_over = False
         try:
             d.resp = await watch.race(self._head(d, path))
@@ -567,9 +680,10 @@ class Relay:
                                        f"engine instance {d.iid} answered {redact_addresses(text)}")
             if d.resp.status >= 400 or not parsed.stream:
                 return await self._whole_body(watch, d)
-            stream = RelayStream(d, parsed.include_usage)
+            stream = RelayStream(d, parsed.include_usage, self._continuation(parsed))
             await watch.race(stream.prefetch())
             handed_over = True
+            self.live.add(stream)
             return RelayStreamingResponse(stream, d.headers())
         except RetryableFailure as f:
             self.metrics.upstream_errors.labels(d.iid, f.kind).inc()
@@ -586,18 +700,133 @@ class Relay:
                 # covers cancellation and bugs too: never leak a connection or an in-flight count
                 d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
 
-    async def _head(self, d: Dispatch, path: str) -> aiohttp.ClientResponse:
+    def _new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch:
+        up = UpstreamWatch(self.deadlines.idle_s)
+        predicted = target.route.predicted_ttft_s if target.route is not None else None
+        d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
+        self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
+        self.shutdown.track(up)
+        if parsed.obs is not None:  # the attempt's CLIENT span starts before the send
+            parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
+        return d
+
+    # --- continuation (gateway.continuation) ---
+
+    def _continuation(self, parsed: ParsedRequest) -> Continuation | None:
+        """The request's continuation state, or None when it is never continued (why: a label kept
+        for when it fails mid-stream)."""
+        usable, tok = continuation_tokenizer(self.config, parsed.profile.model, self.tokenizers)
+        why = static_refusal(parsed, usable, self.continuation_limits)
+        if why is not None:
+            return None
+        return Continuation(parsed, self.continuation_limits, tok)
+
+    def _refused_label(self, parsed: ParsedRequest) -> str:
+        usable, _ = continuation_tokenizer(self.config, parsed.profile.model, self.tokenizers)
+        return static_refusal(parsed, usable, self.continuation_limits) or "disabled"
+
+    def _counted(self, reason: str, outcome: str) -> None:
+        self.continuation_metrics.decisions.labels(reason, outcome).inc()
+
+    async def resume(self, s: RelayStream, f: LegFailure) -> bytes | None:
+        """After `s`'s upstream failed mid-stream: the first bytes of its continuation on another
+        instance (b"" when none came yet), or None when it is not continued (the caller ends the
+        stream with the error event). Every failed leg counts against the request's limit."""
+        s.end_leg(f)
+        c, reason = s.cont, f.reason
+        if reason is None:
+            return None  # the gateway is shutting down: nothing to continue on
+        if c is None:
+            self._counted(reason, self._refused_label(s.d.parsed))
+            return None
+        rid = c.parsed.profile.request_id
+        s.gap_from, s.gap_reason = s.d.stats.last_token_at or self.clock(), reason
+        while True:
+            c.excluded.append(s.d.iid)
+            tail = c.tail_ids()
+            if c.sent.finished and not c.sent.unfaithful:
+                # the answer was whole (its finish_reason went by); only the end of the stream was lost
+                self._counted(reason, "complete")
+                return (_sse_usage(c) if c.include_usage else b"") + b"data: [DONE]\n\n"
+            why = c.refused(len(tail))
+            if why is not None:
+                self._counted(reason, why)
+                log.warning("request %s: not continued after %s on %s: %s", rid, reason, s.d.iid, why)
+                return None
+            leg = await asyncio.wait_for(asyncio.to_thread(c.next_leg, tail),
+                                         self.config.gateway.tokenize_timeout_s)
+            target = self.choose(leg.profile, c.excluded, c.done + 1, leg=(c.done + 1, reason))
+            if target is None:
+                self._counted(reason, "no_instance")
+                log.warning("request %s: no instance to continue on after %s", rid, reason)
+                return None
+            c.done += 1
+            c.before_tokens = leg.generated_tokens
+            c.reprefill_tokens += leg.prompt_tokens
+            model = c.parsed.profile.model
+            self.continuation_metrics.reprefill.labels(model).inc(leg.prompt_tokens)
+            iid = target.instance.instance_id
+            if self.admission is not None:
+                self.admission.routed(rid, iid)
+            if self.route_share is not None:
+                self.route_share.routed(iid, leg.profile.block_hashes)
+            log.info("request %s: continuing on %s after %s on %s (%d tokens sent, %d to re-prefill)",
+                     rid, iid, reason, s.d.iid, leg.generated_tokens, leg.prompt_tokens)
+            d = self._new_dispatch(replace(c.parsed, profile=leg.profile), target)
+            d.carried = (s.first_token_at, leg.generated_tokens)
+            switched = False
+            try:
+                d.resp = await self._head(d, CONTINUATION_PATH, leg.encoded(target.instance.model))
+                if d.resp.status >= 400:
+                    status, text = d.resp.status, await self._error_text(d.resp)
+                    raise RetryableFailure(f"http_{status}", text,
+                                           f"engine instance {d.iid} answered {redact_addresses(text)}")
+                s.switch(d)
+                switched = True
+                await s.prefetch()
+            except RetryableFailure as rf:
+                self.metrics.upstream_errors.labels(d.iid, rf.kind).inc()
+                if rf.kind.startswith("http_4"):  # the engine refused the continuation itself
+                    d.finish(ok=False, status=None, error=str(rf), abort=True)
+                    self._counted(reason, "rejected")
+                    return None
+                self.state.mark_failed(d.iid, str(rf))
+                d.finish(ok=False, status=None, error=str(rf), abort=True)
+                log.warning("request %s: continuation on %s failed before its first event: %s", rid, d.iid, rf)
+                self._counted(reason, "leg_failed")
+                s.d = d  # excluded on the next turn
+                continue
+            except Interrupted:
+                d.finish(ok=False, status=None, error="shutting down", abort=True)
+                return None
+            finally:
+                if not switched and not d.finished:
+                    d.finish(ok=False, status=None, error="continuation ended early", abort=True)
+            self._counted(reason, "continued")
+            self.live.add(s)
+            return s.take_pending()
+
+    def drained(self, instance_id: str) -> None:
+        """`instance_id` is being drained: streams on it that would outlive the drain timeout, at
+        their pace so far, are continued elsewhere now instead of being cut when it stops."""
+        timeout_s = self.config.planner.drain_timeout_s
+        for s in list(self.live):
+            if s.d.iid == instance_id and not s.d.finished and s.cont is not None and s.would_outlive(timeout_s):
+                s.d.watch.interrupt(Interrupted(DRAINED, f"instance {instance_id} is draining"))
+
+    async def _head(self, d: Dispatch, path: str, body: bytes | None = None) -> aiohttp.ClientResponse:
         """Send and wait for the response head within the first-byte deadline. A non-streaming
         answer only comes once the whole generation is done, so past the deadline it may wait on
         while the engine keeps passing its health checks (rechecked each poll)."""
         alive = None if d.parsed.stream else d.engine_alive
         try:
-            return await d.watch.wait(self._send(d.parsed, path, d.target.instance), deadline=d.first_byte_at,
+            return await d.watch.wait(self._send(d.parsed, path, d.target.instance, body), deadline=d.first_byte_at,
                                       keep_waiting=alive, recheck_s=self.state.poll_interval_s, phase="first_byte")
         except UpstreamStalled as e:
             raise _first_byte_timeout(d.iid, e) from None
 
-    async def _send(self, parsed: ParsedRequest, path: str, instance: Instance) -> aiohttp.ClientResponse:
+    async def _send(self, parsed: ParsedRequest, path: str, instance: Instance,
+                    body: bytes | None = None) -> aiohttp.ClientResponse:
         if self.session is None:
             raise RuntimeError("the gateway's HTTP session is not started (lifespan not run)")
         headers = {"Content-Type": "application/json", "X-Request-Id": parsed.profile.request_id,
@@ -605,7 +834,8 @@ class Relay:
         if parsed.obs is not None:
             parsed.obs.inject(headers)  # W3C traceparent: the engine joins the client's trace
         try:
-            return await self.session.post(instance.url + path, data=upstream_body(parsed, instance.model),
+            data = upstream_body(parsed, instance.model) if body is None else body
+            return await self.session.post(instance.url + path, data=data,
                                            headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _connect_failure(instance.instance_id, e) from None

@@ -1,0 +1,307 @@
+"""Streams that survive their engine: continuation by re-prefill over real simulated workers.
+
+The gateway runs in-process over real sim worker processes on loopback (`gateway.embedded`);
+engines are SIGKILLed or SIGSTOPped mid-stream, or drained. The client must see one stream:
+exactly `max_tokens` tokens, one `id`, one usage counting every token, `[DONE]` once, no
+error event; or, where the request cannot be continued, the error event as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import yaml
+
+from engine_adapters.base import EngineAdapter, Instance
+from engine_adapters.sim.launcher import SimAdapter
+from fleetcore.fleet_config import FleetConfig
+from gateway.embedded import ServedFleet, serve_fleet
+from tests.waits import wait_until
+
+MODEL = "llama-3.1-8b"
+KEY = "sk-test-acme"
+PINNED_KEY = "sk-test-pinned"
+IDLE_S = 1.0
+
+FLEET: dict[str, Any] = {
+    "regions": ["us-east", "eu-west"],
+    "default_region": "us-east",
+    "sites": [{"name": "east", "region": "us-east", "jurisdiction": "us", "rtt_ms": {"us-east": 1, "eu-west": 70}},
+              {"name": "west", "region": "eu-west", "jurisdiction": "eu", "rtt_ms": {"us-east": 70, "eu-west": 1}}],
+    "models": [{"name": MODEL, "versions": ["v1"],
+                "engine": {"spec": "llama-3.1-8b", "max_model_len": 8192, "block_size": 16}}],
+    "deployments": [{"site": "east", "model": MODEL, "instances": 3, "gpu": "H100", "adapter": "sim",
+                     "options": {"time_scale": 1.0}},
+                    {"site": "west", "model": MODEL, "instances": 1, "gpu": "H100", "adapter": "sim",
+                     "options": {"time_scale": 1.0}}],
+    "tenants": [{"name": "acme", "api_keys": [KEY], "region": "us-east"},
+                {"name": "pinned", "api_keys": [PINNED_KEY], "region": "eu-west"}],
+    "region_policies": [{"tenant": "pinned", "allowed_jurisdictions": ["eu"]}],
+    "planner": {"drain_timeout_s": 2.0},
+    "gateway": {"stream_idle_timeout_s": IDLE_S, "first_byte_timeout_floor_s": 5.0,
+                "continuation": {"max_continuations": 2}},
+}
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@dataclass
+class Fleet:
+    served: ServedFleet
+    stopped: set[int] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return self.served.url
+
+    def instance(self, iid: str) -> tuple[SimAdapter, Instance]:
+        for a in self.served.adapters:
+            for i in a.instances:
+                if i.instance_id == iid:
+                    assert isinstance(a, SimAdapter)
+                    return a, i
+        raise KeyError(iid)
+
+    def instances(self, site: str) -> list[Instance]:
+        return [i for a in self.served.adapters for i in a.instances if i.site == site]
+
+    async def kill(self, iid: str) -> None:
+        adapter, inst = self.instance(iid)
+        proc = adapter.process(inst)
+        assert proc is not None
+        # its supervisor restarts it later (cold); the continuation, not the restart, saves the stream
+        os.kill(proc.pid, signal.SIGKILL)
+
+    def stop(self, iid: str) -> None:
+        adapter, inst = self.instance(iid)
+        proc = adapter.process(inst)
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        self.stopped.add(proc.pid)
+
+    def cont_all(self) -> None:
+        for pid in list(self.stopped):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.stopped.clear()
+
+    @property
+    def ctx(self) -> Any:
+        return self.served.app.state.tokenfleet
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.ctx.metrics.render(per_tenant=True).decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def fleet_config(**gateway: Any) -> FleetConfig:
+    raw = json.loads(json.dumps(FLEET))
+    raw["gateway"].update(gateway)
+    return FleetConfig.model_validate(raw)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet() -> AsyncIterator[Fleet]:
+    async with serve_fleet(fleet_config(), poll_interval_s=0.1) as served:
+        f = Fleet(served)
+        await wait_until(lambda: _ready(f), 30, "every instance ready", ok=lambda n: n == 4)
+        yield f
+        f.cont_all()
+
+
+def _ready(f: Fleet) -> int:
+    return sum(1 for st in f.ctx.state.states() if st.up)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def healthy(fleet: Fleet) -> AsyncIterator[Fleet]:
+    """The fleet with every engine up before each test (killed ones restarted by their supervisor)."""
+    fleet.cont_all()
+    for st in fleet.ctx.state.states():
+        st.draining = False
+    await wait_until(lambda: _ready(fleet), 60, "every instance ready", ok=lambda n: n == 4)
+    yield fleet
+    fleet.cont_all()
+
+
+@dataclass
+class Stream:
+    status: int = 0
+    instance: str = ""
+    tokens: int = 0
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    events: list[Any] = field(default_factory=list)
+    last_token_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [e["error"] for e in self.events if isinstance(e, dict) and "error" in e]
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        found = [e["usage"] for e in self.events if isinstance(e, dict) and e.get("usage")]
+        assert len(found) <= 1, found
+        return found[0] if found else None
+
+
+def _token_text(ev: dict[str, Any], chat: bool) -> str:
+    out = ""
+    for ch in ev.get("choices") or ():
+        out += (ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or ""
+    return out
+
+
+async def read_stream(f: Fleet, body: dict[str, Any], *, chat: bool = True, key: str = KEY,
+                      on_token: Callable[[Stream], Any] | None = None) -> Stream:
+    s = Stream()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        async with c.stream("POST", path, json=body) as r:
+            s.status = r.status_code
+            s.instance = r.headers.get("x-tokenfleet-instance", "")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                ev: Any = data if data == "[DONE]" else json.loads(data)
+                s.events.append(ev)
+                if isinstance(ev, dict):
+                    if "id" in ev:
+                        s.ids.add(ev["id"])
+                    text = _token_text(ev, chat)
+                    if text:
+                        now = time.monotonic()
+                        if s.tokens:
+                            s.gaps.append(now - s.last_token_at)
+                        s.tokens += 1
+                        s.text += text
+                        s.last_token_at = now
+                        if on_token is not None:
+                            res = on_token(s)
+                            if asyncio.iscoroutine(res):
+                                await res
+    return s
+
+
+def chat_body(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+
+
+def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+
+
+def assert_whole(s: Stream, max_tokens: int) -> None:
+    assert s.status == 200
+    assert not s.errors, s.errors
+    assert s.events[-1] == "[DONE]" and s.events.count("[DONE]") == 1
+    assert s.tokens == max_tokens, (s.tokens, max_tokens)
+    assert len(s.ids) == 1, s.ids
+    usage = s.usage
+    assert usage is not None and usage["completion_tokens"] == max_tokens, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + max_tokens
+
+
+def kill_after(f: Fleet, n: int, at: list[float]) -> Callable[[Stream], Any]:
+    async def on_token(s: Stream) -> None:
+        if s.tokens == n:
+            at.append(time.monotonic())
+            await f.kill(s.instance)
+    return on_token
+
+
+# --- the engine dies or stalls mid-stream ---
+
+async def test_engine_killed_mid_stream_chat_completes_elsewhere(healthy: Fleet) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued")
+    at: list[float] = []
+    s = await read_stream(f, chat_body("tell me a long story about fleets", 300), on_token=kill_after(f, 20, at))
+    assert at, "the engine was never killed"
+    assert_whole(s, 300)
+    usage = s.usage
+    assert usage is not None and usage["tokenfleet_continuations"] == 1
+    # the continuation re-prefilled the prompt and the tokens already relayed (at least the 20 the
+    # client had read when the engine died; a few more may have been in flight to it)
+    assert usage["prompt_tokens"] + 20 <= usage["tokenfleet_reprefill_tokens"] < usage["prompt_tokens"] + 300
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued") == before + 1
+    # one stream to the client: its id and the chat shape throughout
+    assert all(e.get("object") == "chat.completion.chunk" for e in s.events if isinstance(e, dict))
+    decisions = f.ctx.decisions.last(20)
+    legs = [d for d in decisions if d["continuation"] == 1 and d["continuation_reason"] == "engine_died"]
+    assert legs and legs[-1]["instance"] != s.instance and s.instance in legs[-1]["excluded"]
+
+
+async def test_engine_killed_mid_stream_completions(healthy: Fleet) -> None:
+    f = healthy
+    at: list[float] = []
+    s = await read_stream(f, completion_body("Once upon a time in a datacenter", 200), chat=False,
+                          on_token=kill_after(f, 50, at))
+    assert at
+    assert_whole(s, 200)
+    assert all(e.get("object") == "text_completion" for e in s.events if isinstance(e, dict))
+    assert s.text.startswith(" ")  # completions words keep their spaces across the splice
+
+
+async def test_engine_stopped_mid_stream_continues_after_idle_deadline(healthy: Fleet) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="stalled", outcome="continued")
+
+    def stop_at_ten(s: Stream) -> None:
+        if s.tokens == 10:
+            f.stop(s.instance)
+
+    s = await read_stream(f, chat_body("a story told slowly", 150), on_token=stop_at_ten)
+    assert_whole(s, 150)
+    # the gap the client saw: the idle deadline (detection), then choice and re-prefill
+    gap = max(s.gaps)
+    assert IDLE_S - 0.1 < gap < IDLE_S + 3, gap
+    assert f.metric("tokenfleet_continuations_total", reason="stalled", outcome="continued") == before + 1
+
+
+async def test_non_streaming_request_continued_with_header(healthy: Fleet) -> None:
+    f = healthy
+    body = chat_body("a whole answer please", 200)
+    body.pop("stream_options")
+    body["stream"] = False
+    task_started = asyncio.Event()
+
+    async def killer() -> None:
+        await task_started.wait()
+        # the request is running somewhere: kill the instance once it has generated some tokens
+        iid = await wait_until(lambda: next((st.instance.instance_id for st in f.ctx.state.states()
+                                             if st.inflight > 0), None), 10, "the request in flight")
+        await asyncio.sleep(0.3)  # noqa: ASYNC110 - let it generate part of its answer first
+        await f.kill(iid)
+
+    k = asyncio.create_task(killer())
+    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        task_started.set()
+        r = await c.post("/v1/chat/completions", json=body)
+    await k
+    assert r.status_code == 200, r.text
+    assert r.headers.get("x-tokenfleet-continued") == "1"
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    assert out["usage"]["completion_tokens"] == 200
+    assert len(out["choices"][0]["message"]["content"].split()) == 200
