@@ -453,7 +453,9 @@ class RelayStream:
         return chunk
 
     def end_leg(self, f: LegFailure) -> None:
-        """The current leg failed: log it, count it, release it."""
+        """The current leg failed: log it, count it, release it (once)."""
+        if self.d.finished:
+            return
         log.warning("request %s on %s failed mid-stream: %s", self.d.parsed.profile.request_id, self.d.iid, f.detail)
         if f.kind is not None:
             self.d.relay.metrics.upstream_errors.labels(self.d.iid, f.kind).inc()
@@ -461,7 +463,7 @@ class RelayStream:
 
     def _fail(self, f: LegFailure) -> bytes:
         """End the stream: the client reads `public` (no addresses), the log `detail`."""
-        self.end_leg(f)  # a no-op past the first call: finish runs once
+        self.end_leg(f)
         return sse_error_event(f.public, f.code)
 
     def would_outlive(self, seconds: float) -> bool:
