@@ -41,7 +41,7 @@ from fleetcore.continuation import (ContinuationLimits, ContinuationReason, Fait
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.prefix import block_hashes
-from fleetcore.sse import SSEEvent, usage_counts
+from fleetcore.sse import SSEEvent, SSESplitter, parse_sse_event, usage_counts
 from fleetcore.tokens import encode
 from fleetcore.types import RequestProfile
 # the very functions that tokenized the prompt for routing: the continuation's ids equal them
@@ -213,7 +213,8 @@ class Continuation:
         self.excluded: list[str] = []  # instances that failed this request
         self.reprefill_tokens = 0
         self.before_tokens = 0  # tokens sent before the current leg
-        self.include_usage = parsed.include_usage
+        # a whole answer is assembled from the stream: its usage is needed even though nobody asked
+        self.include_usage = parsed.include_usage or not parsed.stream
         self._prompt_ids: list[int] | None = None
         self.legs: list[dict[str, Any]] = []  # for the decision log and the log line
 
@@ -306,6 +307,51 @@ class Continuation:
                 "prompt_tokens_details": {"cached_tokens": min(counts.cached_tokens, prompt)},
                 "tokenfleet_continuations": self.done, "tokenfleet_reprefill_tokens": self.reprefill_tokens,
                 "tokenfleet_reprefill_cached_tokens": counts.cached_tokens if self.done else 0}
+
+
+def assembled_answer(stream: bytes, chat: bool) -> tuple[dict[str, Any] | None, Mapping[str, Any] | None]:
+    """(the whole answer, None) or (None, the error) of a client-format stream of one choice: how a
+    non-streaming request that was read as a stream (to be continuable) is answered."""
+    splitter = SSESplitter()
+    first: Mapping[str, Any] | None = None
+    content: list[str] = []
+    reasoning: list[str] = []
+    finish: str | None = None
+    usage: Any = None
+    for raw in splitter.feed(stream) + splitter.flush():
+        obj = parse_sse_event(raw).obj
+        if obj is None:
+            continue
+        if "error" in obj:
+            err = obj["error"]
+            return None, err if isinstance(err, Mapping) else {"message": str(err)}
+        if first is None and "id" in obj:
+            first = obj
+        if isinstance(obj.get("usage"), dict):
+            usage = obj["usage"]
+        for c in obj.get("choices") or ():
+            if not isinstance(c, Mapping) or c.get("index", 0) != 0:
+                continue
+            if chat:
+                delta = c.get("delta") if isinstance(c.get("delta"), Mapping) else {}
+                content.append(delta.get("content") or "")
+                reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+            else:
+                content.append(c.get("text") or "")
+            finish = c.get("finish_reason") or finish
+    head = first or {}
+    out: dict[str, Any] = {"id": head.get("id"), "object": "chat.completion" if chat else "text_completion",
+                           "created": head.get("created"), "model": head.get("model")}
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+        if any(reasoning):
+            message["reasoning_content"] = "".join(reasoning)
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
+    out["choices"] = [choice]
+    out["usage"] = usage
+    return out, None
 
 
 def _sse(obj: Mapping[str, Any]) -> bytes:

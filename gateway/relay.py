@@ -51,8 +51,8 @@ from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_bo
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
-from gateway.continuation import (CONTINUATION_PATH, Continuation, ContinuationMetrics, continuation_tokenizer,
-                                  static_refusal)
+from gateway.continuation import (CONTINUATION_PATH, CONTINUED_HEADER, Continuation, ContinuationMetrics,
+                                  assembled_answer, continuation_tokenizer, static_refusal)
 from gateway.aliases import SERVED_MODEL_HEADER, renamed_body, renamed_event
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
@@ -89,11 +89,14 @@ class RetryableFailure(Exception):
         self.timed_out = timed_out
 
 
-def upstream_body(parsed: ParsedRequest, served_model: str) -> bytes:
-    """The client's body, unknown fields untouched, with the served model name and forced usage."""
+def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None) -> bytes:
+    """The client's body, unknown fields untouched, with the served model name and forced usage.
+    `stream` True: asked as a stream whatever the client asked (a continuable whole answer)."""
     body = dict(parsed.body)
     body["model"] = served_model
-    if parsed.stream:
+    if stream:
+        body["stream"] = True
+    if parsed.stream or stream:
         opts = body.get("stream_options")
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
     return json.dumps(body, separators=(",", ":")).encode()
@@ -512,6 +515,10 @@ class RelayStreamingResponse(StreamingResponse):
                 self.on_done()
 
 
+def _is_sse(resp: aiohttp.ClientResponse) -> bool:
+    return resp.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
 def _sse_usage(c: Continuation) -> bytes:
     return b"data: " + json.dumps(c._chunk([], usage=c.total_usage(None)), separators=(",", ":")).encode() + b"\n\n"
 
@@ -674,18 +681,25 @@ class Relay:
                         target: Target) -> Response:
         d = self._new_dispatch(parsed, target)
         handed_over = False
+        cont = self._continuation(parsed)
+        # A whole answer that may be continued is read from the engine as a stream: what it
+        # generated before failing is what the continuation starts from.
+        streamed = parsed.stream or cont is not None
         try:
-            d.resp = await watch.race(self._head(d, path))
+            body = None if streamed == parsed.stream else upstream_body(parsed, target.instance.model, stream=True)
+            d.resp = await watch.race(self._head(d, path, body))
             if d.resp.status >= 500:
                 status, text = d.resp.status, await self._error_text(d.resp)
                 raise RetryableFailure(f"http_{status}", text,
                                        f"engine instance {d.iid} answered {redact_addresses(text)}")
-            if d.resp.status >= 400 or not parsed.stream:
+            if d.resp.status >= 400 or not streamed or not _is_sse(d.resp):
                 return await self._whole_body(watch, d)
-            stream = RelayStream(d, parsed.include_usage, self._continuation(parsed))
+            stream = RelayStream(d, parsed.include_usage or not parsed.stream, cont)
             await watch.race(stream.prefetch())
             handed_over = True
             self.live.add(stream)
+            if not parsed.stream:
+                return await self._assembled(watch, stream)
             return RelayStreamingResponse(stream, d.headers())
         except RetryableFailure as f:
             self.metrics.upstream_errors.labels(d.iid, f.kind).inc()
@@ -701,6 +715,29 @@ class Relay:
             if not handed_over:
                 # covers cancellation and bugs too: never leak a connection or an in-flight count
                 d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
+
+    async def _assembled(self, watch: DisconnectWatch, stream: RelayStream) -> Response:
+        """A whole answer read as a stream (and continued where it failed): assembled for the client."""
+        first = stream.d
+        parts: list[bytes] = []
+
+        async def read_all() -> None:
+            async for chunk in stream.iter_bytes():
+                parts.append(chunk)
+        try:
+            await watch.race(read_all())
+        finally:
+            await stream.close()  # a no-op when it ended by itself; else the client left: abort
+        cont = stream.cont
+        answer, error = assembled_answer(b"".join(parts), first.parsed.kind == "chat")
+        if error is not None:
+            message = str(error.get("message") or "upstream error")
+            raise upstream_timeout(message) if error.get("code") == "upstream_timeout" else upstream_failed(message)
+        headers = first.headers()
+        if cont is not None and cont.done:
+            headers[CONTINUED_HEADER] = str(cont.done)
+        return Response(json.dumps(answer, separators=(",", ":")).encode(), status_code=200,
+                        media_type="application/json", headers=headers)
 
     def _new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch:
         up = UpstreamWatch(self.deadlines.idle_s)

@@ -279,29 +279,37 @@ async def test_engine_stopped_mid_stream_continues_after_idle_deadline(healthy: 
     assert f.metric("tokenfleet_continuations_total", reason="stalled", outcome="continued") == before + 1
 
 
+def live_stream(f: Fleet, min_tokens: int) -> Any:
+    """The one stream the relay has in flight once it relayed `min_tokens` tokens, else None."""
+    for s in f.ctx.relay.live:
+        if s.d.stats.token_events >= min_tokens:
+            return s
+    return None
+
+
 async def test_non_streaming_request_continued_with_header(healthy: Fleet) -> None:
     f = healthy
-    body = chat_body("a whole answer please", 200)
-    body.pop("stream_options")
-    body["stream"] = False
-    task_started = asyncio.Event()
+    for chat in (True, False):
+        body = chat_body("a whole answer please", 200) if chat else completion_body("A whole answer:", 200)
+        body.pop("stream_options")
+        body["stream"] = False
 
-    async def killer() -> None:
-        await task_started.wait()
-        # the request is running somewhere: kill the instance once it has generated some tokens
-        iid = await wait_until(lambda: next((st.instance.instance_id for st in f.ctx.state.states()
-                                             if st.inflight > 0), None), 10, "the request in flight")
-        await asyncio.sleep(0.3)  # noqa: ASYNC110 - let it generate part of its answer first
-        await f.kill(iid)
+        async def killer() -> str:
+            s = await wait_until(lambda: live_stream(f, 20), 20, "20 tokens generated")
+            iid: str = s.d.iid
+            await f.kill(iid)
+            return iid
 
-    k = asyncio.create_task(killer())
-    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        task_started.set()
-        r = await c.post("/v1/chat/completions", json=body)
-    await k
-    assert r.status_code == 200, r.text
-    assert r.headers.get("x-tokenfleet-continued") == "1"
-    out = r.json()
-    assert out["object"] == "chat.completion"
-    assert out["usage"]["completion_tokens"] == 200
-    assert len(out["choices"][0]["message"]["content"].split()) == 200
+        k = asyncio.create_task(killer())
+        async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+            r = await c.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+        killed = await k
+        assert r.status_code == 200, r.text
+        assert r.headers["x-tokenfleet-continued"] == "1"
+        assert r.headers["x-tokenfleet-instance"] == killed  # the first leg's; the answer is whole anyway
+        out = r.json()
+        assert out["object"] == ("chat.completion" if chat else "text_completion")
+        text = out["choices"][0]["message"]["content"] if chat else out["choices"][0]["text"]
+        assert out["usage"]["completion_tokens"] == 200 and len(text.split()) == 200
+        assert out["choices"][0]["finish_reason"] == "length"
+        await wait_until(lambda: _ready(f), 60, "the killed engine back", ok=lambda n: n == 4)
