@@ -313,3 +313,130 @@ async def test_non_streaming_request_continued_with_header(healthy: Fleet) -> No
         assert out["usage"]["completion_tokens"] == 200 and len(text.split()) == 200
         assert out["choices"][0]["finish_reason"] == "length"
         await wait_until(lambda: _ready(f), 60, "the killed engine back", ok=lambda n: n == 4)
+
+
+# --- limits and honesty ---
+
+async def test_third_failure_ends_with_error_event(healthy: Fleet) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="limit")
+    killed: list[str] = []
+
+    async def kill_current(s: Stream) -> None:
+        if s.tokens in (10, 40, 70):  # the first leg, then each continuation
+            current = await wait_until(lambda: live_stream(f, 0), 10, "the stream's current leg")
+            killed.append(current.d.iid)
+            await f.kill(current.d.iid)
+
+    s = await read_stream(f, chat_body("a story that keeps losing its engine", 300), on_token=kill_current)
+    assert len(set(killed)) == 3, killed  # each continuation went to an instance that had not failed it
+    assert s.events[-1] == "[DONE]" and s.events.count("[DONE]") == 1
+    (err,) = s.errors
+    assert err["code"] == "upstream_error" and "connection broke mid-stream" in err["message"]
+    assert 70 <= s.tokens < 300 and len(s.ids) == 1
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="limit") == before + 1
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued") >= 2
+
+
+@pytest.mark.parametrize(("extra", "label"), [({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                                              ({"n": 2}, "n_gt_1")])
+async def test_unfaithful_request_ends_with_error_event_as_before(healthy: Fleet, extra: dict[str, Any],
+                                                                  label: str) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome=label)
+    at: list[float] = []
+    s = await read_stream(f, chat_body("an answer with extras", 300, **extra), on_token=kill_after(f, 10, at))
+    assert at
+    (err,) = s.errors
+    assert err["code"] == "upstream_error"
+    assert s.events[-1] == "[DONE]" and s.tokens < 300 * extra.get("n", 1)
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome=label) == before + 1
+
+
+async def test_pinned_tenant_is_not_continued_across_sites(healthy: Fleet) -> None:
+    """The tenant may only run in the EU (one instance there): the continuation would have to leave
+    it, and placement, the same as for a first attempt, allows none."""
+    f = healthy
+    (west,) = f.instances("west")
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="no_instance")
+    east_before = sum(f.metric("tokenfleet_requests_total", instance=i.instance_id) for i in f.instances("east"))
+    at: list[float] = []
+    s = await read_stream(f, chat_body("stay in the EU", 300), key=PINNED_KEY, on_token=kill_after(f, 10, at))
+    assert s.instance == west.instance_id
+    (err,) = s.errors
+    assert err["code"] == "upstream_error" and s.events[-1] == "[DONE]"
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="no_instance") == before + 1
+    assert sum(f.metric("tokenfleet_requests_total", instance=i.instance_id) for i in f.instances("east")) \
+        == east_before
+    tried = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1 and d["tenant"] == "pinned"]
+    assert tried and all(d["instance"] is None for d in tried)
+
+
+# --- where it continues: the instance holding the prefix re-prefills only the tail ---
+
+async def test_continuation_prefers_the_instance_holding_the_prefix(healthy: Fleet) -> None:
+    f = healthy
+    messages = [{"role": "user", "content": " ".join(f"paragraph {i} on routing cached prefixes" for i in range(80))}]
+    warm, cold = f.instances("east")[:2], f.instances("east")[2]
+    router = f.ctx.relay.router
+    prompt_tokens = 0
+
+    async def warmed() -> list[int]:
+        """Send the prompt straight to each warm engine not indexed yet: their KV events tell the
+        gateway's index (an engine restarted by an earlier test resubscribes within a backoff)."""
+        nonlocal prompt_tokens
+        async with httpx.AsyncClient(timeout=30) as c:
+            for inst in warm:
+                if prompt_tokens and (router.cache_blocks(inst.instance_id) or 0) >= prompt_tokens // 16:
+                    continue
+                r = await c.post(inst.url + "/v1/chat/completions",
+                                 json={"model": MODEL, "messages": messages, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        return [router.cache_blocks(i.instance_id) or 0 for i in warm]
+
+    await wait_until(warmed, 30, "both warm engines indexed", ok=lambda v: min(v) >= prompt_tokens // 16,
+                     every_s=0.5)
+    full_blocks = prompt_tokens // 16
+    at: list[float] = []
+    body = {**chat_body("", 300), "messages": messages}
+    s = await read_stream(f, body, on_token=kill_after(f, 20, at))
+    assert s.instance in {i.instance_id for i in warm}
+    assert_whole(s, 300)
+    usage = s.usage
+    assert usage is not None
+    leg = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1][-1]
+    assert leg["instance"] in {i.instance_id for i in warm} and leg["instance"] != cold.instance_id
+    # the engine served the original prompt's full blocks from its cache: only the tail was prefilled
+    reprefill, cached = usage["tokenfleet_reprefill_tokens"], usage["tokenfleet_reprefill_cached_tokens"]
+    assert cached == full_blocks * 16, usage
+    assert reprefill - cached < 16 + (reprefill - prompt_tokens), usage
+
+
+# --- drain migration ---
+
+async def test_drain_moves_streams_that_would_outlive_the_drain_timeout(healthy: Fleet) -> None:
+    """drain_timeout_s is 2 s here; ~6 ms a token: 40 tokens fit, 600 do not."""
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued")
+
+    def drain_at(n: int) -> Callable[[Stream], None]:
+        def on_token(s: Stream) -> None:
+            if s.tokens == n:
+                assert f.ctx.state.drain(s.instance)
+        return on_token
+
+    short = await read_stream(f, chat_body("a short one", 40), on_token=drain_at(10))
+    assert_whole(short, 40)
+    assert short.usage is not None and "tokenfleet_continuations" not in short.usage  # finished where it was
+    assert f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued") == before
+    for st in f.ctx.state.states():
+        st.draining = False
+
+    long = await read_stream(f, chat_body("a long one", 600), on_token=drain_at(20))
+    assert_whole(long, 600)
+    assert long.usage is not None and long.usage["tokenfleet_continuations"] == 1
+    assert f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued") == before + 1
+    # a drain is not the engine's fault: it stays healthy (only out of rotation)
+    st = f.ctx.state.get(long.instance)
+    assert st is not None and st.up and st.draining
