@@ -100,6 +100,21 @@ def static_refusal(parsed: ParsedRequest, tokenizer_known: bool, limits: Continu
     return None
 
 
+def strip_token_ids(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A chunk without the token ids the gateway asked for on its own behalf."""
+    out = dict(obj)
+    out["choices"] = [{k: v for k, v in c.items() if k not in ("token_ids", "prompt_token_ids")}
+                      if isinstance(c, Mapping) else c for c in obj.get("choices") or ()]
+    out.pop("prompt_token_ids", None)
+    return out
+
+
+def engine_gives_ids(config: FleetConfig, model: str) -> bool:
+    """Whether every engine of `model` streams its token ids when asked (vLLM: `return_token_ids`)."""
+    adapters = {d.adapter for d in config.deployments if d.model == model}
+    return adapters == {"vllm"}
+
+
 def continuation_tokenizer(config: FleetConfig, model: str,
                            tokenizers: Mapping[str, PromptTokenizer]) -> tuple[bool, PromptTokenizer | None]:
     """(usable, tokenizer): the model's own tokenizer; else the built-in one (None) where it is
@@ -142,6 +157,18 @@ class SentText:
     model: str | None = None
     finished: bool = False  # a finish_reason went by: the answer is whole
     unfaithful: str | None = None  # output a continuation cannot rebuild (tool calls, reasoning)
+    # The engine's own token ids of that text, where every chunk carried them (vLLM's
+    # `return_token_ids`); else the text is re-tokenized.
+    ids: list[int] = field(default_factory=list)
+    ids_complete: bool = True
+
+    def add(self, text: str, token_ids: Any) -> None:
+        if text:
+            self.parts.append(text)
+        if isinstance(token_ids, list) and all(isinstance(t, int) for t in token_ids):
+            self.ids.extend(token_ids)
+        elif text:
+            self.ids_complete = False
 
     @property
     def text(self) -> str:
@@ -164,12 +191,10 @@ class SentText:
                     elif delta.get("reasoning_content") or delta.get("reasoning"):
                         self.unfaithful = "reasoning"  # the raw text (think tags) is the engine's
                     text = delta.get("content")
-                    if isinstance(text, str) and text:
-                        self.parts.append(text)
+                    self.add(text if isinstance(text, str) else "", c.get("token_ids"))
             else:
                 text = c.get("text")
-                if isinstance(text, str) and text:
-                    self.parts.append(text)
+                self.add(text if isinstance(text, str) else "", c.get("token_ids"))
             if c.get("finish_reason"):
                 self.finished = True
 
@@ -204,8 +229,12 @@ class ContinuationMetrics:
 class Continuation:
     """One streamed request's continuation state over its legs."""
 
-    def __init__(self, parsed: ParsedRequest, limits: ContinuationLimits, tok: PromptTokenizer | None) -> None:
+    def __init__(self, parsed: ParsedRequest, limits: ContinuationLimits, tok: PromptTokenizer | None,
+                 engine_ids: bool = False) -> None:
         self.parsed = parsed
+        # ask the engine for its token ids (vLLM's `return_token_ids`), unless the client did: then
+        # the gateway strips them from what it relays
+        self.engine_ids = engine_ids and parsed.body.get("return_token_ids") is None
         self.limits = limits
         self.tok = tok
         self.sent = SentText(chat=parsed.kind == "chat")
@@ -227,6 +256,9 @@ class Continuation:
                        remaining_tokens=remaining_budget(p.max_tokens, generated_tokens), limits=self.limits)
 
     def tail_ids(self) -> list[int]:
+        """The generated tokens so far: the engine's ids where it gave them, else the text re-tokenized."""
+        if self.sent.ids_complete and self.sent.ids:
+            return list(self.sent.ids)
         return generated_ids(self.sent.text, self.tok)
 
     def next_leg(self, tail: list[int]) -> Leg:
@@ -239,6 +271,8 @@ class Continuation:
         profile = continuation_profile(p, generated_tokens=len(tail), tail_block_hashes=tail_hashes)
         body = {k: v for k, v in self.parsed.body.items() if not (self.sent.chat and k in _CHAT_ONLY)}
         body.update(prompt=ids, stream=True, stream_options={"include_usage": True})
+        if self.engine_ids:
+            body["return_token_ids"] = True
         budget = remaining_budget(p.max_tokens, len(tail))
         body.pop("max_completion_tokens", None)
         if budget is None:
@@ -271,8 +305,7 @@ class Continuation:
             if not isinstance(c, Mapping) or c.get("index", 0) != 0:
                 continue
             text = c.get("text") if isinstance(c.get("text"), str) else ""
-            if text:
-                self.sent.parts.append(text)
+            self.sent.add(text, c.get("token_ids"))
             reason = c.get("finish_reason")
             if self.sent.chat:
                 choices.append({"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,

@@ -52,7 +52,8 @@ from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDeci
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
 from gateway.continuation import (CONTINUATION_PATH, CONTINUED_HEADER, Continuation, ContinuationMetrics,
-                                  assembled_answer, continuation_tokenizer, static_refusal)
+                                  assembled_answer, continuation_tokenizer, engine_gives_ids, static_refusal,
+                                  strip_token_ids)
 from gateway.aliases import SERVED_MODEL_HEADER, renamed_body, renamed_event
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
@@ -89,13 +90,17 @@ class RetryableFailure(Exception):
         self.timed_out = timed_out
 
 
-def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None) -> bytes:
+def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
+                  token_ids: bool = False) -> bytes:
     """The client's body, unknown fields untouched, with the served model name and forced usage.
-    `stream` True: asked as a stream whatever the client asked (a continuable whole answer)."""
+    `stream` True: asked as a stream whatever the client asked (a continuable whole answer);
+    `token_ids`: the engine's generated token ids asked for (what a continuation re-prefills)."""
     body = dict(parsed.body)
     body["model"] = served_model
     if stream:
         body["stream"] = True
+    if token_ids:
+        body["return_token_ids"] = True
     if parsed.stream or stream:
         opts = body.get("stream_options")
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
@@ -351,6 +356,12 @@ class RelayStream:
                 continue
             if cont is not None and ev.obj is not None:
                 cont.sent.observe(ev.obj)  # what a continuation would have to rebuild
+                if cont.engine_ids and ev.obj.get("choices"):
+                    obj = strip_token_ids(ev.obj)
+                    if rename is not None:
+                        obj["model"] = rename
+                    out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+                    continue
             if usage and not self.include_usage:
                 continue  # the usage chunk the gateway asked for on its own behalf
             out.append(raw if rename is None else renamed_event(raw, ev.obj, rename))
@@ -686,7 +697,9 @@ class Relay:
         # generated before failing is what the continuation starts from.
         streamed = parsed.stream or cont is not None
         try:
-            body = None if streamed == parsed.stream else upstream_body(parsed, target.instance.model, stream=True)
+            ids = cont is not None and cont.engine_ids
+            body = (None if streamed == parsed.stream and not ids
+                    else upstream_body(parsed, target.instance.model, stream=streamed, token_ids=ids))
             d.resp = await watch.race(self._head(d, path, body))
             if d.resp.status >= 500:
                 status, text = d.resp.status, await self._error_text(d.resp)
@@ -758,7 +771,8 @@ class Relay:
         why = static_refusal(parsed, usable, self.continuation_limits)
         if why is not None:
             return None
-        return Continuation(parsed, self.continuation_limits, tok)
+        return Continuation(parsed, self.continuation_limits, tok,
+                            engine_ids=engine_gives_ids(self.config, parsed.profile.model))
 
     def _refused_label(self, parsed: ParsedRequest) -> str:
         usable, _ = continuation_tokenizer(self.config, parsed.profile.model, self.tokenizers)
