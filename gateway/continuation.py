@@ -71,7 +71,8 @@ def faithfulness(parsed: ParsedRequest) -> Faithfulness:
     if parsed.kind == "chat":
         logprobs = bool(body.get("logprobs")) or body.get("top_logprobs") is not None
     else:
-        logprobs = body.get("logprobs") not in (None, False)
+        v = body.get("logprobs")
+        logprobs = v is not None and v is not False  # `logprobs: 0` asks for the chosen token's (0 == False)
     fmt = body.get("response_format")
     constrained = (bool(body.get("tools")) or bool(body.get("functions"))
                    or (isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"))

@@ -800,14 +800,20 @@ class Relay:
             if c.sent.finished and not c.sent.unfaithful:
                 # the answer was whole (its finish_reason went by); only the end of the stream was lost
                 self._counted(reason, "complete")
+                c.before_tokens = len(tail)
                 return (_sse_usage(c) if c.include_usage else b"") + b"data: [DONE]\n\n"
             why = c.refused(len(tail))
             if why is not None:
                 self._counted(reason, why)
                 log.warning("request %s: not continued after %s on %s: %s", rid, reason, s.d.iid, why)
                 return None
-            leg = await asyncio.wait_for(asyncio.to_thread(c.next_leg, tail),
-                                         self.config.gateway.tokenize_timeout_s)
+            try:  # re-tokenizing a long prompt: off the event loop, within the tokenizer deadline
+                leg = await asyncio.wait_for(asyncio.to_thread(c.next_leg, tail),
+                                             self.config.gateway.tokenize_timeout_s)
+            except Exception as e:
+                self._counted(reason, "tokenize_failed")
+                log.warning("request %s: continuation prompt not built: %s", rid, _describe(e))
+                return None
             target = self.choose(leg.profile, c.excluded, c.done + 1, leg=(c.done + 1, reason))
             if target is None:
                 self._counted(reason, "no_instance")
