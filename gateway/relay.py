@@ -263,6 +263,10 @@ class Dispatch:
         arrival = self.parsed.profile.arrival
         counts, out_tokens = self.stats.counts(), self.stats.output_tokens()
         first, last = self.stats.first_token_at, self.stats.last_token_at
+        if not self.parsed.stream:
+            # a whole answer read as a stream (to be continuable) is judged as a whole answer, as
+            # before: its client sees no first token, so no TTFT or time per token is claimed
+            first = last = None
         # n choices decode side by side: time per output token is per sequence, not per token summed
         per_seq = out_tokens / max(1, self.parsed.profile.n)
         tpot = (last - first) / (per_seq - 1) if first is not None and last is not None and per_seq > 1 else None
@@ -336,8 +340,13 @@ class RelayStream:
 
     async def _read(self, deadline: float | None = None) -> bytes:
         assert self.d.resp is not None
-        phase = "idle" if deadline is None else "first_byte"
-        return await self.d.watch.wait(self.d.resp.content.readany(), deadline=deadline, phase=phase)
+        if deadline is None:
+            return await self.d.watch.wait(self.d.resp.content.readany())
+        # A whole answer read as a stream waits for its first event as it would for the answer:
+        # past the deadline, on while the engine passes its health checks (a queue under load).
+        alive = None if self.d.parsed.stream else self.d.engine_alive
+        return await self.d.watch.wait(self.d.resp.content.readany(), deadline=deadline, phase="first_byte",
+                                       keep_waiting=alive, recheck_s=self.d.relay.state.poll_interval_s)
 
     def _process(self, events: list[bytes]) -> bytes:
         out: list[bytes] = []
