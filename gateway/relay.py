@@ -421,7 +421,12 @@ class RelayStream:
                         yield chunk
                 if failure is None:
                     return
-                resumed = await relay.resume(self, failure)
+                try:
+                    resumed = await relay.resume(self, failure)
+                except Exception:  # a bug in continuing must still end the stream with its error event
+                    log.exception("request %s: continuation failed", self.d.parsed.profile.request_id)
+                    self.d.finish(ok=False, status="stream_error", error="continuation failed", abort=True)
+                    resumed = None
                 if resumed is None:
                     yield self._fail(failure)
                     return

@@ -250,6 +250,10 @@ async def test_engine_killed_mid_stream_chat_completes_elsewhere(healthy: Fleet)
     decisions = f.ctx.decisions.last(20)
     legs = [d for d in decisions if d["continuation"] == 1 and d["continuation_reason"] == "engine_died"]
     assert legs and legs[-1]["instance"] != s.instance and s.instance in legs[-1]["excluded"]
+    # every leg released what it held: nothing in flight, nothing left in the relay's live set
+    await wait_until(lambda: [st.inflight for st in f.ctx.state.states()], 5, "no dispatch in flight",
+                     ok=lambda v: not any(v))
+    assert not f.ctx.relay.live
 
 
 async def test_engine_killed_mid_stream_completions(healthy: Fleet) -> None:
