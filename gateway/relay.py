@@ -20,9 +20,12 @@
   its address (the log keeps the detail).
 - Cancellation: a client that goes away closes the upstream response, which is
   how OpenAI-compatible engines learn to abort (vLLM, SGLang, the sim worker).
-- After a stream started, an upstream failure or stall ends it with an SSE error event
-  and `[DONE]`, never a silent truncation; so does the end of graceful shutdown's grace
-  (`gateway.shutdown`).
+- After a stream started, an upstream that dies, stalls or is drained is continued on
+  another instance (`Relay.resume`, `gateway.continuation`): prompt + what was relayed, the
+  rest of the budget, spliced into the client's stream. Where it may not be (unfaithful, the
+  limit, nowhere allowed) the stream ends with an SSE error event and `[DONE]`, never a silent
+  truncation; so does the end of graceful shutdown's grace (`gateway.shutdown`). A whole
+  answer that may be continued is read from the engine as a stream and assembled.
 """
 
 from __future__ import annotations
