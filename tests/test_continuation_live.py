@@ -444,3 +444,28 @@ async def test_drain_moves_streams_that_would_outlive_the_drain_timeout(healthy:
     # a drain is not the engine's fault: it stays healthy (only out of rotation)
     st = f.ctx.state.get(long.instance)
     assert st is not None and st.up and st.draining
+
+
+async def test_client_leaving_during_a_continuation_releases_every_leg(healthy: Fleet) -> None:
+    f = healthy
+    gone_before = f.metric("tokenfleet_requests_total", status="499")
+    body = chat_body("a story nobody finishes reading", 2000)
+    tokens = 0
+    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            iid = r.headers["x-tokenfleet-instance"]
+            async for line in r.aiter_lines():
+                if '"content":"' in line or '"content": "' in line:
+                    tokens += 1
+                if tokens == 10:
+                    await f.kill(iid)
+                    tokens += 1
+                if tokens >= 60:
+                    break  # well into the continuation: the client goes away
+    cont = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued")
+    assert cont >= 1
+    await wait_until(lambda: [st.inflight for st in f.ctx.state.states()], 10, "no dispatch in flight",
+                     ok=lambda v: not any(v))
+    await wait_until(lambda: len(f.ctx.relay.live), 10, "the stream to leave the live set", ok=lambda n: n == 0)
+    await wait_until(lambda: f.metric("tokenfleet_requests_total", status="499"), 10, "the 499 counted",
+                     ok=lambda n: n == gone_before + 1)
