@@ -193,6 +193,19 @@ class ContinuationSettings(_Strict):
         return ContinuationLimits(self.enabled, self.max_continuations, self.max_reprefill_tokens)
 
 
+class HedgeSettings(_Strict):
+    """`gateway.hedge`: hedged prefill (off by default: README "Hedged prefill" says what it costs).
+
+    A streamed request of one of `classes` that has sent no event after
+    `max(min_delay_s, delay_factor x predicted TTFT)` is sent to a second instance too; the first
+    stream to produce an event is kept, the other aborted."""
+
+    enabled: bool = False
+    classes: list[str] = Field(default_factory=lambda: ["interactive"])
+    delay_factor: float = Field(default=3.0, ge=1, description="hedge after this many predicted TTFTs")
+    min_delay_s: float = Field(default=0.1, gt=0, description="never hedge sooner than this")
+
+
 class GatewaySettings(_Strict):
     """The `gateway:` block: every timeout and limit of the serving path, in one place.
 
@@ -212,6 +225,7 @@ class GatewaySettings(_Strict):
         default=30.0, gt=0, le=3600,
         description="no bytes from an engine for this long mid-response: it has stalled")
     continuation: ContinuationSettings = Field(default_factory=ContinuationSettings)
+    hedge: HedgeSettings = Field(default_factory=HedgeSettings)
     # --- clients ---
     header_timeout_s: float = Field(default=10.0, gt=0, description="a request's headers must arrive within this")
     body_timeout_s: float = Field(default=30.0, gt=0, description="a request's body must arrive within this")

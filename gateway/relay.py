@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, TypeVar
 
 import aiohttp
+from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -73,6 +74,14 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 2  # the first try plus one retry elsewhere
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 _ERROR_SNIPPET = 300
+
+
+class NotAStream(Exception):
+    """An engine answered a stream request with an error body (4xx) or not as SSE: pass it on whole."""
+
+    def __init__(self, d: Dispatch) -> None:
+        super().__init__(d.iid)
+        self.d = d
 
 
 class ClientGone(Exception):
@@ -600,6 +609,10 @@ class Relay:
         self.continuation_metrics = ContinuationMetrics(metrics.registry)
         self.tokenizers: Mapping[str, PromptTokenizer] = {}  # the app's, set by create_app
         self.live: set[RelayStream] = set()  # streams handed to their clients and not over yet
+        self.hedge_metrics = Counter("tokenfleet_hedges", "Hedged prefills: sent, and which stream was kept",
+                                     ["outcome"], registry=metrics.registry)
+        self.hedge_prefill = Counter("tokenfleet_hedge_prefill_tokens", "Prompt tokens hedges sent to a second "
+                                     "instance (the extra prefill work)", ["model"], registry=metrics.registry)
         state.on_drain.append(self.drained)
 
     def observe(self, outcome: RequestOutcome, request_outcome: RequestOutcome | None = None) -> None:
@@ -717,6 +730,16 @@ class Relay:
             ids = cont is not None and cont.engine_ids
             body = (None if streamed == parsed.stream and not ids
                     else upstream_body(parsed, target.instance.model, stream=streamed, token_ids=ids))
+            delay = self._hedge_delay(parsed, target)
+            if delay is not None:
+                try:
+                    stream = await self._open_hedged(watch, parsed, path, d, cont, delay)
+                except NotAStream as e:  # an error answer (4xx) or not SSE: passed on whole, as below
+                    return await self._whole_body(watch, e.d)
+                d = stream.d
+                handed_over = True
+                self.live.add(stream)
+                return RelayStreamingResponse(stream, d.headers())
             d.resp = await watch.race(self._head(d, path, body))
             if d.resp.status >= 500:
                 status, text = d.resp.status, await self._error_text(d.resp)
@@ -745,6 +768,88 @@ class Relay:
             if not handed_over:
                 # covers cancellation and bugs too: never leak a connection or an in-flight count
                 d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
+
+    # --- hedged prefill (gateway.hedge, off by default) ---
+
+    def _hedge_delay(self, parsed: ParsedRequest, target: Target) -> float | None:
+        """How long the first instance gets to send its first event before a hedge goes out (None: no hedge)."""
+        h = self.config.gateway.hedge
+        if not h.enabled or not parsed.stream or parsed.profile.request_class not in h.classes:
+            return None
+        predicted = target.route.predicted_ttft_s if target.route is not None else None
+        return max(h.min_delay_s, h.delay_factor * (predicted or 0.0))
+
+    async def _open(self, d: Dispatch, path: str, cont: Continuation | None) -> RelayStream:
+        """Send a stream request and read its first event (a hedge's unit of work)."""
+        ids = cont is not None and cont.engine_ids
+        d.resp = await self._head(d, path, upstream_body(d.parsed, d.target.instance.model, token_ids=True)
+                                  if ids else None)
+        if d.resp.status >= 500:
+            status, text = d.resp.status, await self._error_text(d.resp)
+            raise RetryableFailure(f"http_{status}", text, f"engine instance {d.iid} answered {redact_addresses(text)}")
+        if d.resp.status >= 400 or not _is_sse(d.resp):
+            raise NotAStream(d)
+        stream = RelayStream(d, d.parsed.include_usage, cont)
+        await stream.prefetch()
+        return stream
+
+    async def _open_hedged(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, d: Dispatch,
+                           cont: Continuation | None, delay_s: float) -> RelayStream:
+        """The stream on `d`; when it has sent no event within `delay_s`, the same request goes to a
+        second instance too and the stream whose first event comes first is kept, the other
+        aborted. Both failing: the first one's failure, as without a hedge (`_dispatch` releases
+        `d` then; every other dispatch is released here)."""
+        first = asyncio.ensure_future(self._open(d, path, cont))
+        tasks: dict[asyncio.Future[RelayStream], Dispatch] = {first: d}
+        failed: dict[asyncio.Future[RelayStream], BaseException] = {}
+        won: asyncio.Future[RelayStream] | None = None
+        try:
+            await watch.race(asyncio.wait({first}, timeout=delay_s))
+            if not first.done():
+                second = self._hedge(parsed, d)
+                if second is not None:
+                    tasks[asyncio.ensure_future(self._open(second, path, self._continuation(parsed)))] = second
+            pending = set(tasks)
+            while pending and won is None:
+                done, pending = await watch.race(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+                for t in done:
+                    exc = t.exception()
+                    if exc is None or isinstance(exc, NotAStream):
+                        won = t  # an answer, even an error answer, ends the race
+                        break
+                    failed[t] = exc
+            if won is None:
+                raise failed.get(first) or next(iter(failed.values()))
+            if len(tasks) > 1:
+                self.hedge_metrics.labels("first_won" if won is first else "second_won").inc()
+                if won is not first and self.admission is not None:
+                    self.admission.routed(parsed.profile.request_id, tasks[won].iid)
+            return won.result()
+        finally:
+            for t, other in tasks.items():
+                if t is won or (t is first and won is None):
+                    continue  # kept; or the first, which `_dispatch` releases when it fails
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+                exc = failed.get(t)
+                if isinstance(exc, RetryableFailure):
+                    self.metrics.upstream_errors.labels(other.iid, exc.kind).inc()
+                    self.state.mark_failed(other.iid, str(exc))
+                    other.finish(ok=False, status=None, error=str(exc), abort=True)
+                else:  # lost the race (or the client left): aborted, not failed
+                    other.finish(ok=False, status=None, error="the other hedge was kept", cancelled=True)
+
+    def _hedge(self, parsed: ParsedRequest, first: Dispatch) -> Dispatch | None:
+        """A second dispatch of the request (placement as usual, the first instance excluded)."""
+        target = self.choose(parsed.profile, [first.iid], 0, leg=(0, "hedge"))
+        if target is None:
+            return None
+        self.hedge_metrics.labels("sent").inc()
+        self.hedge_prefill.labels(parsed.profile.model).inc(parsed.profile.prompt_tokens)
+        if self.route_share is not None:
+            self.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
+        return self._new_dispatch(parsed, target)
 
     async def _assembled(self, watch: DisconnectWatch, stream: RelayStream) -> Response:
         """A whole answer read as a stream (and continued where it failed): assembled for the client."""
