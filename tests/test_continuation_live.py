@@ -20,9 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-import yaml
 
-from engine_adapters.base import EngineAdapter, Instance
+from engine_adapters.base import Instance
 from engine_adapters.sim.launcher import SimAdapter
 from fleetcore.fleet_config import FleetConfig
 from gateway.embedded import ServedFleet, serve_fleet
