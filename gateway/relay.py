@@ -373,6 +373,9 @@ class RelayStream:
             usage = stats.account(ev, self.d.relay.clock())
             if self.splicing:
                 assert cont is not None
+                if usage:  # the continuation's own usage: how much of its re-prefill was a cache hit
+                    self.d.relay.continuation_metrics.reprefill_cached.labels(self.d.parsed.profile.model).inc(
+                        stats.counts().cached_tokens)
                 out.append(cont.splice(ev, usage))
                 continue
             if cont is not None and ev.obj is not None:
