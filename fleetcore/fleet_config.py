@@ -29,6 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fleetcore.continuation import ContinuationLimits
 from fleetcore.admission_config import AdmissionConfig, BudgetConfig, ClassSLOConfig, check_tenant_classes
 from fleetcore.region_policy import RegionPolicy, check_policy
 
@@ -177,6 +178,34 @@ class PlannerSettings(_Strict):
         return {k: v for k, v in self.model_dump().items() if k not in runtime and v is not None}
 
 
+class ContinuationSettings(_Strict):
+    """`gateway.continuation`: continuing a stream on another instance when its engine dies,
+    stalls or is drained after the first byte (`fleetcore.continuation`, README "Streams that
+    survive their engine")."""
+
+    enabled: bool = Field(default=True, description="continue a failed stream elsewhere (off: an error event)")
+    max_continuations: int = Field(default=2, ge=0, le=16,
+                                   description="continuations per request; one more failure ends it with an error event")
+    max_reprefill_tokens: int = Field(default=32768, ge=1,
+                                      description="prompt + generated tokens a continuation may re-prefill")
+
+    def limits(self) -> ContinuationLimits:
+        return ContinuationLimits(self.enabled, self.max_continuations, self.max_reprefill_tokens)
+
+
+class HedgeSettings(_Strict):
+    """`gateway.hedge`: hedged prefill (off by default: README "Hedged prefill" says what it costs).
+
+    A streamed request of one of `classes` that has sent no event after
+    `max(min_delay_s, delay_factor x predicted TTFT)` is sent to a second instance too; the first
+    stream to produce an event is kept, the other aborted."""
+
+    enabled: bool = False
+    classes: list[str] = Field(default_factory=lambda: ["interactive"])
+    delay_factor: float = Field(default=3.0, ge=1, description="hedge after this many predicted TTFTs")
+    min_delay_s: float = Field(default=0.1, gt=0, description="never hedge sooner than this")
+
+
 class GatewaySettings(_Strict):
     """The `gateway:` block: every timeout and limit of the serving path, in one place.
 
@@ -195,6 +224,8 @@ class GatewaySettings(_Strict):
     stream_idle_timeout_s: float = Field(
         default=30.0, gt=0, le=3600,
         description="no bytes from an engine for this long mid-response: it has stalled")
+    continuation: ContinuationSettings = Field(default_factory=ContinuationSettings)
+    hedge: HedgeSettings = Field(default_factory=HedgeSettings)
     # --- clients ---
     header_timeout_s: float = Field(default=10.0, gt=0, description="a request's headers must arrive within this")
     body_timeout_s: float = Field(default=30.0, gt=0, description="a request's body must arrive within this")

@@ -132,6 +132,10 @@ class HFTokenizer:
     def text_ids(self, text: str, limit: int | None = None) -> list[int]:
         return self._encode(text, True, limit)
 
+    def plain_ids(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens: generated text a continuation appends."""
+        return self._encode(text, False, None)
+
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], limit: int | None = None) -> list[int]:
         if self._template is None:
             raise TokenizerUnavailable(f"{self.directory} has no chat template")

@@ -231,6 +231,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config, key_store),
                          model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
                          loop_monitor, telemetry)
+    relay.tokenizers = ctx.tokenizers  # continuations rebuild the engine's prompt ids with them
 
     backlog = Backlog(g.max_inflight_requests, g.max_pending_requests, g.overload_retry_after_s)
     metrics.watch_backlog(lambda: backlog.pending, lambda: backlog.inflight)

@@ -224,6 +224,8 @@ class FleetState:
         self._own_lag = loop_monitor is None
         # Called with an instance whose engine its adapter restarted (its cache is cold now).
         self.on_restart: list[Callable[[Instance], None]] = []
+        # Told when an instance starts draining (the relay moves streams that would outlive the drain).
+        self.on_drain: list[Callable[[str], None]] = []
         self._models = sorted({d.model for d in config.deployments})
         self._states: dict[str, InstanceState] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
@@ -424,7 +426,12 @@ class FleetState:
             return False
         if not st.draining:
             log.info("instance %s draining (%d in flight)", instance_id, st.inflight)
-        st.draining = True
+            st.draining = True
+            for listener in self.on_drain:
+                try:
+                    listener(instance_id)
+                except Exception:  # a listener's bug must not stop the drain
+                    log.exception("drain listener failed")
         return True
 
     def idle(self, instance_id: str) -> bool:

@@ -20,9 +20,12 @@
   its address (the log keeps the detail).
 - Cancellation: a client that goes away closes the upstream response, which is
   how OpenAI-compatible engines learn to abort (vLLM, SGLang, the sim worker).
-- After a stream started, an upstream failure or stall ends it with an SSE error event
-  and `[DONE]`, never a silent truncation; so does the end of graceful shutdown's grace
-  (`gateway.shutdown`).
+- After a stream started, an upstream that dies, stalls or is drained is continued on
+  another instance (`Relay.resume`, `gateway.continuation`): prompt + what was relayed, the
+  rest of the budget, spliced into the client's stream. Where it may not be (unfaithful, the
+  limit, nowhere allowed) the stream ends with an SSE error event and `[DONE]`, never a silent
+  truncation; so does the end of graceful shutdown's grace (`gateway.shutdown`). A whole
+  answer that may be continued is read from the engine as a stream and assembled.
 """
 
 from __future__ import annotations
@@ -34,21 +37,27 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, TypeVar
 
 import aiohttp
+from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine_adapters.base import Instance
+from fleetcore.continuation import ContinuationReason
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_body
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
+from gateway.continuation import (CONTINUATION_PATH, CONTINUED_HEADER, Continuation, ContinuationMetrics,
+                                  assembled_answer, continuation_tokenizer, engine_gives_ids, static_refusal,
+                                  strip_token_ids)
 from gateway.aliases import SERVED_MODEL_HEADER, renamed_body, renamed_event
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
@@ -66,6 +75,14 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 2  # the first try plus one retry elsewhere
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 _ERROR_SNIPPET = 300
+
+
+class NotAStream(Exception):
+    """An engine answered a stream request with an error body (4xx) or not as SSE: pass it on whole."""
+
+    def __init__(self, d: Dispatch) -> None:
+        super().__init__(d.iid)
+        self.d = d
 
 
 class ClientGone(Exception):
@@ -86,11 +103,18 @@ class RetryableFailure(Exception):
         self.timed_out = timed_out
 
 
-def upstream_body(parsed: ParsedRequest, served_model: str) -> bytes:
-    """The client's body, unknown fields untouched, with the served model name and forced usage."""
+def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
+                  token_ids: bool = False) -> bytes:
+    """The client's body, unknown fields untouched, with the served model name and forced usage.
+    `stream` True: asked as a stream whatever the client asked (a continuable whole answer);
+    `token_ids`: the engine's generated token ids asked for (what a continuation re-prefills)."""
     body = dict(parsed.body)
     body["model"] = served_model
-    if parsed.stream:
+    if stream:
+        body["stream"] = True
+    if token_ids:
+        body["return_token_ids"] = True
+    if parsed.stream or stream:
         opts = body.get("stream_options")
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
     return json.dumps(body, separators=(",", ":")).encode()
@@ -108,11 +132,12 @@ class DecisionLog:
 
     def __init__(self, size: int = 256) -> None:
         self._entries: deque[tuple[float, RequestProfile, int, tuple[str, ...], SiteDecision,
-                                   RouteDecision | None]] = deque(maxlen=size)
+                                   RouteDecision | None, tuple[int, str] | None]] = deque(maxlen=size)
 
     def add(self, profile: RequestProfile, attempt: int, excluded: Collection[str],
-            site: SiteDecision, route: RouteDecision | None) -> None:
-        self._entries.append((time.time(), profile, attempt, tuple(excluded), site, route))
+            site: SiteDecision, route: RouteDecision | None, leg: tuple[int, str] | None = None) -> None:
+        """`leg`: (continuation number, why) for a continuation's choice; None for a first attempt."""
+        self._entries.append((time.time(), profile, attempt, tuple(excluded), site, route, leg))
 
     def last(self, n: int, tenant: str | None = None) -> list[dict[str, Any]]:
         """The last `n` decisions, of `tenant` only when given (a tenant sees only its own)."""
@@ -121,9 +146,11 @@ class DecisionLog:
 
 
 def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded: tuple[str, ...],
-                     site: SiteDecision, route: RouteDecision | None) -> dict[str, Any]:
+                     site: SiteDecision, route: RouteDecision | None,
+                     leg: tuple[int, str] | None) -> dict[str, Any]:
     return {
         "request_id": profile.request_id, "time": at, "attempt": attempt,
+        "continuation": leg[0] if leg else 0, "continuation_reason": leg[1] if leg else None,
         "model": profile.model, "version": profile.model_version, "tenant": profile.tenant,
         "client_region": profile.client_region, "prompt_tokens": profile.prompt_tokens,
         "excluded": sorted(excluded),
@@ -201,6 +228,9 @@ class Dispatch:
     resp: aiohttp.ClientResponse | None = None
     stats: StreamStats = field(default_factory=StreamStats)
     finished: bool = False
+    # A continuation leg: (relay clock of the request's first token, tokens sent before this leg),
+    # so that admission hears the request's outcome, not only this leg's.
+    carried: tuple[float | None, int] | None = None
 
     @property
     def iid(self) -> str:
@@ -236,7 +266,7 @@ class Dispatch:
             r.metrics.answered(profile.model, self.target.site, self.iid, status)
         outcome = self._outcome(ok, error, cancelled)
         r.metrics.record_outcome(profile.model, outcome)
-        r.observe(outcome)
+        r.observe(outcome, self._request_outcome(outcome))
         if self.parsed.obs is not None:
             reason = self.stats.finish_reason
             self.parsed.obs.attempt_ended(outcome, status, (reason,) if reason else None)
@@ -246,6 +276,10 @@ class Dispatch:
         arrival = self.parsed.profile.arrival
         counts, out_tokens = self.stats.counts(), self.stats.output_tokens()
         first, last = self.stats.first_token_at, self.stats.last_token_at
+        if not self.parsed.stream:
+            # a whole answer read as a stream (to be continuable) is judged as a whole answer, as
+            # before: its client sees no first token, so no TTFT or time per token is claimed
+            first = last = None
         # n choices decode side by side: time per output token is per sequence, not per token summed
         per_seq = out_tokens / max(1, self.parsed.profile.n)
         tpot = (last - first) / (per_seq - 1) if first is not None and last is not None and per_seq > 1 else None
@@ -255,6 +289,14 @@ class Dispatch:
             cached_tokens=counts.cached_tokens,
             output_tokens=out_tokens, ttft_s=(first - arrival) if first is not None else None,
             mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled)
+
+    def _request_outcome(self, leg: RequestOutcome) -> RequestOutcome:
+        """The request as a whole when this is a continuation leg: its first token, every token."""
+        if self.carried is None:
+            return leg
+        first, before = self.carried
+        ttft = first - self.parsed.profile.arrival if first is not None else leg.ttft_s
+        return replace(leg, output_tokens=leg.output_tokens + before, ttft_s=ttft)
 
     def headers(self) -> dict[str, str]:
         h = {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
@@ -268,34 +310,94 @@ class Dispatch:
         return h
 
 
-class RelayStream:
-    """The upstream SSE body, relayed event by event with usage chunks filtered and stats taken."""
+@dataclass(frozen=True, slots=True)
+class LegFailure:
+    """How a stream's upstream failed after the client got its first byte. `reason`: why it may be
+    continued elsewhere (None: it may not: the gateway itself is ending it); `kind`: the upstream
+    error counted (None: not the engine's fault); `code`/`public`: the error event's; `detail`: the log's."""
 
-    def __init__(self, dispatch: Dispatch, include_usage: bool) -> None:
+    reason: ContinuationReason | None
+    kind: str | None
+    code: str
+    public: str
+    detail: str
+
+
+DRAINED = "drained"  # the Interrupted code with which a drain moves a stream off its instance
+
+
+class RelayStream:
+    """The upstream SSE body, relayed event by event with usage chunks filtered and stats taken.
+
+    When the upstream dies, stalls or is drained after the first byte and the request may be
+    continued (`cont`), the relay sends a continuation to another instance (`Relay.resume`) and
+    this stream reads on from it (`switch`), its events spliced into the client's format."""
+
+    def __init__(self, dispatch: Dispatch, include_usage: bool, cont: Continuation | None = None) -> None:
         self.d = dispatch
         self.include_usage = include_usage
+        self.cont = cont  # None: this request is not continued (disabled, or it cannot be faithfully)
+        self.splicing = False  # reading a continuation leg
+        self.gap_from: float | None = None  # relay clock of the last token before the failure
+        self.gap_reason = ""
+        self.first_token_at: float | None = None  # relay clock of the request's first token (any leg)
+        self._splitter = SSESplitter()
+        self._pending = b""
+
+    def switch(self, dispatch: Dispatch) -> None:
+        """Read on from a continuation leg."""
+        self.d = dispatch
+        self.splicing = True
         self._splitter = SSESplitter()
         self._pending = b""
 
     async def _read(self, deadline: float | None = None) -> bytes:
         assert self.d.resp is not None
-        phase = "idle" if deadline is None else "first_byte"
-        return await self.d.watch.wait(self.d.resp.content.readany(), deadline=deadline, phase=phase)
+        if deadline is None:
+            return await self.d.watch.wait(self.d.resp.content.readany())
+        # A whole answer read as a stream waits for its first event as it would for the answer:
+        # past the deadline, on while the engine passes its health checks (a queue under load).
+        alive = None if self.d.parsed.stream else self.d.engine_alive
+        return await self.d.watch.wait(self.d.resp.content.readany(), deadline=deadline, phase="first_byte",
+                                       keep_waiting=alive, recheck_s=self.d.relay.state.poll_interval_s)
 
     def _process(self, events: list[bytes]) -> bytes:
         out: list[bytes] = []
         stats = self.d.stats
         first_seen = stats.first_token_at is not None
         rename = self.d.parsed.requested_model
+        cont = self.cont
         for raw in events:
             if stats.done:
                 break
             ev = parse_sse_event(raw)
-            if stats.account(ev, self.d.relay.clock()) and not self.include_usage:
+            usage = stats.account(ev, self.d.relay.clock())
+            if self.splicing:
+                assert cont is not None
+                if usage:  # the continuation's own usage: how much of its re-prefill was a cache hit
+                    self.d.relay.continuation_metrics.reprefill_cached.labels(self.d.parsed.profile.model).inc(
+                        stats.counts().cached_tokens)
+                out.append(cont.splice(ev, usage))
+                continue
+            if cont is not None and ev.obj is not None:
+                cont.sent.observe(ev.obj)  # what a continuation would have to rebuild
+                if cont.engine_ids and ev.obj.get("choices"):
+                    obj = strip_token_ids(ev.obj)
+                    if rename is not None:
+                        obj["model"] = rename
+                    out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+                    continue
+            if usage and not self.include_usage:
                 continue  # the usage chunk the gateway asked for on its own behalf
             out.append(raw if rename is None else renamed_event(raw, ev.obj, rename))
-        if not first_seen and self.d.stats.first_token_at is not None:
-            self.d.relay.first_token(self.d.parsed.profile.request_id)
+        if not first_seen and stats.first_token_at is not None:
+            if self.first_token_at is None:
+                self.first_token_at = stats.first_token_at
+                self.d.relay.first_token(self.d.parsed.profile.request_id)
+            if self.splicing and self.gap_from is not None:
+                self.d.relay.continuation_metrics.gap.labels(self.gap_reason).observe(
+                    stats.first_token_at - self.gap_from)
+                self.gap_from = None
         return b"".join(out)
 
     async def prefetch(self) -> None:
@@ -317,10 +419,41 @@ class RelayStream:
             raise RetryableFailure("stream_start", _describe(e),
                                    f"engine instance {iid} connection broke before the first event") from None
 
+    def take_pending(self) -> bytes:
+        chunk, self._pending = self._pending, b""
+        return self._checked(chunk) if chunk else b""
+
     async def iter_bytes(self) -> AsyncIterator[bytes]:
-        if self._pending:
-            chunk, self._pending = self._pending, b""
-            yield self._checked(chunk)
+        relay = self.d.relay
+        try:
+            if self._pending:
+                yield self.take_pending()
+            while True:
+                failure = None
+                async for chunk in self._leg():
+                    if isinstance(chunk, LegFailure):
+                        failure = chunk
+                    else:
+                        yield chunk
+                if failure is None:
+                    return
+                try:
+                    resumed = await relay.resume(self, failure)
+                except Exception:  # a bug in continuing must still end the stream with its error event
+                    log.exception("request %s: continuation failed", self.d.parsed.profile.request_id)
+                    self.d.finish(ok=False, status="stream_error", error="continuation failed", abort=True)
+                    resumed = None
+                if resumed is None:
+                    yield self._fail(failure)
+                    return
+                if resumed:
+                    yield resumed
+        finally:
+            relay.live.discard(self)
+
+    async def _leg(self) -> AsyncIterator[bytes | LegFailure]:
+        """The current leg's bytes; its failure, if it fails, as the last item."""
+        iid = self.d.iid
         try:
             while not self.d.stats.done:
                 data = await self._read()
@@ -333,26 +466,28 @@ class RelayStream:
                 tail = self._process(self._splitter.flush())
                 if tail:
                     yield tail
-        except Interrupted as i:  # graceful shutdown's grace is over
-            yield self._fail(None, i.code, i.message, i.message)
+        except Interrupted as i:
+            if i.code == DRAINED:  # moved off an instance being drained: not the engine's fault
+                yield LegFailure("drained", None, "upstream_error", f"engine instance {iid} was drained", i.message)
+            else:  # graceful shutdown's grace is over: the gateway itself is going away
+                yield LegFailure(None, None, i.code, i.message, i.message)
             return
         except UpstreamStalled as e:
             # a stalled engine (stopped, hung, partitioned) gets no new work until it proves healthy
-            self.d.relay.state.mark_failed(self.d.iid, f"stalled mid-stream: {e}")
-            yield self._fail("stream_idle_timeout", "upstream_timeout",
-                             f"engine instance {self.d.iid} stalled mid-stream: nothing for {e.waited_s:.1f} s",
-                             str(e))
+            self.d.relay.state.mark_failed(iid, f"stalled mid-stream: {e}")
+            yield LegFailure("stalled", "stream_idle_timeout", "upstream_timeout",
+                             f"engine instance {iid} stalled mid-stream: nothing for {e.waited_s:.1f} s", str(e))
             return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             detail = f"upstream stream broke: {_describe(e)}"
             # a dropped connection mid-stream is an engine that died: stop sending it work now
-            self.d.relay.state.mark_failed(self.d.iid, detail)
-            yield self._fail("stream_broken", "upstream_error",
-                             f"engine instance {self.d.iid} connection broke mid-stream", detail)
+            self.d.relay.state.mark_failed(iid, detail)
+            yield LegFailure("engine_died", "stream_broken", "upstream_error",
+                             f"engine instance {iid} connection broke mid-stream", detail)
             return
         if not self.d.stats.done:
-            message = f"engine instance {self.d.iid} ended the stream without [DONE]"
-            yield self._fail("stream_truncated", "upstream_error", message, message)
+            message = f"engine instance {iid} ended the stream without [DONE]"
+            yield LegFailure("engine_died", "stream_truncated", "upstream_error", message, message)
 
     def _checked(self, chunk: bytes) -> bytes:
         """Finish the dispatch as soon as [DONE] passes by, before handing the last bytes on."""
@@ -361,17 +496,33 @@ class RelayStream:
             self.d.finish(ok=error is None, status="200" if error is None else "stream_error", error=error)
         return chunk
 
-    def _fail(self, kind: str | None, code: str, public: str, detail: str) -> bytes:
-        """End the stream: the client reads `public` (no addresses), the log `detail`; `kind` is the
-        upstream error counted (None: not the engine's fault)."""
-        log.warning("request %s on %s ended mid-stream: %s", self.d.parsed.profile.request_id, self.d.iid, detail)
-        if kind is not None:
-            self.d.relay.metrics.upstream_errors.labels(self.d.iid, kind).inc()
-        self.d.finish(ok=False, status="stream_error", error=public, abort=True)
-        return sse_error_event(public, code)
+    def end_leg(self, f: LegFailure) -> None:
+        """The current leg failed: log it, count it, release it (once)."""
+        if self.d.finished:
+            return
+        log.warning("request %s on %s failed mid-stream: %s", self.d.parsed.profile.request_id, self.d.iid, f.detail)
+        if f.kind is not None:
+            self.d.relay.metrics.upstream_errors.labels(self.d.iid, f.kind).inc()
+        self.d.finish(ok=False, status="stream_error", error=f.public, abort=True)
+
+    def _fail(self, f: LegFailure) -> bytes:
+        """End the stream: the client reads `public` (no addresses), the log `detail`."""
+        self.end_leg(f)
+        return sse_error_event(f.public, f.code)
+
+    def would_outlive(self, seconds: float) -> bool:
+        """Whether the current leg's remaining budget, at its pace so far, takes longer than `seconds`
+        (unknown budget or pace: it may, so yes)."""
+        st, p = self.d.stats, self.d.parsed.profile
+        if p.max_tokens is None or st.first_token_at is None or st.last_token_at is None or st.token_events < 2:
+            return True
+        remaining = p.max_tokens - st.token_events
+        tpot = (st.last_token_at - st.first_token_at) / (st.token_events - 1)
+        return remaining > 0 and remaining * tpot > seconds
 
     async def close(self) -> None:
         """The response is over; if the stream did not finish, the client left: abort upstream."""
+        self.d.relay.live.discard(self)
         self.d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
 
 
@@ -403,6 +554,14 @@ class RelayStreamingResponse(StreamingResponse):
             await self._relay_stream.close()
             if self.on_done is not None:
                 self.on_done()
+
+
+def _is_sse(resp: aiohttp.ClientResponse) -> bool:
+    return resp.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+def _sse_usage(c: Continuation) -> bytes:
+    return b"data: " + json.dumps(c._chunk([], usage=c.total_usage(None)), separators=(",", ":")).encode() + b"\n\n"
 
 
 def _describe(e: BaseException) -> str:
@@ -450,11 +609,23 @@ class Relay:
         # Several replicas: each route also goes to the others' history-mode prefix index.
         self.route_share: RouteShare | None = None
         self._flush_index = index_flusher(router)  # the router's index update, once a request is sent
+        # Continuation of streams whose engine fails after the first byte (gateway.continuation).
+        self.continuation_limits = config.gateway.continuation.limits()
+        self.continuation_metrics = ContinuationMetrics(metrics.registry)
+        self.tokenizers: Mapping[str, PromptTokenizer] = {}  # the app's, set by create_app
+        self.live: set[RelayStream] = set()  # streams handed to their clients and not over yet
+        self.hedge_metrics = Counter("tokenfleet_hedges", "Hedged prefills: sent, and which stream was kept",
+                                     ["outcome"], registry=metrics.registry)
+        self.hedge_prefill = Counter("tokenfleet_hedge_prefill_tokens", "Prompt tokens hedges sent to a second "
+                                     "instance (the extra prefill work)", ["model"], registry=metrics.registry)
+        state.on_drain.append(self.drained)
 
-    def observe(self, outcome: RequestOutcome) -> None:
-        """Feed every policy that learns; a policy bug must not fail the request."""
+    def observe(self, outcome: RequestOutcome, request_outcome: RequestOutcome | None = None) -> None:
+        """Feed every policy that learns; a policy bug must not fail the request. Admission hears
+        `request_outcome` (a continued request as a whole) where it differs from the attempt's."""
         if self.admission is not None:
-            self.admission.attempt_ended(outcome)  # the policy hears the final one, at release
+            # the policy hears the final one, at release
+            self.admission.attempt_ended(request_outcome if request_outcome is not None else outcome)
         for policy in (self.router, self.site_chooser, *self.listeners):
             try:
                 policy.observe(outcome)
@@ -462,12 +633,13 @@ class Relay:
                 log.exception("%s.observe failed", type(policy).__name__)
 
     def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int,
-               avoid: Collection[str] = ()) -> Target | None:
-        """Site and instance for this attempt (`fleetmind.place`); every try goes to the decision log."""
+               avoid: Collection[str] = (), leg: tuple[int, str] | None = None) -> Target | None:
+        """Site and instance for this attempt (`fleetmind.place`); every try goes to the decision log.
+        A continuation (`leg`: its number and why) is chosen the same way, region policy included."""
         choice: Choice = place(profile, self.state.view(), self.clock(), self.site_chooser, self.router,
                                exclude=excluded, avoid=avoid)
         for t in choice.tries():
-            self.decisions.add(profile, attempt, t.excluded, t.site, t.route)
+            self.decisions.add(profile, attempt, t.excluded, t.site, t.route, leg)
         st = self.state.get(choice.instance.instance_id) if choice.instance is not None else None
         if st is None or choice.site.site is None:
             return None
@@ -553,27 +725,39 @@ class Relay:
 
     async def _dispatch(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
                         target: Target) -> Response:
-        up = UpstreamWatch(self.deadlines.idle_s)
-        predicted = target.route.predicted_ttft_s if target.route is not None else None
-        d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
-        self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
-        self.shutdown.track(up)
-        if parsed.obs is not None:  # the attempt's CLIENT span starts before the send
-            parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
+        d = self._new_dispatch(parsed, target)
         handed_over = False
+        cont = self._continuation(parsed)
+        # A whole answer that may be continued is read from the engine as a stream: what it
+        # generated before failing is what the continuation starts from.
+        streamed = parsed.stream or cont is not None
         try:
-            d.resp = await watch.race(self._head(d, path))
-            if self._flush_index is not None:  # the engine has the request: index it now
-                self._flush_index()
+            ids = cont is not None and cont.engine_ids
+            body = (None if streamed == parsed.stream and not ids
+                    else upstream_body(parsed, target.instance.model, stream=streamed, token_ids=ids))
+            delay = self._hedge_delay(parsed, target)
+            if delay is not None:
+                try:
+                    stream = await self._open_hedged(watch, parsed, path, d, cont, delay)
+                except NotAStream as e:  # an error answer (4xx) or not SSE: passed on whole, as below
+                    return await self._whole_body(watch, e.d)
+                d = stream.d
+                handed_over = True
+                self.live.add(stream)
+                return RelayStreamingResponse(stream, d.headers())
+            d.resp = await watch.race(self._head(d, path, body))
             if d.resp.status >= 500:
                 status, text = d.resp.status, await self._error_text(d.resp)
                 raise RetryableFailure(f"http_{status}", text,
                                        f"engine instance {d.iid} answered {redact_addresses(text)}")
-            if d.resp.status >= 400 or not parsed.stream:
+            if d.resp.status >= 400 or not streamed or not _is_sse(d.resp):
                 return await self._whole_body(watch, d)
-            stream = RelayStream(d, parsed.include_usage)
+            stream = RelayStream(d, parsed.include_usage or not parsed.stream, cont)
             await watch.race(stream.prefetch())
             handed_over = True
+            self.live.add(stream)
+            if not parsed.stream:
+                return await self._assembled(watch, stream)
             return RelayStreamingResponse(stream, d.headers())
         except RetryableFailure as f:
             self.metrics.upstream_errors.labels(d.iid, f.kind).inc()
@@ -590,18 +774,248 @@ class Relay:
                 # covers cancellation and bugs too: never leak a connection or an in-flight count
                 d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
 
-    async def _head(self, d: Dispatch, path: str) -> aiohttp.ClientResponse:
+    # --- hedged prefill (gateway.hedge, off by default) ---
+
+    def _hedge_delay(self, parsed: ParsedRequest, target: Target) -> float | None:
+        """How long the first instance gets to send its first event before a hedge goes out (None: no hedge)."""
+        h = self.config.gateway.hedge
+        if not h.enabled or not parsed.stream or parsed.profile.request_class not in h.classes:
+            return None
+        predicted = target.route.predicted_ttft_s if target.route is not None else None
+        return max(h.min_delay_s, h.delay_factor * (predicted or 0.0))
+
+    async def _open(self, d: Dispatch, path: str, cont: Continuation | None) -> RelayStream:
+        """Send a stream request and read its first event (a hedge's unit of work)."""
+        ids = cont is not None and cont.engine_ids
+        d.resp = await self._head(d, path, upstream_body(d.parsed, d.target.instance.model, token_ids=True)
+                                  if ids else None)
+        if d.resp.status >= 500:
+            status, text = d.resp.status, await self._error_text(d.resp)
+            raise RetryableFailure(f"http_{status}", text, f"engine instance {d.iid} answered {redact_addresses(text)}")
+        if d.resp.status >= 400 or not _is_sse(d.resp):
+            raise NotAStream(d)
+        stream = RelayStream(d, d.parsed.include_usage, cont)
+        await stream.prefetch()
+        return stream
+
+    async def _open_hedged(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, d: Dispatch,
+                           cont: Continuation | None, delay_s: float) -> RelayStream:
+        """The stream on `d`; when it has sent no event within `delay_s`, the same request goes to a
+        second instance too and the stream whose first event comes first is kept, the other
+        aborted. Both failing: the first one's failure, as without a hedge (`_dispatch` releases
+        `d` then; every other dispatch is released here)."""
+        first = asyncio.ensure_future(self._open(d, path, cont))
+        tasks: dict[asyncio.Future[RelayStream], Dispatch] = {first: d}
+        failed: dict[asyncio.Future[RelayStream], BaseException] = {}
+        won: asyncio.Future[RelayStream] | None = None
+        try:
+            await watch.race(asyncio.wait({first}, timeout=delay_s))
+            if not first.done():
+                second = self._hedge(parsed, d)
+                if second is not None:
+                    tasks[asyncio.ensure_future(self._open(second, path, self._continuation(parsed)))] = second
+            pending = set(tasks)
+            while pending and won is None:
+                done, pending = await watch.race(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+                for t in done:
+                    exc = t.exception()
+                    if exc is None or isinstance(exc, NotAStream):
+                        won = t  # an answer, even an error answer, ends the race
+                        break
+                    failed[t] = exc
+            if won is None:
+                raise failed.get(first) or next(iter(failed.values()))
+            if len(tasks) > 1:
+                self.hedge_metrics.labels("first_won" if won is first else "second_won").inc()
+                if won is not first and self.admission is not None:
+                    self.admission.routed(parsed.profile.request_id, tasks[won].iid)
+            return won.result()
+        finally:
+            for t, other in tasks.items():
+                if t is won or (t is first and won is None):
+                    continue  # kept; or the first, which `_dispatch` releases when it fails
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+                exc = failed.get(t)
+                if isinstance(exc, RetryableFailure):
+                    self.metrics.upstream_errors.labels(other.iid, exc.kind).inc()
+                    self.state.mark_failed(other.iid, str(exc))
+                    other.finish(ok=False, status=None, error=str(exc), abort=True)
+                else:  # lost the race (or the client left): aborted, not failed
+                    other.finish(ok=False, status=None, error="the other hedge was kept", cancelled=True)
+
+    def _hedge(self, parsed: ParsedRequest, first: Dispatch) -> Dispatch | None:
+        """A second dispatch of the request (placement as usual, the first instance excluded)."""
+        target = self.choose(parsed.profile, [first.iid], 0, leg=(0, "hedge"))
+        if target is None:
+            return None
+        self.hedge_metrics.labels("sent").inc()
+        self.hedge_prefill.labels(parsed.profile.model).inc(parsed.profile.prompt_tokens)
+        if self.route_share is not None:
+            self.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
+        return self._new_dispatch(parsed, target)
+
+    async def _assembled(self, watch: DisconnectWatch, stream: RelayStream) -> Response:
+        """A whole answer read as a stream (and continued where it failed): assembled for the client."""
+        first = stream.d
+        parts: list[bytes] = []
+
+        async def read_all() -> None:
+            async for chunk in stream.iter_bytes():
+                parts.append(chunk)
+        try:
+            await watch.race(read_all())
+        finally:
+            await stream.close()  # a no-op when it ended by itself; else the client left: abort
+        cont = stream.cont
+        answer, error = assembled_answer(b"".join(parts), first.parsed.kind == "chat")
+        if error is not None:
+            message = str(error.get("message") or "upstream error")
+            raise upstream_timeout(message) if error.get("code") == "upstream_timeout" else upstream_failed(message)
+        headers = first.headers()
+        if cont is not None and cont.done:
+            headers[CONTINUED_HEADER] = str(cont.done)
+        return Response(json.dumps(answer, separators=(",", ":")).encode(), status_code=200,
+                        media_type="application/json", headers=headers)
+
+    def _new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch:
+        up = UpstreamWatch(self.deadlines.idle_s)
+        predicted = target.route.predicted_ttft_s if target.route is not None else None
+        d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
+        self.metrics.set_inflight(d.iid, self.state.begin(d.iid))
+        self.shutdown.track(up)
+        if parsed.obs is not None:  # the attempt's CLIENT span starts before the send
+            parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
+        return d
+
+    # --- continuation (gateway.continuation) ---
+
+    def _continuation(self, parsed: ParsedRequest) -> Continuation | None:
+        """The request's continuation state, or None when it is never continued (why: a label kept
+        for when it fails mid-stream)."""
+        usable, tok = continuation_tokenizer(self.config, parsed.profile.model, self.tokenizers)
+        why = static_refusal(parsed, usable, self.continuation_limits)
+        if why is not None:
+            return None
+        return Continuation(parsed, self.continuation_limits, tok,
+                            engine_ids=engine_gives_ids(self.config, parsed.profile.model))
+
+    def _refused_label(self, parsed: ParsedRequest) -> str:
+        usable, _ = continuation_tokenizer(self.config, parsed.profile.model, self.tokenizers)
+        return static_refusal(parsed, usable, self.continuation_limits) or "disabled"
+
+    def _counted(self, reason: str, outcome: str) -> None:
+        self.continuation_metrics.decisions.labels(reason, outcome).inc()
+
+    async def resume(self, s: RelayStream, f: LegFailure) -> bytes | None:
+        """After `s`'s upstream failed mid-stream: the first bytes of its continuation on another
+        instance (b"" when none came yet), or None when it is not continued (the caller ends the
+        stream with the error event). Every failed leg counts against the request's limit."""
+        s.end_leg(f)
+        c, reason = s.cont, f.reason
+        if reason is None:
+            return None  # the gateway is shutting down: nothing to continue on
+        if c is None:
+            self._counted(reason, self._refused_label(s.d.parsed))
+            return None
+        rid = c.parsed.profile.request_id
+        s.gap_from, s.gap_reason = s.d.stats.last_token_at or self.clock(), reason
+        while True:
+            c.excluded.append(s.d.iid)
+            tail = c.tail_ids()
+            if c.sent.finished and not c.sent.unfaithful:
+                # the answer was whole (its finish_reason went by); only the end of the stream was lost
+                self._counted(reason, "complete")
+                c.before_tokens = len(tail)
+                return (_sse_usage(c) if c.include_usage else b"") + b"data: [DONE]\n\n"
+            why = c.refused(len(tail))
+            if why is not None:
+                self._counted(reason, why)
+                log.warning("request %s: not continued after %s on %s: %s", rid, reason, s.d.iid, why)
+                return None
+            try:  # re-tokenizing a long prompt: off the event loop, within the tokenizer deadline
+                leg = await asyncio.wait_for(asyncio.to_thread(c.next_leg, tail),
+                                             self.config.gateway.tokenize_timeout_s)
+            except Exception as e:
+                self._counted(reason, "tokenize_failed")
+                log.warning("request %s: continuation prompt not built: %s", rid, _describe(e))
+                return None
+            target = self.choose(leg.profile, c.excluded, c.done + 1, leg=(c.done + 1, reason))
+            if target is None:
+                self._counted(reason, "no_instance")
+                log.warning("request %s: no instance to continue on after %s", rid, reason)
+                return None
+            c.done += 1
+            c.before_tokens = leg.generated_tokens
+            c.reprefill_tokens += leg.prompt_tokens
+            model = c.parsed.profile.model
+            self.continuation_metrics.reprefill.labels(model).inc(leg.prompt_tokens)
+            iid = target.instance.instance_id
+            if self.admission is not None:
+                self.admission.routed(rid, iid)
+            if self.route_share is not None:
+                self.route_share.routed(iid, leg.profile.block_hashes)
+            log.info("request %s: continuing on %s after %s on %s (%d tokens sent, %d to re-prefill)",
+                     rid, iid, reason, s.d.iid, leg.generated_tokens, leg.prompt_tokens)
+            d = self._new_dispatch(replace(c.parsed, profile=leg.profile), target)
+            d.carried = (s.first_token_at, leg.generated_tokens)
+            switched = False
+            try:
+                d.resp = await self._head(d, CONTINUATION_PATH, leg.encoded(target.instance.model))
+                if d.resp.status >= 400:
+                    status, text = d.resp.status, await self._error_text(d.resp)
+                    raise RetryableFailure(f"http_{status}", text,
+                                           f"engine instance {d.iid} answered {redact_addresses(text)}")
+                s.switch(d)
+                switched = True
+                await s.prefetch()
+            except RetryableFailure as rf:
+                self.metrics.upstream_errors.labels(d.iid, rf.kind).inc()
+                if rf.kind.startswith("http_4"):  # the engine refused the continuation itself
+                    d.finish(ok=False, status=None, error=str(rf), abort=True)
+                    self._counted(reason, "rejected")
+                    return None
+                self.state.mark_failed(d.iid, str(rf))
+                d.finish(ok=False, status=None, error=str(rf), abort=True)
+                log.warning("request %s: continuation on %s failed before its first event: %s", rid, d.iid, rf)
+                self._counted(reason, "leg_failed")
+                s.d = d  # excluded on the next turn
+                continue
+            except Interrupted:
+                d.finish(ok=False, status=None, error="shutting down", abort=True)
+                return None
+            finally:
+                if not switched and not d.finished:
+                    d.finish(ok=False, status=None, error="continuation ended early", abort=True)
+            self._counted(reason, "continued")
+            self.live.add(s)
+            return s.take_pending()
+
+    def drained(self, instance_id: str) -> None:
+        """`instance_id` is being drained: streams on it that would outlive the drain timeout, at
+        their pace so far, are continued elsewhere now instead of being cut when it stops."""
+        timeout_s = self.config.planner.drain_timeout_s
+        for s in list(self.live):
+            if s.d.iid == instance_id and not s.d.finished and s.cont is not None and s.would_outlive(timeout_s):
+                s.d.watch.interrupt(Interrupted(DRAINED, f"instance {instance_id} is draining"))
+
+    async def _head(self, d: Dispatch, path: str, body: bytes | None = None) -> aiohttp.ClientResponse:
         """Send and wait for the response head within the first-byte deadline. A non-streaming
         answer only comes once the whole generation is done, so past the deadline it may wait on
         while the engine keeps passing its health checks (rechecked each poll)."""
         alive = None if d.parsed.stream else d.engine_alive
         try:
-            return await d.watch.wait(self._send(d.parsed, path, d.target.instance), deadline=d.first_byte_at,
+            resp = await d.watch.wait(self._send(d.parsed, path, d.target.instance, body), deadline=d.first_byte_at,
                                       keep_waiting=alive, recheck_s=self.state.poll_interval_s, phase="first_byte")
         except UpstreamStalled as e:
             raise _first_byte_timeout(d.iid, e) from None
+        if self._flush_index is not None:  # the engine has the request (every leg): index it now
+            self._flush_index()
+        return resp
 
-    async def _send(self, parsed: ParsedRequest, path: str, instance: Instance) -> aiohttp.ClientResponse:
+    async def _send(self, parsed: ParsedRequest, path: str, instance: Instance,
+                    body: bytes | None = None) -> aiohttp.ClientResponse:
         if self.session is None:
             raise RuntimeError("the gateway's HTTP session is not started (lifespan not run)")
         headers = {"Content-Type": "application/json", "X-Request-Id": parsed.profile.request_id,
@@ -609,7 +1023,8 @@ class Relay:
         if parsed.obs is not None:
             parsed.obs.inject(headers)  # W3C traceparent: the engine joins the client's trace
         try:
-            return await self.session.post(instance.url + path, data=upstream_body(parsed, instance.model),
+            data = upstream_body(parsed, instance.model) if body is None else body
+            return await self.session.post(instance.url + path, data=data,
                                            headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _connect_failure(instance.instance_id, e) from None

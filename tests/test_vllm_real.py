@@ -344,6 +344,51 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         return iid
 
 
+    async def test_engine_killed_mid_stream_the_stream_completes_on_the_other(self, fleet: Fleet):
+        """Last in the class: it leaves one engine dead. The gateway continues the stream on the
+        other engine (prompt ids + the engine's generated ids, `return_token_ids`): one stream, no
+        error event, a usage that counts every token."""
+        from engine_adapters.process import kill_group
+
+        f = fleet
+        max_tokens = 160
+        body = {"model": "tiny", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": text(31, 60)}]}
+        events: list[Any] = []
+        deltas = 0
+        killed: str | None = None
+        async with f.session.post(f"{f.url}/v1/chat/completions", json=body, headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+            iid = r.headers["x-tokenfleet-instance"]
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                ev: Any = "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+                events.append(ev)
+                if isinstance(ev, dict) and any((c.get("delta") or {}).get("content") for c in ev.get("choices") or ()):
+                    deltas += 1
+                    if deltas == 10 and killed is None:
+                        proc = f.adapter.process(f.instances[iid])
+                        assert proc is not None
+                        await f.adapter.supervisor.release(iid)  # stays dead: no restart on 2 cores
+                        assert kill_group(proc)
+                        killed = iid
+        assert killed is not None, "the stream ended before the engine could be killed"
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert not errors, errors
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert len({e["id"] for e in events if isinstance(e, dict) and "id" in e}) == 1
+        usage = next(e["usage"] for e in events if isinstance(e, dict) and e.get("usage"))
+        assert usage["completion_tokens"] == max_tokens and usage["tokenfleet_continuations"] == 1, usage
+        leg = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1][-1]
+        (other,) = [i for i in f.instances if i != killed]
+        assert leg["instance"] == other and killed in leg["excluded"], leg
+        assert all("token_ids" not in c for e in events if isinstance(e, dict) for c in e.get("choices") or ())
+        _say(f"continued on {other} after {killed} was killed: usage {usage}")
+
+
 # --- `tokenfleet up` with a vLLM deployment next to a simulated one ----------------------
 
 async def test_tokenfleet_up_with_vllm_and_sim_and_stop_stops_the_engines(

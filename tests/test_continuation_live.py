@@ -1,0 +1,475 @@
+"""Streams that survive their engine: continuation by re-prefill over real simulated workers.
+
+The gateway runs in-process over real sim worker processes on loopback (`gateway.embedded`);
+engines are SIGKILLed or SIGSTOPped mid-stream, or drained. The client must see one stream:
+exactly `max_tokens` tokens, one `id`, one usage counting every token, `[DONE]` once, no
+error event; or, where the request cannot be continued, the error event as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from engine_adapters.base import Instance
+from engine_adapters.sim.launcher import SimAdapter
+from fleetcore.fleet_config import FleetConfig
+from gateway.embedded import ServedFleet, serve_fleet
+from tests.waits import wait_until
+
+MODEL = "llama-3.1-8b"
+KEY = "sk-test-acme"
+PINNED_KEY = "sk-test-pinned"
+IDLE_S = 1.0
+
+FLEET: dict[str, Any] = {
+    "regions": ["us-east", "eu-west"],
+    "default_region": "us-east",
+    "sites": [{"name": "east", "region": "us-east", "jurisdiction": "us", "rtt_ms": {"us-east": 1, "eu-west": 70}},
+              {"name": "west", "region": "eu-west", "jurisdiction": "eu", "rtt_ms": {"us-east": 70, "eu-west": 1}}],
+    "models": [{"name": MODEL, "versions": ["v1"],
+                "engine": {"spec": "llama-3.1-8b", "max_model_len": 8192, "block_size": 16}}],
+    "deployments": [{"site": "east", "model": MODEL, "instances": 3, "gpu": "H100", "adapter": "sim",
+                     "options": {"time_scale": 1.0}},
+                    {"site": "west", "model": MODEL, "instances": 1, "gpu": "H100", "adapter": "sim",
+                     "options": {"time_scale": 1.0}}],
+    "tenants": [{"name": "acme", "api_keys": [KEY], "region": "us-east"},
+                {"name": "pinned", "api_keys": [PINNED_KEY], "region": "eu-west"}],
+    "region_policies": [{"tenant": "pinned", "allowed_jurisdictions": ["eu"]}],
+    "planner": {"drain_timeout_s": 2.0},
+    # engines killed here come back quickly: the next test starts with all four
+    "gateway": {"stream_idle_timeout_s": IDLE_S, "first_byte_timeout_floor_s": 5.0,
+                "engine_restart_backoff_s": 0.2, "engine_restart_backoff_max_s": 1.0,
+                "continuation": {"max_continuations": 2}},
+}
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@dataclass
+class Fleet:
+    served: ServedFleet
+    stopped: set[int] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return self.served.url
+
+    def instance(self, iid: str) -> tuple[SimAdapter, Instance]:
+        for a in self.served.adapters:
+            for i in a.instances:
+                if i.instance_id == iid:
+                    assert isinstance(a, SimAdapter)
+                    return a, i
+        raise KeyError(iid)
+
+    def instances(self, site: str) -> list[Instance]:
+        return [i for a in self.served.adapters for i in a.instances if i.site == site]
+
+    async def kill(self, iid: str) -> None:
+        adapter, inst = self.instance(iid)
+        proc = adapter.process(inst)
+        assert proc is not None
+        # its supervisor restarts it later (cold); the continuation, not the restart, saves the stream
+        os.kill(proc.pid, signal.SIGKILL)
+
+    def stop(self, iid: str) -> None:
+        adapter, inst = self.instance(iid)
+        proc = adapter.process(inst)
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        self.stopped.add(proc.pid)
+
+    def cont_all(self) -> None:
+        for pid in list(self.stopped):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.stopped.clear()
+
+    @property
+    def ctx(self) -> Any:
+        return self.served.app.state.tokenfleet
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.ctx.metrics.render(per_tenant=True).decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def fleet_config(**gateway: Any) -> FleetConfig:
+    raw = json.loads(json.dumps(FLEET))
+    raw["gateway"].update(gateway)
+    return FleetConfig.model_validate(raw)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet() -> AsyncIterator[Fleet]:
+    async with serve_fleet(fleet_config(), poll_interval_s=0.1) as served:
+        f = Fleet(served)
+        await wait_until(lambda: _ready(f), 30, "every instance ready", ok=lambda n: n == 4)
+        yield f
+        f.cont_all()
+
+
+def _ready(f: Fleet) -> int:
+    return sum(1 for st in f.ctx.state.states() if st.up)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def healthy(fleet: Fleet) -> AsyncIterator[Fleet]:
+    """The fleet with every engine up before each test (killed ones restarted by their supervisor)."""
+    fleet.cont_all()
+    for st in fleet.ctx.state.states():
+        st.draining = False
+    await wait_until(lambda: _ready(fleet), 60, "every instance ready", ok=lambda n: n == 4)
+    yield fleet
+    fleet.cont_all()
+
+
+@dataclass
+class Stream:
+    status: int = 0
+    instance: str = ""
+    tokens: int = 0
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    events: list[Any] = field(default_factory=list)
+    last_token_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [e["error"] for e in self.events if isinstance(e, dict) and "error" in e]
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        found = [e["usage"] for e in self.events if isinstance(e, dict) and e.get("usage")]
+        assert len(found) <= 1, found
+        return found[0] if found else None
+
+
+def _token_text(ev: dict[str, Any], chat: bool) -> str:
+    out = ""
+    for ch in ev.get("choices") or ():
+        out += (ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or ""
+    return out
+
+
+async def read_stream(f: Fleet, body: dict[str, Any], *, chat: bool = True, key: str = KEY,
+                      on_token: Callable[[Stream], Any] | None = None) -> Stream:
+    s = Stream()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        async with c.stream("POST", path, json=body) as r:
+            s.status = r.status_code
+            s.instance = r.headers.get("x-tokenfleet-instance", "")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                ev: Any = data if data == "[DONE]" else json.loads(data)
+                s.events.append(ev)
+                if isinstance(ev, dict):
+                    if "id" in ev:
+                        s.ids.add(ev["id"])
+                    text = _token_text(ev, chat)
+                    if text:
+                        now = time.monotonic()
+                        if s.tokens:
+                            s.gaps.append(now - s.last_token_at)
+                        s.tokens += 1
+                        s.text += text
+                        s.last_token_at = now
+                        if on_token is not None:
+                            res = on_token(s)
+                            if asyncio.iscoroutine(res):
+                                await res
+    return s
+
+
+def chat_body(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+
+
+def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+
+
+def assert_whole(s: Stream, max_tokens: int) -> None:
+    assert s.status == 200
+    assert not s.errors, s.errors
+    assert s.events[-1] == "[DONE]" and s.events.count("[DONE]") == 1
+    assert s.tokens == max_tokens, (s.tokens, max_tokens)
+    assert len(s.ids) == 1, s.ids
+    usage = s.usage
+    assert usage is not None and usage["completion_tokens"] == max_tokens, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + max_tokens
+
+
+def kill_after(f: Fleet, n: int, at: list[float]) -> Callable[[Stream], Any]:
+    async def on_token(s: Stream) -> None:
+        if s.tokens == n:
+            at.append(time.monotonic())
+            await f.kill(s.instance)
+    return on_token
+
+
+# --- where it continues: the instance holding the prefix re-prefills only the tail ---
+
+async def test_continuation_prefers_the_instance_holding_the_prefix(healthy: Fleet) -> None:
+    """First in the module, before any engine was killed: an engine its supervisor restarted
+    may take long to feed the index its KV events again (seen: over 30 s)."""
+    f = healthy
+    messages = [{"role": "user", "content": " ".join(f"paragraph {i} on routing cached prefixes" for i in range(80))}]
+    warm, cold = f.instances("east")[:2], f.instances("east")[2]
+    router = f.ctx.relay.router
+    prompt_tokens = 0
+
+    async def warmed() -> list[int]:
+        """Send the prompt straight to each warm engine not indexed yet: their KV events tell the
+        gateway's index (an engine restarted by an earlier test resubscribes within a backoff)."""
+        nonlocal prompt_tokens
+        async with httpx.AsyncClient(timeout=30) as c:
+            for inst in warm:
+                if prompt_tokens and (router.cache_blocks(inst.instance_id) or 0) >= prompt_tokens // 16:
+                    continue
+                r = await c.post(inst.url + "/v1/chat/completions",
+                                 json={"model": MODEL, "messages": messages, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        return [router.cache_blocks(i.instance_id) or 0 for i in warm]
+
+    await wait_until(warmed, 30, "both warm engines indexed", ok=lambda v: min(v) >= prompt_tokens // 16,
+                     every_s=0.5)
+    full_blocks = prompt_tokens // 16
+    at: list[float] = []
+    body = {**chat_body("", 300), "messages": messages}
+    s = await read_stream(f, body, on_token=kill_after(f, 20, at))
+    assert s.instance in {i.instance_id for i in warm}
+    assert_whole(s, 300)
+    usage = s.usage
+    assert usage is not None
+    leg = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1][-1]
+    assert leg["instance"] in {i.instance_id for i in warm} and leg["instance"] != cold.instance_id
+    # the engine served the original prompt's full blocks from its cache: only the tail was prefilled
+    reprefill, cached = usage["tokenfleet_reprefill_tokens"], usage["tokenfleet_reprefill_cached_tokens"]
+    assert cached == full_blocks * 16, usage
+    assert f.metric("tokenfleet_reprefill_cached_tokens_total") >= cached
+    assert reprefill - cached < 16 + (reprefill - prompt_tokens), usage
+
+
+# --- the engine dies or stalls mid-stream ---
+
+async def test_engine_killed_mid_stream_chat_completes_elsewhere(healthy: Fleet) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued")
+    at: list[float] = []
+    s = await read_stream(f, chat_body("tell me a long story about fleets", 300), on_token=kill_after(f, 20, at))
+    assert at, "the engine was never killed"
+    assert_whole(s, 300)
+    usage = s.usage
+    assert usage is not None and usage["tokenfleet_continuations"] == 1
+    # the continuation re-prefilled the prompt and the tokens already relayed (at least the 20 the
+    # client had read when the engine died; a few more may have been in flight to it)
+    assert usage["prompt_tokens"] + 20 <= usage["tokenfleet_reprefill_tokens"] < usage["prompt_tokens"] + 300
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued") == before + 1
+    # one stream to the client: its id and the chat shape throughout
+    assert all(e.get("object") == "chat.completion.chunk" for e in s.events if isinstance(e, dict))
+    decisions = f.ctx.decisions.last(20)
+    legs = [d for d in decisions if d["continuation"] == 1 and d["continuation_reason"] == "engine_died"]
+    assert legs and legs[-1]["instance"] != s.instance and s.instance in legs[-1]["excluded"]
+    # every leg released what it held: nothing in flight, nothing left in the relay's live set
+    await wait_until(lambda: [st.inflight for st in f.ctx.state.states()], 5, "no dispatch in flight",
+                     ok=lambda v: not any(v))
+    assert not f.ctx.relay.live
+
+
+async def test_engine_killed_mid_stream_completions(healthy: Fleet) -> None:
+    f = healthy
+    at: list[float] = []
+    s = await read_stream(f, completion_body("Once upon a time in a datacenter", 200), chat=False,
+                          on_token=kill_after(f, 50, at))
+    assert at
+    assert_whole(s, 200)
+    assert all(e.get("object") == "text_completion" for e in s.events if isinstance(e, dict))
+    assert s.text.startswith(" ")  # completions words keep their spaces across the splice
+
+
+async def test_engine_stopped_mid_stream_continues_after_idle_deadline(healthy: Fleet) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="stalled", outcome="continued")
+
+    def stop_at_ten(s: Stream) -> None:
+        if s.tokens == 10:
+            f.stop(s.instance)
+
+    s = await read_stream(f, chat_body("a story told slowly", 150), on_token=stop_at_ten)
+    assert_whole(s, 150)
+    # the gap the client saw: the idle deadline (detection), then choice and re-prefill
+    gap = max(s.gaps)
+    assert IDLE_S - 0.1 < gap < IDLE_S + 3, gap
+    assert f.metric("tokenfleet_continuations_total", reason="stalled", outcome="continued") == before + 1
+
+
+def live_stream(f: Fleet, min_tokens: int) -> Any:
+    """The one stream the relay has in flight once it relayed `min_tokens` tokens, else None."""
+    for s in f.ctx.relay.live:
+        if s.d.stats.token_events >= min_tokens:
+            return s
+    return None
+
+
+async def test_non_streaming_request_continued_with_header(healthy: Fleet) -> None:
+    f = healthy
+    for chat in (True, False):
+        body = chat_body("a whole answer please", 200) if chat else completion_body("A whole answer:", 200)
+        body.pop("stream_options")
+        body["stream"] = False
+
+        async def killer() -> str:
+            s = await wait_until(lambda: live_stream(f, 20), 20, "20 tokens generated")
+            iid: str = s.d.iid
+            await f.kill(iid)
+            return iid
+
+        k = asyncio.create_task(killer())
+        async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+            r = await c.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+        killed = await k
+        assert r.status_code == 200, r.text
+        assert r.headers["x-tokenfleet-continued"] == "1"
+        assert r.headers["x-tokenfleet-instance"] == killed  # the first leg's; the answer is whole anyway
+        out = r.json()
+        assert out["object"] == ("chat.completion" if chat else "text_completion")
+        text = out["choices"][0]["message"]["content"] if chat else out["choices"][0]["text"]
+        assert out["usage"]["completion_tokens"] == 200 and len(text.split()) == 200
+        assert out["choices"][0]["finish_reason"] == "length"
+        await wait_until(lambda: _ready(f), 60, "the killed engine back", ok=lambda n: n == 4)
+
+
+# --- limits and honesty ---
+
+async def test_third_failure_ends_with_error_event(healthy: Fleet) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="limit")
+    killed: list[str] = []
+
+    async def kill_current(s: Stream) -> None:
+        if s.tokens in (10, 40, 70):  # the first leg, then each continuation
+            current = await wait_until(lambda: live_stream(f, 0), 10, "the stream's current leg")
+            killed.append(current.d.iid)
+            await f.kill(current.d.iid)
+
+    s = await read_stream(f, chat_body("a story that keeps losing its engine", 300), on_token=kill_current)
+    assert len(set(killed)) == 3, killed  # each continuation went to an instance that had not failed it
+    assert s.events[-1] == "[DONE]" and s.events.count("[DONE]") == 1
+    (err,) = s.errors
+    assert err["code"] == "upstream_error" and "connection broke mid-stream" in err["message"]
+    assert 70 <= s.tokens < 300 and len(s.ids) == 1
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="limit") == before + 1
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued") >= 2
+
+
+@pytest.mark.parametrize(("extra", "label"), [({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                                              ({"n": 2}, "n_gt_1")])
+async def test_unfaithful_request_ends_with_error_event_as_before(healthy: Fleet, extra: dict[str, Any],
+                                                                  label: str) -> None:
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome=label)
+    at: list[float] = []
+    s = await read_stream(f, chat_body("an answer with extras", 300, **extra), on_token=kill_after(f, 10, at))
+    assert at
+    (err,) = s.errors
+    assert err["code"] == "upstream_error"
+    assert s.events[-1] == "[DONE]" and s.tokens < 300 * extra.get("n", 1)
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome=label) == before + 1
+
+
+async def test_pinned_tenant_is_not_continued_across_sites(healthy: Fleet) -> None:
+    """The tenant may only run in the EU (one instance there): the continuation would have to leave
+    it, and placement, the same as for a first attempt, allows none."""
+    f = healthy
+    (west,) = f.instances("west")
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="no_instance")
+    east_before = sum(f.metric("tokenfleet_requests_total", instance=i.instance_id) for i in f.instances("east"))
+    at: list[float] = []
+    s = await read_stream(f, chat_body("stay in the EU", 300), key=PINNED_KEY, on_token=kill_after(f, 10, at))
+    assert s.instance == west.instance_id
+    (err,) = s.errors
+    assert err["code"] == "upstream_error" and s.events[-1] == "[DONE]"
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="no_instance") == before + 1
+    assert sum(f.metric("tokenfleet_requests_total", instance=i.instance_id) for i in f.instances("east")) \
+        == east_before
+    tried = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1 and d["tenant"] == "pinned"]
+    assert tried and all(d["instance"] is None for d in tried)
+
+
+# --- drain migration ---
+
+async def test_drain_moves_streams_that_would_outlive_the_drain_timeout(healthy: Fleet) -> None:
+    """drain_timeout_s is 2 s here; ~6 ms a token: 40 tokens fit, 600 do not."""
+    f = healthy
+    before = f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued")
+
+    def drain_at(n: int) -> Callable[[Stream], None]:
+        def on_token(s: Stream) -> None:
+            if s.tokens == n:
+                assert f.ctx.state.drain(s.instance)
+        return on_token
+
+    short = await read_stream(f, chat_body("a short one", 40), on_token=drain_at(10))
+    assert_whole(short, 40)
+    assert short.usage is not None and "tokenfleet_continuations" not in short.usage  # finished where it was
+    assert f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued") == before
+    for st in f.ctx.state.states():
+        st.draining = False
+
+    long = await read_stream(f, chat_body("a long one", 600), on_token=drain_at(20))
+    assert_whole(long, 600)
+    assert long.usage is not None and long.usage["tokenfleet_continuations"] == 1
+    assert f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued") == before + 1
+    # a drain is not the engine's fault: it stays healthy (only out of rotation)
+    st = f.ctx.state.get(long.instance)
+    assert st is not None and st.up and st.draining
+
+
+async def test_client_leaving_during_a_continuation_releases_every_leg(healthy: Fleet) -> None:
+    f = healthy
+    gone_before = f.metric("tokenfleet_requests_total", status="499")
+    body = chat_body("a story nobody finishes reading", 2000)
+    tokens = 0
+    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            iid = r.headers["x-tokenfleet-instance"]
+            async for line in r.aiter_lines():
+                if '"content":"' in line or '"content": "' in line:
+                    tokens += 1
+                if tokens == 10:
+                    await f.kill(iid)
+                    tokens += 1
+                if tokens >= 60:
+                    break  # well into the continuation: the client goes away
+    cont = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued")
+    assert cont >= 1
+    await wait_until(lambda: [st.inflight for st in f.ctx.state.states()], 10, "no dispatch in flight",
+                     ok=lambda v: not any(v))
+    await wait_until(lambda: len(f.ctx.relay.live), 10, "the stream to leave the live set", ok=lambda n: n == 0)
+    await wait_until(lambda: f.metric("tokenfleet_requests_total", status="499"), 10, "the 499 counted",
+                     ok=lambda n: n == gone_before + 1)
