@@ -100,6 +100,7 @@ class Replicas:
             if placement is not None:
                 self.lease = LeaderLease(self.shared, report=lambda: placement.report(200))
                 placement.may_act = lambda: self.lease is not None and self.lease.leader
+                placement.fence = self.lease.fenced  # every step checked against the token in Redis
         kv: AdminKV | None = RedisKV(self.shared) if self.shared is not None else local_kv
         self.kv = kv  # the durable admin store: planner mode, API keys (gateway.keys)
         self.planner = PlannerAdmin(placement, kv, self.lease) if placement is not None else None
