@@ -9,6 +9,7 @@ reports its own ledger.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,8 @@ from gateway.load_sync import LoadSync
 from gateway.route_share import RouteShare
 from gateway.placement import MODES, Mode, PlacementLoop
 from gateway.policy_store import StoreUnavailable
-from gateway.shared_state import SharedRedis, SharedStateCollector
+from gateway.policy_snapshot import state_dir
+from gateway.shared_state import RosterFile, SharedRedis, SharedStateCollector
 from slomax import SLOMax
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -72,13 +74,19 @@ class PlannerAdmin:
         return out
 
 
+def roster_file(configured_dir: str | None, url: str, prefix: str) -> RosterFile:
+    """Where this fleet's last replica count is kept (one file per Redis URL and key prefix)."""
+    digest = hashlib.sha256(f"{url} {prefix}".encode()).hexdigest()[:16]
+    return RosterFile(state_dir(configured_dir) / f"replicas-{digest}.json")
+
+
 class Replicas:
     def __init__(self, config: FleetConfig, gate: Any, placement: PlacementLoop | None, registry: Any,
                  clock: Callable[[], float], policy_store: Any, local_kv: AdminKV | None,
                  state: FleetState | None = None, relay: Any = None) -> None:
         g = config.gateway
         url = g.redis_url or getattr(policy_store, "url", None)
-        self.shared = SharedRedis(url, g) if url else None
+        self.shared = SharedRedis(url, g, roster_file=roster_file(g.state_dir, url, g.redis_prefix)) if url else None
         self.budgets: SharedBudgets | None = None
         self.ledger: LedgerSync | None = None
         self.lease: LeaderLease | None = None
