@@ -194,6 +194,9 @@ class PlacementLoop:
         if st is None:  # already gone (its adapter stopped it)
             self.core.stopped(cmd.instance_id, self.clock())
         elif not await self._fenced("stop", cmd.instance_id):
+            # Drained while this replica led; the leader now decides its fate. Until then it serves
+            # here again rather than sit drained and unstopped (nothing was done to its engine).
+            st.draining = False
             self.core.stop_failed(cmd.instance_id, self.clock(), REFUSED)
         else:
             self.state.drain(cmd.instance_id)

@@ -140,6 +140,26 @@ async def test_a_deposed_leaders_late_drain_is_refused_and_the_replica_keeps_ser
     assert [(m["holder"], m["fence"], m["kind"], m["outcome"]) for m in log] == [("A", "1", "drain", "refused")]
 
 
+async def test_a_stop_that_comes_due_after_a_takeover_is_refused_and_the_replica_serves_again(
+        two: tuple[Replica, Replica]) -> None:
+    a, b = two
+    assert await a.lease.tick()
+    for i in (0, 1):
+        a.loop.state.begin(f"b/{MODEL}/{i}")  # both busy: the drain waits before its stop
+    assert await a.loop.carry_out(Move(MODEL, "b", None))  # drained while A led
+    victim = a.loop.actions[0].instance
+    assert victim is not None and a.loop.state.get(victim).draining
+    await wait_until(b.lease.tick, 5 * TTL, "B to take the lease over")
+    a.loop.state.end(victim)  # idle now: the stop comes due, under A's stale token
+    await a.loop.settle()
+    assert a.b.removed == []
+    assert not a.loop.state.get(victim).draining  # back in routing on A
+    assert [k for k, _ in kinds(a.loop)] == ["drain", "failed"]
+    log = list(reversed(await b.lease.moves()))
+    assert [(m["holder"], m["kind"], m["target"], m["outcome"]) for m in log] == [
+        ("A", "drain", victim, "accepted"), ("A", "stop", victim, "refused")]
+
+
 async def test_the_holder_itself_is_refused_once_redis_is_down(two: tuple[Replica, Replica],
                                                                 redis_proc: RedisProc) -> None:
     a, b = two
