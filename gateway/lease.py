@@ -79,6 +79,7 @@ if ok then return 1 end
 return 0
 """
 MOVE_LOG_LEN = 1000  # audit entries kept (approximately: XADD MAXLEN ~)
+MOVES_SHOWN = 50  # the newest ones each replica keeps for `GET /admin/v1/planner`
 
 
 class LeaderLease:
@@ -105,6 +106,7 @@ class LeaderLease:
         self._release = shared.redis.register_script(_RELEASE)
         self._fenced = shared.redis.register_script(_FENCED)
         self.refused = 0  # moves refused by the fence (this replica)
+        self.recent_moves: list[dict[str, str]] = []  # the audit stream's newest, as last read
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()  # set on every gain or loss (tests, logs)
         self._was_leader = False
@@ -162,6 +164,10 @@ class LeaderLease:
         rows = await self.shared.call("lease_moves", self.shared.redis.xrevrange(self.moves_key, count=limit))
         return [{"id": rid, **fields} for rid, fields in rows]
 
+    async def refresh_moves(self) -> None:
+        """Read the newest fenced moves for the admin API (each lease period; kept when Redis is down)."""
+        self.recent_moves = await self.moves(MOVES_SHOWN)
+
     def _note(self) -> None:
         now = self.leader
         if now != self._was_leader:
@@ -193,6 +199,7 @@ class LeaderLease:
                     await self.publish()
                 else:
                     await self.fetch_remote()
+                await self.refresh_moves()
             except StoreUnavailable:
                 pass
             except Exception:  # a bug must not end the lease loop (it only fails to act, never acts twice)

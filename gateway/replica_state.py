@@ -67,10 +67,13 @@ class PlannerAdmin:
             for k in ("entries", "actions"):
                 out[k] = list(out.get(k, []))[-limit:]
             out["served_by"] = lease.holder
+            out["fenced_moves"] = lease.recent_moves
             return out
         out = self.placement.report(limit)
         out["leader"] = lease.holder if lease is not None else "this replica"
         out["fence"] = lease.fence if lease is not None else None
+        if lease is not None:  # every start/drain/stop checked against the token: who, what, accepted or not
+            out["fenced_moves"] = lease.recent_moves
         return out
 
 

@@ -21,6 +21,7 @@ from fleetmind.planner import Move, Planner
 from gateway.fleet_state import FleetState
 from gateway.lease import LeaderLease
 from gateway.placement import REFUSED, PlacementLoop
+from gateway.replica_state import PlannerAdmin
 from gateway.shared_state import SharedRedis
 from slomax.ledger import GoodputLedger
 from tests.redis_control import RedisProc
@@ -126,6 +127,13 @@ async def test_a_deposed_leaders_late_start_is_refused_and_the_new_leaders_appli
     ]
     assert log[0]["target"] == f"a/{MODEL}" and log[0]["current"] == "B:2" and log[0]["newest"] == "2"
     assert log[2]["target"] == log[3]["target"] == b.b.removed[0]
+
+    # `GET /admin/v1/planner` on either replica shows the same audit, newest first
+    for r in (a, b):
+        await r.lease.refresh_moves()
+        shown = PlannerAdmin(r.loop, None, r.lease).report()["fenced_moves"]
+        assert [(m["holder"], m["kind"], m["outcome"]) for m in shown] == [
+            (m["holder"], m["kind"], m["outcome"]) for m in reversed(log)]
 
 
 async def test_a_deposed_leaders_late_drain_is_refused_and_the_replica_keeps_serving(
