@@ -22,7 +22,9 @@ Fencing where moves are carried out (`fenced`): before the planner's executor
 (`gateway.placement`) starts, drains or stops a replica, one script compares this hold's
 value (`holder:fence`) with the lease key and its token with the fence counter, and in the
 same atomic step appends the move to a capped audit stream (who, what, under which token,
-accepted or refused). A deposed leader whose local clock still trusts its hold (paused,
+accepted or refused). It also asks that the hold have `FENCE_MARGIN` of its TTL left in Redis,
+so no other replica can take over for that long after an accepted answer (the step starts
+at once; what the engine then does is not fenced: adapters take no token). A deposed leader whose local clock still trusts its hold (paused,
 partitioned, its renewals held up) is refused there: the check and the record cannot be
 separated by another replica's takeover. Redis unreachable: refused (fails closed).
 """
@@ -67,17 +69,20 @@ return 0
 """
 
 # KEYS: lease, fence counter, move log. ARGV: this hold's value, its fence, holder, kind, target,
-# detail, log length. Accepted only while the lease is this hold's and its token the newest issued.
+# detail, log length, least time left (ms). Accepted only while the lease is this hold's, its token
+# the newest issued, and the hold has that long left in Redis (no takeover can follow the answer
+# sooner: the step starts well within it).
 _FENCED = """
 local cur = redis.call('GET', KEYS[1])
 local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
-local ok = cur == ARGV[1] and tonumber(ARGV[2]) == newest
+local ok = cur == ARGV[1] and tonumber(ARGV[2]) == newest and redis.call('PTTL', KEYS[1]) >= tonumber(ARGV[8])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'holder', ARGV[3], 'fence', ARGV[2],
            'kind', ARGV[4], 'target', ARGV[5], 'detail', ARGV[6], 'outcome', ok and 'accepted' or 'refused',
            'current', cur or '', 'newest', tostring(newest))
 if ok then return 1 end
 return 0
 """
+FENCE_MARGIN = 0.2  # share of the TTL a hold must have left in Redis for a move to be accepted
 MOVE_LOG_LEN = 1000  # audit entries kept (approximately: XADD MAXLEN ~)
 MOVES_SHOWN = 50  # the newest ones each replica keeps for `GET /admin/v1/planner`
 
@@ -147,13 +152,14 @@ class LeaderLease:
         current holder, or when Redis does not answer."""
         value = f"{self.holder}:{self.fence}"  # what the lease holds while this hold is current
         keys = [self.key, self.fence_key, self.moves_key]
-        args = [value, self.fence, self.holder, kind, target, detail, MOVE_LOG_LEN]
+        args = [value, self.fence, self.holder, kind, target, detail, MOVE_LOG_LEN,
+                round(self.ttl_s * FENCE_MARGIN * 1000)]
         try:
             ok = bool(int(await self.shared.call("lease_fence", self._fenced(keys=keys, args=args))))
         except StoreUnavailable as e:
             ok, why = False, str(e)
         else:
-            why = "another replica holds the planner lease now, or this hold expired"
+            why = "another replica holds the planner lease now, or this hold expired or is about to"
         if not ok:
             self.refused += 1
             log.warning("planner move refused by the fence: %s %s under token %d: %s", kind, target, self.fence, why)

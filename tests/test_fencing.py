@@ -19,7 +19,7 @@ from fleetmind.demand import DemandModel
 from fleetmind.placement_cycle import CycleSettings, PlacementCycle
 from fleetmind.planner import Move, Planner
 from gateway.fleet_state import FleetState
-from gateway.lease import LeaderLease
+from gateway.lease import FENCE_MARGIN, LeaderLease
 from gateway.placement import REFUSED, PlacementLoop
 from gateway.replica_state import PlannerAdmin
 from gateway.shared_state import SharedRedis
@@ -166,6 +166,20 @@ async def test_a_stop_that_comes_due_after_a_takeover_is_refused_and_the_replica
     log = list(reversed(await b.lease.moves()))
     assert [(m["holder"], m["kind"], m["target"], m["outcome"]) for m in log] == [
         ("A", "drain", victim, "accepted"), ("A", "stop", victim, "refused")]
+
+
+async def test_a_hold_about_to_expire_in_redis_is_refused(two: tuple[Replica, Replica],
+                                                           redis_proc: RedisProc) -> None:
+    a, b = two
+    assert await b.lease.tick()
+    margin_ms = TTL * 1000 * FENCE_MARGIN
+    assert await b.lease.fenced("start", "a/x")  # just renewed: the whole TTL left
+    client = redis_proc.client()
+    await wait_until(lambda: client.pttl(b.lease.key) < margin_ms, 2 * TTL, "the hold to near its end in Redis",
+                     every_s=0.005)
+    assert not await b.lease.fenced("start", "a/y")  # no renewal since: too little left to act on
+    last = (await b.lease.moves(1))[0]
+    assert (last["holder"], last["target"], last["outcome"]) == ("B", "a/y", "refused")
 
 
 async def test_the_holder_itself_is_refused_once_redis_is_down(two: tuple[Replica, Replica],
