@@ -89,7 +89,7 @@ class AdmissionGate:
         shared = self.shared_budgets
         # The key's own budgets first (gateway.key_budgets): 429 before the tenant's are touched.
         keys = self.key_budgets
-        key_charge = keys.admit(parsed.key_id, profile, entered) if keys is not None else None
+        key_charge = await keys.admit(parsed.key_id, profile, entered, shared) if keys is not None else None
         try:
             parsed, avoid = await self._enter(parsed, race, entered)
         except BaseException:

@@ -1,4 +1,5 @@
-"""Tenant budgets exact across gateway replicas: one atomic Redis script per admission.
+"""Tenant budgets (and API keys' own, `gateway.key_budgets`) exact across gateway replicas: one
+atomic Redis script per admission.
 
 The same semantics as SLOMax's local budgets (`slomax.budgets`): requests/min and
 tokens/min are token buckets holding at most a minute's allowance, refilled linearly,
@@ -110,13 +111,17 @@ return 1
 """
 
 
+TENANT = "tenant"  # the scope of tenant budgets; API keys' own budgets are scope "key" (gateway.key_budgets)
+
+
 @dataclass(slots=True)
 class Charge:
     """What the fleet-wide store charged for one admitted request (settled once, at its end)."""
 
-    tenant: str
+    tenant: str  # the budget's owner within its scope: a tenant, or an API key's id
     budgets: Budgets
     tokens: int
+    scope: str = TENANT
 
 
 class SharedBudgets:
@@ -128,31 +133,39 @@ class SharedBudgets:
         self._outbox: deque[tuple[list[str], list[Any]]] = deque()  # settlements not sent yet
         self._wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
-        self._streams: dict[str, int] = {}  # tenant -> this replica's open streams charged in Redis
+        self._streams: dict[tuple[str, str], int] = {}  # (scope, owner) -> open streams charged in Redis
         self.dropped = 0  # settlements not sent (too many in flight)
         self.mode: Mode = "shared"
         shared.on_beat.append(self._after_beat)
+
+    @property
+    def share(self) -> float:
+        """Of every limit a replica enforces on its own now: 1 while Redis decides, else 1 / live replicas."""
+        return 1.0 if self.mode == "shared" else 1.0 / max(1, self.shared.live)
 
     def _set_mode(self, mode: Mode) -> None:
         share = 1.0 if mode == "shared" else 1.0 / max(1, self.shared.live)
         self.policy.budgets.set_share(share, self.clock())
         if mode != self.mode:
-            log.warning("tenant budgets: %s", "exact fleet-wide again (Redis)" if mode == "shared" else
+            log.warning("budgets: %s", "exact fleet-wide again (Redis)" if mode == "shared" else
                         f"Redis unreachable; each replica enforces its local share (1/{self.shared.live})")
         self.mode = mode
 
-    async def before_admit(self, profile: RequestProfile) -> Charge | None:
-        """Ask Redis (one round trip) and preset the verdict in the policy's book. Returns the charge
-        to settle later, or None (no limits, over budget, or Redis gone: the local share decides)."""
-        want = self.policy.budget_charge(profile)
-        if want is None:
-            return None
+    def _keys(self, scope: str, owner: str) -> list[str]:
+        if scope == TENANT:
+            return [self.shared.key("budget", owner), self.shared.key("streams", owner)]
+        return [self.shared.key(scope, "budget", owner), self.shared.key(scope, "streams", owner)]
+
+    async def acquire(self, scope: str, owner: str, budgets: Budgets,
+                      tokens: int) -> tuple[BudgetVerdict, Charge | None] | None:
+        """Check and charge `owner`'s budgets fleet-wide (one round trip): the verdict, and the
+        charge to settle later when admitted. None when Redis is unreachable: the caller enforces
+        its local share (`share`), as the tenant budgets do."""
         if not self.shared.up:  # no round trip while Redis is known down: the heartbeat probes it
             self._set_mode("local_share")
             return None
-        tenant, tokens, budgets = want
         ttl_ms = round(self.shared.settings.replica_ttl_s * 1000)
-        keys = [self.shared.key("budget", tenant), self.shared.key("streams", tenant), self.shared.key("replicas")]
+        keys = [*self._keys(scope, owner), self.shared.key("replicas")]
         args = [self.shared.replica_id, budgets.requests_per_minute or 0, budgets.tokens_per_minute or 0,
                 -1 if budgets.concurrent_streams is None else budgets.concurrent_streams, tokens, ttl_ms,
                 _IDLE_EXPIRE_MS]
@@ -163,12 +176,25 @@ class SharedBudgets:
             return None
         if self.mode != "shared" or self.policy.budgets.share != 1.0:
             self._set_mode("shared")
-        self.policy.budgets.preset(tenant, _verdict(int(ok), code, float(retry), seen, budgets, tokens), self.clock())
-        if not int(ok):
-            return None
+        verdict = _verdict(int(ok), code, float(retry), seen, budgets, tokens)
+        if not verdict.ok:
+            return verdict, None
         if budgets.concurrent_streams is not None:
-            self._streams[tenant] = self._streams.get(tenant, 0) + 1
-        return Charge(tenant, budgets, tokens)
+            self._streams[scope, owner] = self._streams.get((scope, owner), 0) + 1
+        return verdict, Charge(owner, budgets, tokens, scope)
+
+    async def before_admit(self, profile: RequestProfile) -> Charge | None:
+        """Ask Redis (one round trip) and preset the verdict in the policy's book. Returns the charge
+        to settle later, or None (no limits, over budget, or Redis gone: the local share decides)."""
+        want = self.policy.budget_charge(profile)
+        if want is None:
+            return None
+        tenant, tokens, budgets = want
+        got = await self.acquire(TENANT, tenant, budgets, tokens)
+        if got is None:
+            return None
+        self.policy.budgets.preset(tenant, got[0], self.clock())
+        return got[1]
 
     def after_admit(self, profile: RequestProfile) -> None:
         """Drop an unused preset (the policy rejected before checking budgets: unknown class)."""
@@ -179,16 +205,17 @@ class SharedBudgets:
     def settle(self, charge: Charge, used_tokens: int) -> None:
         """The request ended (or never ran: used 0): free its stream and give back unused tokens,
         in the background (the next flush), off the request's path."""
+        owner = (charge.scope, charge.tenant)
         if charge.budgets.concurrent_streams is not None:
-            n = self._streams.get(charge.tenant, 0) - 1
+            n = self._streams.get(owner, 0) - 1
             if n > 0:
-                self._streams[charge.tenant] = n
+                self._streams[owner] = n
             else:
-                self._streams.pop(charge.tenant, None)
+                self._streams.pop(owner, None)
         if len(self._outbox) >= _MAX_PENDING:
             self.dropped += 1
             return
-        keys = [self.shared.key("budget", charge.tenant), self.shared.key("streams", charge.tenant)]
+        keys = self._keys(*owner)
         args = [self.shared.replica_id, charge.budgets.tokens_per_minute or 0, charge.tokens - used_tokens,
                 "1" if charge.budgets.concurrent_streams is not None else "0", _IDLE_EXPIRE_MS]
         self._outbox.append((keys, args))
@@ -227,12 +254,13 @@ class SharedBudgets:
         open-stream count per tenant (repairing any settlement that was lost)."""
         if self.mode != "shared":
             self._set_mode("shared")
-        tenants = [n for n, t in self.policy.config.tenants.items() if t.budgets.concurrent_streams is not None]
-        if not tenants:
+        owners = {(TENANT, n) for n, t in self.policy.config.tenants.items() if t.budgets.concurrent_streams is not None}
+        owners |= self._streams.keys()  # API keys with streams open here
+        if not owners:
             return
         async with self.shared.redis.pipeline(transaction=False) as pipe:
-            for t in tenants:
-                pipe.hset(self.shared.key("streams", t), self.shared.replica_id, self._streams.get(t, 0))
+            for owner in sorted(owners):
+                pipe.hset(self._keys(*owner)[1], self.shared.replica_id, self._streams.get(owner, 0))
             await self.shared.call("streams", pipe.execute())
 
     async def close(self) -> None:

@@ -6,8 +6,11 @@ stays pure and unaware of keys: this reuses its bucket arithmetic (`slomax.budge
 keyed by key id. A request turned away by the tenant's budget or by the fleet gets its
 tokens back from the key (its request still counts, as for a tenant).
 
-Per replica: with several replicas each enforces the key's whole budget on its own (the
-fleet-wide Redis budgets are the tenant's).
+Fleet-wide with several replicas: the key's buckets are checked and charged by the same
+Redis script as tenant budgets (`gateway.budget_store.SharedBudgets.acquire`, scope "key"),
+one round trip; the local buckets here are then only the fallback. Without Redis (one
+replica) they enforce the whole budget; with Redis unreachable they enforce the same local
+share as the tenants' (budget / live replicas, `SharedBudgets.share`).
 """
 
 from __future__ import annotations
@@ -15,16 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetcore.types import RequestProfile
+from gateway.budget_store import Charge, SharedBudgets
 from gateway.errors import rate_limited
 from gateway.keys import KeyStore
-from slomax.budgets import TenantBudget
+from slomax.budgets import BudgetVerdict, TenantBudget
 from slomax.config import Budgets
+
+KEY_SCOPE = "key"  # the budget store's scope for API keys (tenants have their own)
 
 
 @dataclass(frozen=True, slots=True)
 class KeyCharge:
     key_id: str
     tokens: int
+    shared: SharedBudgets | None = None  # charged fleet-wide there (and settled there), else locally
+    charge: Charge | None = None
 
 
 class KeyBudgets:
@@ -44,8 +52,10 @@ class KeyBudgets:
             held = self._buckets[key_id] = (want, TenantBudget(want, now))
         return held[1]
 
-    def admit(self, key_id: str | None, profile: RequestProfile, now: float) -> KeyCharge | None:
-        """Charge the key, or raise the 429; None when the key has no budgets of its own."""
+    async def admit(self, key_id: str | None, profile: RequestProfile, now: float,
+                    shared: SharedBudgets | None = None) -> KeyCharge | None:
+        """Charge the key (fleet-wide through `shared` when given and reachable), or raise the 429;
+        None when the key has no budgets of its own."""
         if key_id is None:
             return None
         budget = self._budget(key_id, now)
@@ -53,14 +63,28 @@ class KeyBudgets:
             return None
         out = profile.max_tokens if profile.max_tokens is not None else self.default_output_tokens
         tokens = profile.prompt_tokens + out * max(1, profile.n)
-        verdict = budget.check(tokens, now)
-        if not verdict.ok:
-            raise rate_limited(f"This API key's {verdict.reason}", verdict.retry_after_s or 1.0,
-                               "tokens" if verdict.code == "budget_tokens" else "requests")
+        got = await shared.acquire(KEY_SCOPE, key_id, budget.budgets, tokens) if shared is not None else None
+        if got is not None:
+            verdict, charge = got
+            _raise_unless(verdict)
+            return KeyCharge(key_id, tokens, shared, charge)
+        share = shared.share if shared is not None else 1.0  # Redis unreachable: this replica's share
+        if budget.share != share:
+            budget.set_share(share, now)
+        _raise_unless(budget.check(tokens, now))
         budget.charge(tokens, now)
         return KeyCharge(key_id, tokens)
 
     def settle(self, charge: KeyCharge, used_tokens: int, now: float) -> None:
+        if charge.shared is not None and charge.charge is not None:
+            charge.shared.settle(charge.charge, used_tokens)
+            return
         held = self._buckets.get(charge.key_id)
         if held is not None:
             held[1].settle(charge.tokens, used_tokens, now)
+
+
+def _raise_unless(verdict: BudgetVerdict) -> None:
+    if not verdict.ok:
+        raise rate_limited(f"This API key's {verdict.reason}", verdict.retry_after_s or 1.0,
+                           "tokens" if verdict.code == "budget_tokens" else "requests")

@@ -17,6 +17,16 @@ ttl + one renew period.
 The holder publishes its planner report (`publish`) with each renewal; other replicas read
 it (`holder_report`) so `GET /admin/v1/planner` shows the same log on any replica. Without
 Redis there is no lease object: the single replica is the leader.
+
+Fencing where moves are carried out (`fenced`): before the planner's executor
+(`gateway.placement`) starts, drains or stops a replica, one script compares this hold's
+value (`holder:fence`) with the lease key and its token with the fence counter, and in the
+same atomic step appends the move to a capped audit stream (who, what, under which token,
+accepted or refused). It also asks that the hold have `FENCE_MARGIN` of its TTL left in Redis,
+so no other replica can take over for that long after an accepted answer (the step starts
+at once; what the engine then does is not fenced: adapters take no token). A deposed leader whose local clock still trusts its hold (paused,
+partitioned, its renewals held up) is refused there: the check and the record cannot be
+separated by another replica's takeover. Redis unreachable: refused (fails closed).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.background import cancel_and_wait
 from gateway.policy_store import StoreUnavailable
@@ -58,6 +68,24 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# KEYS: lease, fence counter, move log. ARGV: this hold's value, its fence, holder, kind, target,
+# detail, log length, least time left (ms). Accepted only while the lease is this hold's, its token
+# the newest issued, and the hold has that long left in Redis (no takeover can follow the answer
+# sooner: the step starts well within it).
+_FENCED = """
+local cur = redis.call('GET', KEYS[1])
+local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
+local ok = cur == ARGV[1] and tonumber(ARGV[2]) == newest and redis.call('PTTL', KEYS[1]) >= tonumber(ARGV[8])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'holder', ARGV[3], 'fence', ARGV[2],
+           'kind', ARGV[4], 'target', ARGV[5], 'detail', ARGV[6], 'outcome', ok and 'accepted' or 'refused',
+           'current', cur or '', 'newest', tostring(newest))
+if ok then return 1 end
+return 0
+"""
+FENCE_MARGIN = 0.2  # share of the TTL a hold must have left in Redis for a move to be accepted
+MOVE_LOG_LEN = 1000  # audit entries kept (approximately: XADD MAXLEN ~)
+MOVES_SHOWN = 50  # the newest ones each replica keeps for `GET /admin/v1/planner`
+
 
 class LeaderLease:
     def __init__(self, shared: SharedRedis, name: str = "planner", *, ttl_s: float | None = None,
@@ -73,6 +101,7 @@ class LeaderLease:
         self.key = shared.key("lease", name)
         self.fence_key = shared.key("lease", name, "fence")
         self.report_key = shared.key("lease", name, "report")
+        self.moves_key = shared.key("lease", name, "moves")  # the fenced moves' audit stream
         self.holder = shared.replica_id
         self.fence = 0  # the fencing token of the current (or last) hold
         self._value: str | None = None  # the lease value while held
@@ -80,6 +109,9 @@ class LeaderLease:
         self._acquire = shared.redis.register_script(_ACQUIRE)
         self._renew = shared.redis.register_script(_RENEW)
         self._release = shared.redis.register_script(_RELEASE)
+        self._fenced = shared.redis.register_script(_FENCED)
+        self.refused = 0  # moves refused by the fence (this replica)
+        self.recent_moves: list[dict[str, str]] = []  # the audit stream's newest, as last read
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()  # set on every gain or loss (tests, logs)
         self._was_leader = False
@@ -114,6 +146,34 @@ class LeaderLease:
         self._note()
         return self.leader
 
+    async def fenced(self, kind: str, target: str, detail: str = "") -> bool:
+        """May this replica carry out the move now? Checked and recorded atomically in Redis
+        against the current lease and fence counter; False (and logged) when it is not the
+        current holder, or when Redis does not answer."""
+        value = f"{self.holder}:{self.fence}"  # what the lease holds while this hold is current
+        keys = [self.key, self.fence_key, self.moves_key]
+        args = [value, self.fence, self.holder, kind, target, detail, MOVE_LOG_LEN,
+                round(self.ttl_s * FENCE_MARGIN * 1000)]
+        try:
+            ok = bool(int(await self.shared.call("lease_fence", self._fenced(keys=keys, args=args))))
+        except StoreUnavailable as e:
+            ok, why = False, str(e)
+        else:
+            why = "another replica holds the planner lease now, or this hold expired or is about to"
+        if not ok:
+            self.refused += 1
+            log.warning("planner move refused by the fence: %s %s under token %d: %s", kind, target, self.fence, why)
+        return ok
+
+    async def moves(self, limit: int = 200) -> list[dict[str, str]]:
+        """The fenced moves' audit log, newest first: holder, fence, kind, target, detail, outcome."""
+        rows = await self.shared.call("lease_moves", self.shared.redis.xrevrange(self.moves_key, count=limit))
+        return [{"id": rid, **fields} for rid, fields in rows]
+
+    async def refresh_moves(self) -> None:
+        """Read the newest fenced moves for the admin API (each lease period; kept when Redis is down)."""
+        self.recent_moves = await self.moves(MOVES_SHOWN)
+
     def _note(self) -> None:
         now = self.leader
         if now != self._was_leader:
@@ -145,6 +205,7 @@ class LeaderLease:
                     await self.publish()
                 else:
                     await self.fetch_remote()
+                await self.refresh_moves()
             except StoreUnavailable:
                 pass
             except Exception:  # a bug must not end the lease loop (it only fails to act, never acts twice)
@@ -172,3 +233,5 @@ class LeaderLease:
                                 value=1.0 if self.leader else 0.0)
         yield GaugeMetricFamily("tokenfleet_planner_lease_fence", "Fencing token of this replica's last hold",
                                 value=float(self.fence))
+        yield CounterMetricFamily("tokenfleet_planner_moves_refused", "Planner moves the fencing token refused",
+                                  value=float(self.refused))

@@ -14,7 +14,10 @@ launch their engines can scale: `sim` now; a move that needs another kind is log
 skipped), `drain` stops routing to an instance, `stop` removes it through its adapter.
 Between cycles the executor advances the steps under way whenever a draining instance
 finishes a request, and at least every `poll_s` while one is loading (readiness comes from
-the health checks). Plans, applies, keeps and rollbacks and every step are served at
+the health checks). With several replicas every start, drain and stop first passes the
+planner lease's fence (`fence`, gateway.lease `LeaderLease.fenced`: the token compared and
+the move recorded in one Redis script); a refused step is logged as failed and not done.
+Plans, applies, keeps and rollbacks and every step are served at
 `GET /admin/v1/planner`.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -38,6 +41,7 @@ from fleetcore.policies import InstanceRouter
 __all__ = ["MODES", "Mode", "PlacementLoop"]
 
 log = logging.getLogger("tokenfleet.placement")
+REFUSED = "refused by the planner lease's fencing token (another replica leads now)"
 
 
 class PlacementLoop:
@@ -55,6 +59,9 @@ class PlacementLoop:
         self._work: set[asyncio.Task[None]] = set()
         # With several replicas, only the holder of the planner lease acts (gateway.lease); None: always.
         self.may_act: Callable[[], bool] | None = None
+        # ... and each step it carries out must pass the lease's fence (kind, target, detail) -> allowed.
+        self.fence: Callable[[str, str, str], Awaitable[bool]] | None = None
+        self.refused = 0  # steps the fence refused
 
     @property
     def mode(self) -> Mode:
@@ -134,11 +141,12 @@ class PlacementLoop:
         await self._execute(self.core.advance(self.clock(), self._replicas()))
 
     async def carry_out(self, move: Move) -> bool:
-        """Carry out `move` now (not watched by the planner); True when a replica started or drained."""
-        before = dict(self.core.action_counts)
+        """Carry out `move` now (not watched by the planner); True when a replica started or drained
+        (and the fence refused none of its steps)."""
+        before, refused = dict(self.core.action_counts), self.refused
         await self._execute(self.core.carry_out(move, self.clock(), self._replicas()))
         after = dict(self.core.action_counts)
-        return any(after.get(k, 0) > before.get(k, 0) for k in ("start", "drain"))
+        return self.refused == refused and any(after.get(k, 0) > before.get(k, 0) for k in ("start", "drain"))
 
     def set_mode(self, mode: Mode, actor: str) -> None:
         self.core.set_mode(mode, actor, self.clock())
@@ -157,7 +165,10 @@ class PlacementLoop:
                 todo += await self._start(cmd)
             elif cmd.kind == "drain":
                 assert cmd.instance_id is not None
-                self.state.drain(cmd.instance_id)
+                if await self._fenced("drain", cmd.instance_id):
+                    self.state.drain(cmd.instance_id)
+                else:  # it keeps serving; the move's stop is dropped with it
+                    self.core.stop_failed(cmd.instance_id, self.clock(), REFUSED)
             else:
                 self._spawn(self._stop(cmd))
         self._log_new()
@@ -167,6 +178,8 @@ class PlacementLoop:
         if adapter is None:
             return self.core.start_failed(cmd.step, self.clock(), f"no deployment of {cmd.model} in {cmd.site} "
                                                                   "whose adapter can add instances", skipped=True)
+        if not await self._fenced("start", f"{cmd.site}/{cmd.model}"):
+            return self.core.start_failed(cmd.step, self.clock(), REFUSED)
         try:
             inst = await adapter.add_instance()
         except Exception as e:
@@ -180,6 +193,11 @@ class PlacementLoop:
         st = self.state.get(cmd.instance_id)
         if st is None:  # already gone (its adapter stopped it)
             self.core.stopped(cmd.instance_id, self.clock())
+        elif not await self._fenced("stop", cmd.instance_id):
+            # Drained while this replica led; the leader now decides its fate. Until then it serves
+            # here again rather than sit drained and unstopped (nothing was done to its engine).
+            st.draining = False
+            self.core.stop_failed(cmd.instance_id, self.clock(), REFUSED)
         else:
             self.state.drain(cmd.instance_id)
             try:
@@ -193,6 +211,12 @@ class PlacementLoop:
         self._log_new()
 
     # -- helpers ------------------------------------------------------------------
+    async def _fenced(self, kind: str, target: str) -> bool:
+        if self.fence is None or await self.fence(kind, target, f"mode {self.mode}"):
+            return True
+        self.refused += 1
+        return False
+
     def _adapter(self, site: str, model: str) -> EngineAdapter | None:
         for a in self.state.adapters:
             if a.scalable and getattr(a, "site", None) == site and getattr(a, "model", None) == model:

@@ -66,22 +66,28 @@ class SnapshotFile:
             "format": FORMAT, "store": self.identity, "saved_at": now_unix(), "version": state.version,
             "policies": [p.model_dump(exclude_defaults=True) for p in state.snapshot.policies],
             "audit": [asdict(e) for e in state.audit]}
-        directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(body, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power cut
-        finally:
-            os.close(dir_fd)
+        write_atomic(self.path, json.dumps(body, indent=1))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a crash leaves the old file or the new one, never a part
+    (temp file, fsync, rename, fsync of the directory). Raises OSError."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
 

@@ -9,6 +9,7 @@ reports its own ledger.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,8 @@ from gateway.load_sync import LoadSync
 from gateway.route_share import RouteShare
 from gateway.placement import MODES, Mode, PlacementLoop
 from gateway.policy_store import StoreUnavailable
-from gateway.shared_state import SharedRedis, SharedStateCollector
+from gateway.policy_snapshot import state_dir
+from gateway.shared_state import RosterFile, SharedRedis, SharedStateCollector
 from slomax import SLOMax
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -65,11 +67,20 @@ class PlannerAdmin:
             for k in ("entries", "actions"):
                 out[k] = list(out.get(k, []))[-limit:]
             out["served_by"] = lease.holder
+            out["fenced_moves"] = lease.recent_moves
             return out
         out = self.placement.report(limit)
         out["leader"] = lease.holder if lease is not None else "this replica"
         out["fence"] = lease.fence if lease is not None else None
+        if lease is not None:  # every start/drain/stop checked against the token: who, what, accepted or not
+            out["fenced_moves"] = lease.recent_moves
         return out
+
+
+def roster_file(configured_dir: str | None, url: str, prefix: str) -> RosterFile:
+    """Where this fleet's last replica count is kept (one file per Redis URL and key prefix)."""
+    digest = hashlib.sha256(f"{url} {prefix}".encode()).hexdigest()[:16]
+    return RosterFile(state_dir(configured_dir) / f"replicas-{digest}.json")
 
 
 class Replicas:
@@ -78,7 +89,7 @@ class Replicas:
                  state: FleetState | None = None, relay: Any = None) -> None:
         g = config.gateway
         url = g.redis_url or getattr(policy_store, "url", None)
-        self.shared = SharedRedis(url, g) if url else None
+        self.shared = SharedRedis(url, g, roster_file=roster_file(g.state_dir, url, g.redis_prefix)) if url else None
         self.budgets: SharedBudgets | None = None
         self.ledger: LedgerSync | None = None
         self.lease: LeaderLease | None = None
@@ -100,6 +111,7 @@ class Replicas:
             if placement is not None:
                 self.lease = LeaderLease(self.shared, report=lambda: placement.report(200))
                 placement.may_act = lambda: self.lease is not None and self.lease.leader
+                placement.fence = self.lease.fenced  # every step checked against the token in Redis
         kv: AdminKV | None = RedisKV(self.shared) if self.shared is not None else local_kv
         self.kv = kv  # the durable admin store: planner mode, API keys (gateway.keys)
         self.planner = PlannerAdmin(placement, kv, self.lease) if placement is not None else None

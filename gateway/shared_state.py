@@ -15,17 +15,24 @@ share:
   older than `replica_ttl_s` is a replica that is gone. `live` is the count the budgets'
   local share divides by;
 - `up`: whether Redis answered the last call. A failure flips it at once, so the admission
-  path stops paying the timeout; the heartbeat probes and flips it back.
+  path stops paying the timeout; the heartbeat probes and flips it back;
+- the last known roster count on local disk (`RosterFile`, under the state dir), written while
+  Redis answers: a replica (re)started while Redis is down takes `live` from it, so it enforces
+  budget / that count rather than the whole budget as if it were alone. A count older than
+  `ROSTER_MAX_AGE_S` is not trusted (the fleet may have been resized since): then 1, logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from fleetcore.fleet_config import GatewaySettings
 from gateway.background import cancel_and_wait
+from gateway.policy_snapshot import write_atomic
 from gateway.policy_store import StoreUnavailable
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -50,6 +58,52 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
+ROSTER_REFRESH_S = 60.0  # an unchanged count is rewritten this often (so its age says it is current)
+ROSTER_MAX_AGE_S = 3600.0  # an older count is not trusted at a start without Redis
+
+
+class RosterFile:
+    """The last replica count Redis gave, on local disk: `{"live": n, "saved_unix": t}`."""
+
+    def __init__(self, path: Path, *, max_age_s: float = ROSTER_MAX_AGE_S, refresh_s: float = ROSTER_REFRESH_S,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.max_age_s = max_age_s
+        self.refresh_s = refresh_s
+        self.wall = wall  # wall clock: the age must survive a restart (a monotonic clock does not)
+        self._written: tuple[int, float] | None = None  # (count, when) last written by this process
+
+    def read(self) -> int | None:
+        """The stored count, or None when there is none, it is unreadable, or older than `max_age_s`."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            live, saved = int(data["live"]), float(data["saved_unix"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            log.error("replica roster: cannot read %s (%s)", self.path, e)
+            return None
+        age = self.wall() - saved
+        if not -5.0 <= age <= self.max_age_s or live < 1:  # a few seconds of clock step back allowed
+            log.warning("replica roster: the last known count (%d, %.0f s old) is outside %.0f s; not used",
+                        live, age, self.max_age_s)
+            return None
+        return live
+
+    async def note(self, live: int) -> None:
+        """Store `live` when it changed or the stored one is `refresh_s` old (off the loop; errors logged)."""
+        now = self.wall()
+        if self._written is not None and self._written[0] == live and now - self._written[1] < self.refresh_s:
+            return
+        body = json.dumps({"live": live, "saved_unix": now})
+        try:
+            await asyncio.to_thread(write_atomic, self.path, body)
+        except OSError as e:
+            log.error("replica roster: cannot write %s (%s)", self.path, e)
+            return
+        self._written = (live, now)
+
+
 def new_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -57,7 +111,8 @@ def new_replica_id() -> str:
 class SharedRedis:
     """The replicas' shared Redis, with the roster heartbeat (`start`/`stop`)."""
 
-    def __init__(self, url: str, settings: GatewaySettings, *, replica_id: str | None = None) -> None:
+    def __init__(self, url: str, settings: GatewaySettings, *, replica_id: str | None = None,
+                 roster_file: RosterFile | None = None) -> None:
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
@@ -74,6 +129,7 @@ class SharedRedis:
                                        retry=Retry(NoBackoff(), 0), max_connections=64)
         self.up = False  # until the first heartbeat answers
         self.live = 1  # replicas alive, this one included (the last count Redis gave)
+        self.roster_file = roster_file  # where that count outlives this process
         self.errors: dict[str, int] = {}  # failed calls by operation, since start
         self._heartbeat = self.redis.register_script(_HEARTBEAT)
         self._task: asyncio.Task[None] | None = None
@@ -112,13 +168,19 @@ class SharedRedis:
         if not was_up:
             log.warning("shared state: Redis reachable; %d replica(s) live", live)
         self.live = max(1, live)
+        if self.roster_file is not None:
+            await self.roster_file.note(self.live)
         return self.live
 
     async def start(self) -> None:
         try:
             await self.beat()  # bounded by store_timeout_s: a down Redis does not hold up the start
         except StoreUnavailable:
-            pass
+            known = self.roster_file.read() if self.roster_file is not None else None
+            if known is not None:  # not alone: the others are most likely still serving
+                self.live = known
+            log.warning("shared state: Redis unreachable at start; assuming %d replica(s) live (%s)", self.live,
+                        "the last count known here" if known is not None else "no recent count known here")
         self._task = asyncio.create_task(self._run(), name="replica-heartbeat")
 
     async def _run(self) -> None:
