@@ -250,3 +250,162 @@ def test_dynamo_and_llm_d_decide_on_the_decode_instances_uncached_tokens() -> No
         again = pol.decide(profile("x", 8000 + 300, tag="doc"), FLEET, FakeLinks(), 1.0)
         assert not again.split and again.decode == warm.decode, pol.name
     assert not LlmDDecider(pilot(), non_cached_tokens=0).remote(10**6, 10**6)  # 0 disables it there
+
+
+# --- the simulator: transfer timing, KV on both ends, off = unchanged -----------------
+
+from fleetcore.fleet_config import FleetConfig, parse_fleet  # noqa: E402
+from fleetsim.cli import make_policy  # noqa: E402
+from fleetsim.disagg import PDRuntime, make_disagg_policy  # noqa: E402
+from fleetsim.simulator import FleetSimulator, prepare  # noqa: E402
+from workloads import TraceRequest  # noqa: E402
+
+KV_8B = model("llama-3.1-8b").kv_bytes_per_token  # 128 KiB per token
+
+
+def pd_fleet(roles: dict[str, int] | None = {"prefill": 1, "decode": 1}, bandwidth_gb_s: float = 0.1,
+             instances: int = 2) -> FleetConfig:
+    dep: dict[str, object] = {"site": "s1", "model": "m", "instances": instances, "gpu": "H100"}
+    if roles is not None:
+        dep["roles"] = roles
+    return parse_fleet({
+        "sites": [{"name": "s1", "region": "us-east", "jurisdiction": "us", "rtt_ms": {"us-east": 2},
+                   "interconnect": {"bandwidth_gb_s": bandwidth_gb_s, "latency_ms": 1.0}}],
+        "models": [{"name": "m", "engine": {"spec": "llama-3.1-8b", "max_model_len": 32768}}],
+        "deployments": [dep],
+    })
+
+
+def trace_req(t_ms: float, n_in: int, n_out: int, ids: tuple[int, ...] = ()) -> TraceRequest:
+    return TraceRequest(t_ms, n_in, n_out, ids)
+
+
+def pd_sim(fleet: FleetConfig, mode: str = "static", **kw: object) -> FleetSimulator:
+    router = make_policy("tokenpilot", 0, fleet)
+    policy = make_disagg_policy(mode, router)
+    assert policy is not None
+    return FleetSimulator(fleet, router, pd=lambda s: PDRuntime(s, policy), **kw)  # type: ignore[arg-type]
+
+
+def prefill_only_time(fleet: FleetConfig, prompt: int) -> float:
+    """The prefill leg's engine time, from a lone engine of the same shape."""
+    from fleetsim.simulator import fleet_instances
+
+    e = SimEngine(fleet_instances(fleet)[0].engine)
+    e.add_request(SimRequest("x", prompt, [], 2, 0.0, mode="prefill"))
+    end, _ = drain(e)
+    return end
+
+
+def test_split_request_ttft_includes_the_transfer_and_both_ends_hold_kv_meanwhile() -> None:
+    fleet = pd_fleet()  # 0.1 GB/s: a 6000-token prompt's 786 MB take 7.9 s to cross
+    sim = pd_sim(fleet, "llm_d_decider")  # it splits whatever the link: 6000 uncached > 512
+    pd = sim.pd
+    assert isinstance(pd, PDRuntime)
+    prompt = 6000
+    prefill_s = prefill_only_time(fleet, prompt)
+    transfer_s = 1e-3 + prompt * KV_8B / 0.1e9
+    mid = 1e-3 + prefill_s + transfer_s / 2  # request reaches the prefill instance after rtt/2
+    seen: dict[str, int] = {}
+
+    def probe(_t: float) -> None:
+        for i in sim.instances():
+            seen[i.role] = i.engine.kv.num_blocks_of(sim.requests[0].inp.request_id)
+
+    sim.schedule(mid, probe)
+    res = sim.run(prepare([trace_req(0, prompt, 20)], fleet))
+    rec = res.records[0]
+    assert rec.status == "completed" and rec.output_tokens == 20 and rec.instance == "s1/m/1"
+    assert pd.stats.splits == 1 and pd.stats.transfer_ms == [pytest.approx(1000 * transfer_s)]
+    # client sees the first token when the KV has arrived: rtt/2 + prefill + transfer + rtt/2
+    assert rec.ttft_s == pytest.approx(2e-3 + prefill_s + transfer_s, rel=1e-6)
+    blocks = -(-prompt // BS)
+    assert seen == {"prefill": blocks, "decode": -(-(prompt + 1) // BS)}  # both ends, mid-transfer
+    for i in sim.instances():  # and neither after
+        assert i.engine.kv.num_free_blocks == i.engine.num_gpu_blocks and i.engine.num_held == 0
+        assert i.inflight == 0
+    assert rec.tpot_s is not None and rec.tpot_s < 0.05  # decoding alone, no prefill in its way
+
+
+def test_a_prefix_the_decode_instance_holds_does_not_cross_again() -> None:
+    fleet = pd_fleet(bandwidth_gb_s=1.0)
+    sim = pd_sim(fleet, "llm_d_decider")  # always splits these: > 512 uncached tokens at the decode side
+    ids = tuple(range(8))  # 8 blocks of 512 tokens
+    res = sim.run(prepare([trace_req(0, 4096, 4, ids), trace_req(20_000, 4096 + 1024, 4, ids + (90, 91))], fleet))
+    assert [r.status for r in res.records] == ["completed", "completed"]
+    assert isinstance(sim.pd, PDRuntime)
+    first, second = sim.pd.stats.transfer_ms
+    assert first == pytest.approx(1 + 4096 * KV_8B / 1e6, rel=1e-6)
+    # 4096 cached at the decode instance (less one block: the last prompt token is always recomputed)
+    assert second < 0.3 * first
+
+
+def test_cancelled_mid_transfer_frees_both_ends() -> None:
+    fleet = pd_fleet()
+    sim = pd_sim(fleet, "llm_d_decider")
+    res = sim.run(prepare([trace_req(0, 6000, 20)], fleet, timeout_s=3.0))
+    assert res.records[0].status == "cancelled" and not res.warnings
+    for i in sim.instances():
+        assert i.engine.kv.num_free_blocks == i.engine.num_gpu_blocks and not i.engine.has_request("r0")
+        assert i.inflight == 0
+
+
+def test_off_ignores_roles_and_changes_nothing() -> None:
+    reqs = [trace_req(i * 150, 300 + 97 * i, 30 + i, tuple(range(i % 3))) for i in range(40)]
+    with_roles, without = pd_fleet(bandwidth_gb_s=50), pd_fleet(roles=None, bandwidth_gb_s=50)
+
+    def records(fleet: FleetConfig) -> list[tuple[object, ...]]:
+        sim = FleetSimulator(fleet, make_policy("tokenpilot", 0, fleet))
+        assert all(i.role == "mixed" for i in sim.instances()) and sim.pd is None
+        return [(r.instance, r.ttft_s, r.tpot_s, r.cached_tokens) for r in sim.run(prepare(reqs, fleet)).records]
+
+    assert records(with_roles) == records(without)
+
+
+def test_cli_rows_carry_disagg_transfer_percentiles_and_role_utilisation(tmp_path: object) -> None:
+    import json
+    from pathlib import Path
+
+    from fleetsim.cli import main
+
+    trace = Path(str(tmp_path)) / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 200, "input_length": 500 + 300 * (i % 7),
+                                         "output_length": 20, "hash_ids": [i % 5, 100 + i]}) + "\n"
+                             for i in range(60)))
+    fleet_file = Path(str(tmp_path)) / "f.yaml"
+    fleet_file.write_text("""
+sites: [{name: s1, region: us-east, jurisdiction: us, rtt_ms: {us-east: 2}}]
+models: [{name: m, engine: {spec: llama-3.1-8b, max_model_len: 32768}}]
+deployments: [{site: s1, model: m, instances: 3, gpu: H100, roles: {prefill: 1, decode: 2}}]
+planner: {cycle_s: 2}
+""")
+    out = Path(str(tmp_path)) / "r.json"
+    argv = ["--trace", str(trace), "--fleet", str(fleet_file), "--policy", "tokenpilot", "--no-progress",
+            "--disagg", "off,static,elastic,dynamo_conditional,llm_d_decider", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["disagg"] for r in rows] == ["off", "static", "elastic", "dynamo_conditional", "llm_d_decider"]
+    assert "kv_transfer_ms" not in rows[0] and rows[0]["completed"] == 60
+    for r in rows[1:]:
+        assert r["completed"] == 60
+        assert set(r["kv_transfer_ms"]) == {"count", "p50", "p95", "p99"}
+        assert set(r["role_utilisation"]) <= {"prefill", "decode"} and r["role_utilisation"]
+    assert rows[4]["split_share"] > 0.5 and rows[4]["kv_transfer_ms"]["count"] > 30  # llm-d: > 512 uncached
+    assert "role_flips" in rows[2]
+    assert main([*argv[:-4], "--policy", "round_robin", "--disagg", "static"]) == 2  # needs tokenpilot
+    assert main([*argv[:-4], "--disagg", "bogus"]) == 2
+
+
+def test_static_tokenpilot_keeps_a_prompt_local_when_the_link_is_slow_and_splits_when_fast() -> None:
+    def run_one(bandwidth_gb_s: float) -> PDRuntime:
+        fleet = pd_fleet(bandwidth_gb_s=bandwidth_gb_s)
+        sim = pd_sim(fleet, "static")
+        # 8 streams decoding on the decode instance when the long prompt arrives
+        reqs = [trace_req(i, 200, 400) for i in range(8)] + [trace_req(500, 12000, 50)]
+        res = sim.run(prepare(reqs, fleet))
+        assert all(r.status == "completed" for r in res.records)
+        assert isinstance(sim.pd, PDRuntime)
+        return sim.pd
+
+    assert run_one(0.1).stats.splits == 0  # 12000 tokens x 128 KiB over 0.1 GB/s: 15.7 s
+    assert run_one(50.0).stats.splits >= 1
