@@ -16,8 +16,9 @@ The rule, each cycle:
   switched only when idle (nothing running, nothing held in transfer); one not idle within
   `drain_timeout_s` is returned to its role and the flip given up;
 - rollback: the goodput (requests that met their SLO per second) over `watch_s` after a flip
-  is compared with the `watch_s` before it; a drop of more than `rollback_drop` flips the
-  instance back, and that direction is blocked for `block_s`.
+  is compared with the `watch_s` before it (each side judged only once `min_samples`
+  requests ended in it: a quiet spell proves nothing); a drop of more than `rollback_drop`
+  flips the instance back, and that direction is blocked for `block_s`.
 Each role keeps at least `min_per_role` instances.
 """
 
@@ -104,7 +105,7 @@ class _Watch:
 class PDRoleController:
     config: PDRolesConfig = field(default_factory=PDRolesConfig)
     log: list[RoleEvent] = field(default_factory=list)
-    _history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))  # (t, met/s)
+    _history: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (t, met/s, ended)
     _last_t: float | None = None
     _pending: _Flip | None = None
     _watch: _Watch | None = None
@@ -117,7 +118,7 @@ class PDRoleController:
         span = now - self._last_t if self._last_t is not None else 0.0
         self._last_t = now
         if span > 0:
-            self._history.append((now, window.met / span))
+            self._history.append((now, window.met / span, window.ended))
         by_id = {i.instance_id: i for i in instances}
         if self._pending is not None:
             return self._advance(now, by_id)
@@ -153,7 +154,7 @@ class PDRoleController:
     def _judge(self, now: float) -> list[RoleCommand]:
         w = self._watch
         assert w is not None
-        if now - w.done_at < self.config.watch_s:
+        if now - w.done_at < self.config.watch_s or self._ended(w.done_at, now) < self.config.min_samples:
             return []
         self._watch = None
         after = self._goodput(w.done_at, now)
@@ -206,8 +207,11 @@ class PDRoleController:
 
     def _goodput(self, start: float, end: float) -> float:
         """Mean met-SLO rate of the cycles that ended in (start, end]."""
-        xs = [g for t, g in self._history if start < t <= end]
+        xs = [g for t, g, _ in self._history if start < t <= end]
         return sum(xs) / len(xs) if xs else 0.0
+
+    def _ended(self, start: float, end: float) -> int:
+        return sum(n for t, _, n in self._history if start < t <= end)
 
     def _event(self, now: float, kind: Literal["drain", "flip", "abandon", "keep", "rollback"], iid: str,
                role: Role | None, reason: str) -> None:

@@ -87,3 +87,16 @@ def test_a_flip_that_helps_is_kept_and_the_next_waits_for_the_cooldown() -> None
     assert c.cycle(120, fleet(flipped), better) == [] and c.log[-1].kind == "keep"
     assert c.cycle(150, fleet(flipped), TTFT) == []  # cooldown (60 s from 120)
     assert c.cycle(180, fleet(flipped), TTFT) == [RoleCommand("drain", "d1")]
+
+
+def test_no_verdict_on_a_flip_until_enough_requests_ended_after_it() -> None:
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(ROLES), TTFT)
+    c.cycle(30, fleet(ROLES), TTFT)
+    c.cycle(60, fleet(ROLES, draining={"d0"}), TTFT)
+    flipped = {**ROLES, "d0": "prefill"}
+    quiet = SLOWindow(ended=3, met=0, ttft_missed=3, tpot_missed=0)  # the trace's tail, say
+    for t in range(90, 270, 30):  # six windows, 18 requests: fewer than min_samples
+        assert c.cycle(t, fleet(flipped), quiet) == []
+    assert c.log[-1].kind == "flip"  # neither kept nor rolled back yet
+    assert c.cycle(270, fleet(flipped), quiet) == [RoleCommand("drain", "d0")]  # 21: judged (and worse)
