@@ -12,9 +12,12 @@ The rule, each cycle:
   one more prefill instance, TPOT pressure one more decode instance;
 - hysteresis: the two shares must differ by `margin`, in the same direction for `streak`
   cycles running, and `cooldown_s` must have passed since the last flip finished;
-- drain first: the instance to flip (the least loaded of its role) takes no new work and is
-  switched only when idle (nothing running, nothing held in transfer); one not idle within
-  `drain_timeout_s` is returned to its role and the flip given up;
+- step: the share of requests the pressure is about, times the pool that gives instances
+  up, rounded, between 1 and `max_step` instances at once (a bad split is fixed in a few
+  cycles, a small imbalance moves one instance);
+- drain first: the instances to flip (the least loaded of their role) take no new work and
+  are switched only when idle (nothing running, nothing held in transfer); those not idle
+  within `drain_timeout_s` return to their role (and if none was idle, the flip is given up);
 - rollback: the goodput (requests that met their SLO per second) over `watch_s` after a flip
   is compared with the `watch_s` before it (each side judged only once `min_samples`
   requests ended in it: a quiet spell proves nothing); a drop of more than `rollback_drop`
@@ -45,6 +48,7 @@ class PDRolesConfig:
     rollback_drop: float = 0.1
     block_s: float = 600.0
     min_per_role: int = 1
+    max_step: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,7 @@ class RoleEvent:
 
 @dataclass(slots=True)
 class _Flip:
-    instance_id: str
+    instance_ids: tuple[str, ...]
     from_role: Role
     to_role: Role
     since: float
@@ -94,7 +98,7 @@ class _Flip:
 
 @dataclass(slots=True)
 class _Watch:
-    instance_id: str
+    instance_ids: tuple[str, ...]
     from_role: Role
     to_role: Role
     done_at: float
@@ -130,25 +134,27 @@ class PDRoleController:
     def _advance(self, now: float, by_id: dict[str, RoleInstance]) -> list[RoleCommand]:
         f = self._pending
         assert f is not None
-        inst = by_id.get(f.instance_id)
-        if inst is None:  # gone from the fleet: nothing to flip
-            self._pending = None
+        here = [i for i in f.instance_ids if i in by_id]  # (one gone from the fleet: nothing to flip)
+        ready = [i for i in here if by_id[i].idle]
+        timed_out = now - f.since >= self.config.drain_timeout_s
+        if len(ready) < len(here) and not timed_out:
             return []
-        if inst.idle:
-            self._pending = None
-            self._event(now, "flip", f.instance_id, f.to_role, f"drained in {now - f.since:.0f} s")
-            if f.rollback:
-                self._calm_until = now + self.config.cooldown_s
-            else:
-                self._watch = _Watch(f.instance_id, f.from_role, f.to_role, now, f.goodput_before)
-            return [RoleCommand("set_role", f.instance_id, f.to_role)]
-        if now - f.since >= self.config.drain_timeout_s:
-            self._pending = None
-            self._calm_until = now + self.config.cooldown_s
-            self._event(now, "abandon", f.instance_id, f.from_role,
+        self._pending = None
+        stuck = [i for i in here if i not in ready]
+        out = [RoleCommand("set_role", i, f.to_role) for i in ready]
+        out += [RoleCommand("set_role", i, f.from_role) for i in stuck]
+        if stuck:
+            self._event(now, "abandon", ",".join(stuck), f.from_role,
                         f"not idle after {self.config.drain_timeout_s:g} s: back to {f.from_role}")
-            return [RoleCommand("set_role", f.instance_id, f.from_role)]
-        return []
+        if not ready:
+            self._calm_until = now + self.config.cooldown_s
+            return out
+        self._event(now, "flip", ",".join(ready), f.to_role, f"drained in {now - f.since:.0f} s")
+        if f.rollback:
+            self._calm_until = now + self.config.cooldown_s
+        else:
+            self._watch = _Watch(tuple(ready), f.from_role, f.to_role, now, f.goodput_before)
+        return out
 
     # -- after a flip: keep it or roll it back --------------------------------------------
     def _judge(self, now: float) -> list[RoleCommand]:
@@ -160,12 +166,12 @@ class PDRoleController:
         after = self._goodput(w.done_at, now)
         if after < w.goodput_before * (1 - self.config.rollback_drop):
             self._blocked[(w.from_role, w.to_role)] = now + self.config.block_s
-            self._pending = _Flip(w.instance_id, w.to_role, w.from_role, now, True, after)
-            self._event(now, "rollback", w.instance_id, w.from_role,
+            self._pending = _Flip(w.instance_ids, w.to_role, w.from_role, now, True, after)
+            self._event(now, "rollback", ",".join(w.instance_ids), w.from_role,
                         f"goodput {after:.2f} req/s after, {w.goodput_before:.2f} before")
-            return [RoleCommand("drain", w.instance_id)]
+            return [RoleCommand("drain", i) for i in w.instance_ids]
         self._calm_until = now + self.config.cooldown_s
-        self._event(now, "keep", w.instance_id, w.to_role,
+        self._event(now, "keep", ",".join(w.instance_ids), w.to_role,
                     f"goodput {after:.2f} req/s after, {w.goodput_before:.2f} before")
         return []
 
@@ -185,15 +191,16 @@ class PDRoleController:
         pool = [i for i in instances if i.role == src and not i.draining]
         if len(pool) <= cfg.min_per_role:
             return []
-        pick = min(pool, key=lambda i: (not i.idle, i.load, i.instance_id))
-        before = self._goodput(now - cfg.watch_s, now)
-        self._pending = _Flip(pick.instance_id, src, want, now, False, before)
-        self._streak_dir, self._streak_n = None, 0
         share_t, share_p = window.ttft_missed / window.ended, window.tpot_missed / window.ended
-        self._event(now, "drain", pick.instance_id, want,
+        step = max(1, min(cfg.max_step, len(pool) - cfg.min_per_role, round(abs(share_t - share_p) * len(pool))))
+        picks = tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))[:step])
+        before = self._goodput(now - cfg.watch_s, now)
+        self._pending = _Flip(picks, src, want, now, False, before)
+        self._streak_dir, self._streak_n = None, 0
+        self._event(now, "drain", ",".join(picks), want,
                     f"{'TTFT' if want == 'prefill' else 'TPOT'} pressure: TTFT missed {share_t:.0%}, "
                     f"TPOT missed {share_p:.0%} of {window.ended}")
-        return [RoleCommand("drain", pick.instance_id)]
+        return [RoleCommand("drain", i) for i in picks]
 
     def _pressure(self, w: SLOWindow) -> Direction | None:
         if w.ended < self.config.min_samples:

@@ -100,3 +100,17 @@ def test_no_verdict_on_a_flip_until_enough_requests_ended_after_it() -> None:
         assert c.cycle(t, fleet(flipped), quiet) == []
     assert c.log[-1].kind == "flip"  # neither kept nor rolled back yet
     assert c.cycle(270, fleet(flipped), quiet) == [RoleCommand("drain", "d0")]  # 21: judged (and worse)
+
+
+def test_strong_pressure_moves_several_instances_and_a_stuck_one_stays() -> None:
+    roles = {"p0": "prefill", **{f"d{k}": "decode" for k in range(10)}}
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(roles), TTFT)
+    cmds = c.cycle(30, fleet(roles, busy={"d0"}), TTFT)  # 35% of 10 instances: 4 (max_step)
+    assert cmds == [RoleCommand("drain", i) for i in ("d1", "d2", "d3", "d4")]
+    draining = {"d1", "d2", "d3", "d4"}
+    assert c.cycle(60, fleet(roles, busy={"d4"}, draining=draining), TTFT) == []  # d4 still busy
+    assert c.cycle(130, fleet(roles, busy={"d4"}, draining=draining), TTFT) == [
+        RoleCommand("set_role", "d1", "prefill"), RoleCommand("set_role", "d2", "prefill"),
+        RoleCommand("set_role", "d3", "prefill"), RoleCommand("set_role", "d4", "decode")]
+    assert [e.kind for e in c.log] == ["drain", "abandon", "flip"]
