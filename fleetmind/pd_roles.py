@@ -42,9 +42,9 @@ class PDRolesConfig:
     margin: float = 0.05
     streak: int = 2
     min_samples: int = 20
-    cooldown_s: float = 60.0
-    drain_timeout_s: float = 120.0
-    watch_s: float = 120.0
+    cooldown_s: float = 30.0
+    drain_timeout_s: float = 60.0
+    watch_s: float = 60.0
     rollback_drop: float = 0.1
     block_s: float = 600.0
     min_per_role: int = 1

@@ -35,7 +35,7 @@ Pure: no I/O, no clock; the link is asked through `Transfers`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -82,6 +82,13 @@ class DisaggConfig:
     split_overhead_s: float = 0.02
     max_prefill_options: int = 4  # best prefill instances (by their own cost) paired ...
     max_decode_options: int = 4  # ... with the best decode instances (by decode cost)
+
+
+def _as_priced(pool: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    """The pool as the cost model should see it: what runs on a prefill instance is prefills,
+    not decode streams, so its running count must not be priced as streams whose KV every
+    step reads (its queued prefill work is in the router's backlog already)."""
+    return [replace(c, num_running=0) if c.role == "prefill" and c.num_running else c for c in pool]
 
 
 def _roles(priced: Priced) -> tuple[list[int], list[int]]:
@@ -134,7 +141,7 @@ class TokenPilotDisagg(_Placer):
 
     def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
                now: float) -> PDDecision:
-        priced = self.router.price(profile, pool, now)
+        priced = self.router.price(profile, _as_priced(pool), now)
         whole, prefill = _roles(priced)
         if not whole:
             return PDDecision(None, "no instance to decode on" if not pool else "no ready decode or mixed instance")
@@ -176,7 +183,7 @@ class RuleDisagg(_Placer):
 
     def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
                now: float) -> PDDecision:
-        priced = self.router.price(profile, pool, now)
+        priced = self.router.price(profile, _as_priced(pool), now)
         whole, prefill = _roles(priced)
         if not whole:
             return PDDecision(None, "no instance to decode on" if not pool else "no ready decode or mixed instance")
