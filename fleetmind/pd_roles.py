@@ -88,20 +88,13 @@ class RoleEvent:
 
 @dataclass(slots=True)
 class _Flip:
+    """A flip draining (`since`: when it started) or done and watched (`since`: when done)."""
+
     instance_ids: tuple[str, ...]
     from_role: Role
     to_role: Role
     since: float
     rollback: bool
-    goodput_before: float
-
-
-@dataclass(slots=True)
-class _Watch:
-    instance_ids: tuple[str, ...]
-    from_role: Role
-    to_role: Role
-    done_at: float
     goodput_before: float
 
 
@@ -112,7 +105,7 @@ class PDRoleController:
     _history: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (t, met/s, ended)
     _last_t: float | None = None
     _pending: _Flip | None = None
-    _watch: _Watch | None = None
+    _watch: _Flip | None = None
     _streak_dir: Direction | None = None
     _streak_n: int = 0
     _calm_until: float = 0.0
@@ -153,17 +146,17 @@ class PDRoleController:
         if f.rollback:
             self._calm_until = now + self.config.cooldown_s
         else:
-            self._watch = _Watch(tuple(ready), f.from_role, f.to_role, now, f.goodput_before)
+            self._watch = _Flip(tuple(ready), f.from_role, f.to_role, now, False, f.goodput_before)
         return out
 
     # -- after a flip: keep it or roll it back --------------------------------------------
     def _judge(self, now: float) -> list[RoleCommand]:
         w = self._watch
         assert w is not None
-        if now - w.done_at < self.config.watch_s or self._ended(w.done_at, now) < self.config.min_samples:
+        if now - w.since < self.config.watch_s or self._ended(w.since, now) < self.config.min_samples:
             return []
         self._watch = None
-        after = self._goodput(w.done_at, now)
+        after = self._goodput(w.since, now)
         if after < w.goodput_before * (1 - self.config.rollback_drop):
             self._blocked[(w.from_role, w.to_role)] = now + self.config.block_s
             self._pending = _Flip(w.instance_ids, w.to_role, w.from_role, now, True, after)

@@ -104,6 +104,10 @@ def _prefill_cost(priced: Priced) -> np.ndarray:
     return priced.cost - priced.decode - priced.interference
 
 
+def _nowhere(pool: Sequence[InstanceSnapshot]) -> PDDecision:
+    return PDDecision(None, "no instance to decode on" if not pool else "no ready decode or mixed instance")
+
+
 def _uncached_at(profile: RequestProfile, priced: Priced, j: int) -> int:
     return int(profile.prompt_tokens - priced.cached[j])
 
@@ -116,6 +120,13 @@ class _Placer:
     def __init__(self, router: TokenPilot, config: DisaggConfig | None = None) -> None:
         self.router = router
         self.config = config or DisaggConfig()
+
+    def _price(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
+               now: float) -> tuple[Priced, list[int], list[int]]:
+        """The pool priced, and which candidates can run it whole / only prefill it."""
+        priced = self.router.price(profile, _as_priced(pool), now)
+        whole, prefill = _roles(priced)
+        return priced, whole, prefill
 
     def _local(self, profile: RequestProfile, priced: Priced, j: int, now: float, reason: str) -> PDDecision:
         iid = priced.ids[j]
@@ -141,10 +152,9 @@ class TokenPilotDisagg(_Placer):
 
     def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
                now: float) -> PDDecision:
-        priced = self.router.price(profile, _as_priced(pool), now)
-        whole, prefill = _roles(priced)
+        priced, whole, prefill = self._price(profile, pool, now)
         if not whole:
-            return PDDecision(None, "no instance to decode on" if not pool else "no ready decode or mixed instance")
+            return _nowhere(pool)
         cost = priced.cost
         best_local = min(whole, key=lambda j: (cost[j], j))
         if not prefill or (profile.max_tokens or 2) < 2:
@@ -183,10 +193,9 @@ class RuleDisagg(_Placer):
 
     def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
                now: float) -> PDDecision:
-        priced = self.router.price(profile, _as_priced(pool), now)
-        whole, prefill = _roles(priced)
+        priced, whole, prefill = self._price(profile, pool, now)
         if not whole:
-            return PDDecision(None, "no instance to decode on" if not pool else "no ready decode or mixed instance")
+            return _nowhere(pool)
         d = min(whole, key=lambda j: (priced.cost[j], j))
         uncached = _uncached_at(profile, priced, d)
         if not prefill or (profile.max_tokens or 2) < 2 or not self.remote(uncached, profile.prompt_tokens):
