@@ -17,7 +17,7 @@ from workloads.generators import document_analysis
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--documents", type=int, default=600, help="documents (default 600)")
+    p.add_argument("--documents", type=int, default=1200, help="documents (default 1200)")
     p.add_argument("--rate", type=float, default=0.5, help="new documents per second (default 0.5)")
     p.add_argument("--seed", type=int, default=17)
     a = p.parse_args(argv)

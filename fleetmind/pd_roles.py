@@ -9,7 +9,9 @@ idle, the SLO misses of the requests that ended since the last cycle), commands 
 The rule, each cycle:
 - pressure: among requests that ended in the window, the share that missed their TTFT
   bound and the share that missed their TPOT bound (class SLOs). TTFT pressure asks for
-  one more prefill instance, TPOT pressure one more decode instance;
+  one more prefill instance, TPOT pressure one more decode instance — unless prefilled
+  requests had to wait for KV room on the decode side (`decode_blocked`): then the TTFT
+  misses are the decode pool's, and that share counts as decode pressure instead;
 - hysteresis: the two shares must differ by `margin`, in the same direction for `streak`
   cycles running, and `cooldown_s` must have passed since the last flip finished;
 - step: the share of requests the pressure is about, times the pool that gives instances
@@ -68,6 +70,7 @@ class SLOWindow:
     met: int
     ttft_missed: int
     tpot_missed: int
+    decode_blocked: int = 0  # prefilled requests that waited for KV room on a decode instance
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,19 +188,24 @@ class PDRoleController:
         if len(pool) <= cfg.min_per_role:
             return []
         share_t, share_p = window.ttft_missed / window.ended, window.tpot_missed / window.ended
-        step = max(1, min(cfg.max_step, len(pool) - cfg.min_per_role, round(abs(share_t - share_p) * len(pool))))
+        share_b = window.decode_blocked / window.ended
+        size = share_b if share_b > cfg.margin else abs(share_t - share_p)
+        step = max(1, min(cfg.max_step, len(pool) - cfg.min_per_role, round(size * len(pool))))
         picks = tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))[:step])
         before = self._goodput(now - cfg.watch_s, now)
         self._pending = _Flip(picks, src, want, now, False, before)
         self._streak_dir, self._streak_n = None, 0
+        why = "TTFT" if want == "prefill" else "decode KV" if share_b > cfg.margin else "TPOT"
         self._event(now, "drain", ",".join(picks), want,
-                    f"{'TTFT' if want == 'prefill' else 'TPOT'} pressure: TTFT missed {share_t:.0%}, "
-                    f"TPOT missed {share_p:.0%} of {window.ended}")
+                    f"{why} pressure: TTFT missed {share_t:.0%}, TPOT missed {share_p:.0%}, "
+                    f"waited for decode KV {share_b:.0%} of {window.ended}")
         return [RoleCommand("drain", i) for i in picks]
 
     def _pressure(self, w: SLOWindow) -> Direction | None:
         if w.ended < self.config.min_samples:
             return None
+        if w.decode_blocked / w.ended > self.config.margin:  # prefill is waiting on decode
+            return "decode"
         diff = (w.ttft_missed - w.tpot_missed) / w.ended
         if diff > self.config.margin:
             return "prefill"

@@ -21,6 +21,7 @@ it in flight on both instances while it prefills, on the decode instance after.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,8 +40,9 @@ if TYPE_CHECKING:
     from .simulator import FleetSimulator, _Inst, _Req
 
 DISAGG_MODES: tuple[str, ...] = ("off", "static", "elastic", "dynamo_conditional", "llm_d_decider")
-# A decode instance with no room for a transfer's blocks is asked again this often.
-RECEIVE_RETRY_S = 0.01
+# A decode instance with no room for a transfer's blocks is asked again this often (the
+# transfers waiting for it queue FIFO behind the first).
+RECEIVE_RETRY_S = 0.02
 
 
 def make_disagg_policy(mode: str, router: object) -> DisaggPolicy | None:
@@ -91,8 +93,9 @@ class _Leg:
     r: _Req
     pre: _Inst
     dec: _Inst
-    stage: str = "prefill"  # prefill | transfer
+    stage: str = "prefill"  # prefill | room (waiting for decode KV) | transfer
     reach_s: float = 0.0
+    waited: bool = False
 
 
 @dataclass
@@ -100,7 +103,8 @@ class PDStats:
     splits: int = 0
     local: int = 0
     transfer_ms: list[float] = field(default_factory=list)
-    receive_waits: int = 0
+    receive_waits: int = 0  # split requests whose decode instance had no room at first
+    waited_ended: int = 0  # ... since the role controller last read (and reset) it
 
 
 class PDRuntime:
@@ -112,6 +116,7 @@ class PDRuntime:
         self.policy = policy
         self.links = SimLinks(sim.fleet, sim)
         self.legs: dict[str, _Leg] = {}
+        self._room: dict[str, deque[_Leg]] = {}  # decode instance -> transfers waiting for its KV
         self.stats = PDStats()
         self._role_since: dict[str, tuple[Role, float, float]] = {}  # iid -> (role, since, busy then)
         self.role_time: dict[Role, list[float]] = {}  # role -> [instance-seconds, busy seconds]
@@ -170,26 +175,51 @@ class PDRuntime:
             leg.r.cached = ev.cached_tokens
             leg.r.engine_wait = res.start - leg.reach_s
         if ev.finished:
-            leg.stage = "transfer"
             self._start_transfer(leg, now)
 
     def _start_transfer(self, leg: _Leg, now: float) -> None:
-        if self.legs.get(leg.r.inp.request_id) is not leg:
-            self._release_prefill(leg)
+        q = self._room.get(leg.dec.iid)
+        if q:  # others wait for room there already: behind them
+            q.append(leg)
+            self._waited(leg)
             return
-        inp = leg.r.inp
-        try:
-            here = leg.dec.engine.receive(SimRequest(inp.request_id, inp.prompt_tokens, inp.block_hashes,
-                                                     inp.output_tokens, now))
-        except ValueError:  # a decode instance that can never hold it (checked at dispatch): do not hide it
-            raise
-        if here is None:  # no room on the decode instance yet
+        if not self._try_send(leg, now):
+            self._room[leg.dec.iid] = deque([leg])
+            self._waited(leg)
+            self.sim.schedule(now + RECEIVE_RETRY_S, lambda t: self._retry(leg.dec.iid, t))
+
+    def _waited(self, leg: _Leg) -> None:
+        leg.stage = "room"
+        if not leg.waited:
+            leg.waited = True
             self.stats.receive_waits += 1
-            self.sim.schedule(now + RECEIVE_RETRY_S, lambda t: self._start_transfer(leg, t))
-            return
+            self.stats.waited_ended += 1
+
+    def _retry(self, dec_iid: str, now: float) -> None:
+        q = self._room[dec_iid]
+        while q and self._try_send(q[0], now):
+            q.popleft()
+        if q:
+            self.sim.schedule(now + RECEIVE_RETRY_S, lambda t: self._retry(dec_iid, t))
+        else:
+            del self._room[dec_iid]
+
+    def _try_send(self, leg: _Leg, now: float) -> bool:
+        """Reserve the decode side's blocks and start the transfer; False when it has no room.
+        A leg cancelled meanwhile lets its prefill side go (and counts as sent)."""
+        inp = leg.r.inp
+        if self.legs.get(inp.request_id) is not leg:
+            self._release_prefill(leg)
+            return True
+        here = leg.dec.engine.receive(SimRequest(inp.request_id, inp.prompt_tokens, inp.block_hashes,
+                                                 inp.output_tokens, now))
+        if here is None:
+            return False
+        leg.stage = "transfer"
         end = self.links.reserve(leg.pre.iid, leg.dec.iid, inp.prompt_tokens - here, now)
         self.stats.transfer_ms.append(1000.0 * (end - now))
         self.sim.schedule(end, lambda t: self._kv_arrived(leg, t))
+        return True
 
     def _kv_arrived(self, leg: _Leg, now: float) -> None:
         self._release_prefill(leg)
@@ -207,7 +237,10 @@ class PDRuntime:
     def on_cancel(self, r: _Req, now: float) -> None:
         leg = self.legs.get(r.inp.request_id)
         if leg is None or leg.stage != "prefill":
-            return  # in transfer: `_kv_arrived` lets both ends go
+            # waiting for room or in transfer: `_try_send` / `_kv_arrived` let both ends go
+            if leg is not None:
+                del self.legs[r.inp.request_id]
+            return
         del self.legs[r.inp.request_id]
         leg.pre.inflight -= 1
         self.sim.schedule(now + r.half_rtt, lambda t: leg.pre.engine.abort(r.inp.request_id))
@@ -264,6 +297,8 @@ class PDRolesLoop:
                 pd.set_role(c.instance_id, c.role, now)
 
     def _window(self, sim: FleetSimulator) -> SLOWindow:
+        pd = sim.pd
+        assert isinstance(pd, PDRuntime)
         reqs = sim.requests
         self._open.extend(reqs[self._seen:])
         self._seen = len(reqs)
@@ -288,7 +323,8 @@ class PDRolesLoop:
                 if slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
                     tpot_missed += 1
         self._open = still
-        return SLOWindow(ended, met, ttft_missed, tpot_missed)
+        blocked, pd.stats.waited_ended = pd.stats.waited_ended, 0
+        return SLOWindow(ended, met, ttft_missed, tpot_missed, blocked)
 
 
 def pd_controllers(mode: str, fleet: FleetConfig, config: PDRolesConfig | None = None) -> list[tuple[float, Any]]:

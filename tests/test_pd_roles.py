@@ -114,3 +114,12 @@ def test_strong_pressure_moves_several_instances_and_a_stuck_one_stays() -> None
         RoleCommand("set_role", "d1", "prefill"), RoleCommand("set_role", "d2", "prefill"),
         RoleCommand("set_role", "d3", "prefill"), RoleCommand("set_role", "d4", "decode")]
     assert [e.kind for e in c.log] == ["drain", "abandon", "flip"]
+
+
+def test_ttft_misses_from_prefills_waiting_for_decode_kv_ask_for_decode_instances() -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "d0": "decode"}
+    blocked = SLOWindow(ended=100, met=40, ttft_missed=50, tpot_missed=5, decode_blocked=30)
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(roles), blocked)
+    assert c.cycle(30, fleet(roles, busy={"p0"}), blocked) == [RoleCommand("drain", "p1")]  # 30% of 3: 1
+    assert "decode KV pressure" in c.log[-1].reason

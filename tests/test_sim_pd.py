@@ -409,3 +409,20 @@ def test_static_tokenpilot_keeps_a_prompt_local_when_the_link_is_slow_and_splits
 
     assert run_one(0.1).stats.splits == 0  # 12000 tokens x 128 KiB over 0.1 GB/s: 15.7 s
     assert run_one(50.0).stats.splits >= 1
+
+
+def test_a_transfer_waits_for_kv_room_on_the_decode_side_in_arrival_order() -> None:
+    fleet = pd_fleet(bandwidth_gb_s=10)
+    d = fleet.model_dump()
+    d["deployments"][0]["options"] = {"num_gpu_blocks_override": 400}  # 6,400 tokens of KV each
+    fleet = parse_fleet(d)
+    sim = pd_sim(fleet, "llm_d_decider")
+    reqs = [trace_req(0, 3000, 200), trace_req(50, 3000, 10), trace_req(100, 3000, 10)]
+    res = sim.run(prepare(reqs, fleet))
+    assert [r.status for r in res.records] == ["completed"] * 3 and not res.warnings
+    assert isinstance(sim.pd, PDRuntime) and sim.pd.stats.splits == 3
+    assert sim.pd.stats.receive_waits >= 1  # two prompts' KV do not fit the decode side at once
+    firsts = [r.arrival_s + (r.ttft_s or 0) for r in res.records]
+    assert firsts == sorted(firsts)  # FIFO behind the first that waited
+    for i in sim.instances():
+        assert i.engine.kv.num_free_blocks == 400 and i.inflight == 0

@@ -17,8 +17,9 @@ send the KV to a `decode` or `mixed` instance over the interconnect. For each re
     split(P, D) = cost(P) - decode(P) - interference(P)   TTFT on P (its cache reuse counts)
                 + transfer(P -> D)               the link's queue + latency + bytes / bandwidth
                                                  of the prompt less what D already caches
-                + decode(D)                      TPOT on D with this stream added (priced as
-                                                 arriving prefilled: no prefill duty on D)
+                + decode(D) + kv(D)              TPOT on D with this stream added, and the KV
+                                                 pressure of its blocks there (priced as arriving
+                                                 prefilled: no prefill duty on D)
                 + split_overhead_s               the second hop (two schedulers, a handshake)
 
 so a short uncached prompt stays local (its prefill barely disturbs decoding there), a long
@@ -164,7 +165,8 @@ class TokenPilotDisagg(_Placer):
         pre = _prefill_cost(priced)
         # A decode instance that receives the KV does not prefill: price its stream as such.
         streams = self.router.price(profile, [priced.pool[j] for j in whole], now, arrives_prefilled=True)
-        dec = {j: float(streams.decode[streams.index(priced.ids[j])]) for j in whole}
+        dec = {j: float(streams.decode[k] + streams.kv_pressure[k])
+               for j in whole for k in (streams.index(priced.ids[j]),)}
         ps = sorted(prefill, key=lambda j: (pre[j], j))[: cfg.max_prefill_options]
         ds = sorted(whole, key=lambda j: (dec[j], j))[: cfg.max_decode_options]
         best: tuple[float, int, int, float] | None = None

@@ -541,6 +541,10 @@ class Priced:
         return self.terms[4]
 
     @property
+    def kv_pressure(self) -> np.ndarray:
+        return self.terms[5]
+
+    @property
     def cached(self) -> np.ndarray:
         return self.terms[6]
 
