@@ -17,9 +17,12 @@ The rule, each cycle:
 - step: the share of requests the pressure is about, times the pool that gives instances
   up, rounded, between 1 and `max_step` instances at once (a bad split is fixed in a few
   cycles, a small imbalance moves one instance);
+- memory: a pool whose mean KV usage is above `max_source_kv` gives no instance up (its
+  streams would have nowhere to go: decode KV fills before decode compute does);
 - drain first: the instances to flip (the least loaded of their role) take no new work and
   are switched only when idle (nothing running, nothing held in transfer); those not idle
-  within `drain_timeout_s` return to their role (and if none was idle, the flip is given up);
+  within `drain_timeout_s` return to their role (and if none was idle, the flip is given
+  up). A rollback is never given up: it waits for its instances however long they drain;
 - rollback: the goodput (requests that met their SLO per second) over `watch_s` after a flip
   is compared with the `watch_s` before it (each side judged only once `min_samples`
   requests ended in it: a quiet spell proves nothing); a drop of more than `rollback_drop`
@@ -50,7 +53,8 @@ class PDRolesConfig:
     rollback_drop: float = 0.1
     block_s: float = 600.0
     min_per_role: int = 1
-    max_step: int = 4
+    max_step: int = 2
+    max_source_kv: float = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,7 @@ class RoleInstance:
     draining: bool
     idle: bool  # nothing running, queued or in KV transfer there
     load: int = 0  # requests in flight there (the least loaded one is drained)
+    kv_usage: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +137,7 @@ class PDRoleController:
         assert f is not None
         here = [i for i in f.instance_ids if i in by_id]  # (one gone from the fleet: nothing to flip)
         ready = [i for i in here if by_id[i].idle]
-        timed_out = now - f.since >= self.config.drain_timeout_s
+        timed_out = now - f.since >= self.config.drain_timeout_s and not f.rollback
         if len(ready) < len(here) and not timed_out:
             return []
         self._pending = None
@@ -185,7 +190,7 @@ class PDRoleController:
         if self._blocked.get((src, want), 0.0) > now:
             return []
         pool = [i for i in instances if i.role == src and not i.draining]
-        if len(pool) <= cfg.min_per_role:
+        if len(pool) <= cfg.min_per_role or sum(i.kv_usage for i in pool) / len(pool) > cfg.max_source_kv:
             return []
         share_t, share_p = window.ttft_missed / window.ended, window.tpot_missed / window.ended
         share_b = window.decode_blocked / window.ended

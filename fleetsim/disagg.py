@@ -287,7 +287,7 @@ class PDRolesLoop:
         pd = sim.pd
         assert isinstance(pd, PDRuntime)
         window = self._window(sim)
-        insts = [RoleInstance(i.iid, i.role, i.draining, idle(i), i.inflight)
+        insts = [RoleInstance(i.iid, i.role, i.draining, idle(i), i.inflight, i.engine.kv.usage())
                  for i in sim.instances() if i.role != "mixed" and i.ready]
         for c in self.core.cycle(now, insts, window):
             if c.kind == "drain":

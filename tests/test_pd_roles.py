@@ -5,7 +5,7 @@ from __future__ import annotations
 from fleetmind.pd_roles import PDRoleController, PDRolesConfig, RoleCommand, RoleInstance, SLOWindow
 
 CFG = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, drain_timeout_s=100, watch_s=60,
-                    rollback_drop=0.1, block_s=600, min_per_role=1)
+                    rollback_drop=0.1, block_s=600, min_per_role=1, max_step=4)
 
 
 def fleet(roles: dict[str, str], busy: set[str] = frozenset(), draining: set[str] = frozenset()) -> list[RoleInstance]:
@@ -123,3 +123,24 @@ def test_ttft_misses_from_prefills_waiting_for_decode_kv_ask_for_decode_instance
     c.cycle(0, fleet(roles), blocked)
     assert c.cycle(30, fleet(roles, busy={"p0"}), blocked) == [RoleCommand("drain", "p1")]  # 30% of 3: 1
     assert "decode KV pressure" in c.log[-1].reason
+
+
+def test_a_pool_nearly_out_of_kv_gives_no_instance_up_and_a_rollback_waits_for_its_drain() -> None:
+    full = [RoleInstance(i, r, False, True, 0, 0.9 if r == "decode" else 0.1)  # type: ignore[arg-type]
+            for i, r in sorted(ROLES.items())]
+    c = PDRoleController(CFG)
+    for t in range(0, 300, 30):
+        assert c.cycle(t, full, TTFT) == []  # TTFT pressure, but the decode pool's KV is 90% full
+    c = PDRoleController(CFG)
+    good = SLOWindow(ended=100, met=60, ttft_missed=35, tpot_missed=5)
+    c.cycle(0, fleet(ROLES), good)
+    c.cycle(30, fleet(ROLES), good)
+    c.cycle(60, fleet(ROLES, draining={"d0"}), good)
+    flipped = {**ROLES, "d0": "prefill"}
+    worse = SLOWindow(ended=100, met=20, ttft_missed=70, tpot_missed=10)
+    c.cycle(90, fleet(flipped), worse)
+    assert c.cycle(120, fleet(flipped), worse) == [RoleCommand("drain", "d0")]  # rollback
+    stuck = fleet(flipped, busy={"d0"}, draining={"d0"})
+    for t in range(150, 600, 30):  # far past drain_timeout_s: a rollback is not given up
+        assert c.cycle(t, stuck, worse) == []
+    assert c.cycle(600, fleet(flipped, draining={"d0"}), worse) == [RoleCommand("set_role", "d0", "decode")]
