@@ -209,7 +209,7 @@ class PDRuntime:
         A leg cancelled meanwhile lets its prefill side go (and counts as sent)."""
         inp = leg.r.inp
         if self.legs.get(inp.request_id) is not leg:
-            self._release_prefill(leg)
+            self._release_prefill(leg, now)
             return True
         here = leg.dec.engine.receive(SimRequest(inp.request_id, inp.prompt_tokens, inp.block_hashes,
                                                  inp.output_tokens, now))
@@ -222,17 +222,23 @@ class PDRuntime:
         return True
 
     def _kv_arrived(self, leg: _Leg, now: float) -> None:
-        self._release_prefill(leg)
+        self._release_prefill(leg, now)
         rid = leg.r.inp.request_id
         if self.legs.pop(rid, None) is not leg or leg.r.status != "running":
             leg.dec.engine.abort(rid)
+            if leg.dec.engine.has_work():
+                self.sim.kick(leg.dec, now)
             return
         leg.dec.engine.kv_arrived(rid)
         self.sim.kv_arrived(leg.r, leg.dec, now)
 
-    def _release_prefill(self, leg: _Leg) -> None:
+    def _release_prefill(self, leg: _Leg, now: float) -> None:
         if leg.pre.engine.release_kv(leg.r.inp.request_id):
             leg.pre.inflight -= 1
+            # Its blocks are free: a prefill waiting for KV there can start (the engine may
+            # have gone idle with work it could not schedule).
+            if leg.pre.engine.has_work():
+                self.sim.kick(leg.pre, now)
 
     def on_cancel(self, r: _Req, now: float) -> None:
         leg = self.legs.get(r.inp.request_id)

@@ -426,3 +426,16 @@ def test_a_transfer_waits_for_kv_room_on_the_decode_side_in_arrival_order() -> N
     assert firsts == sorted(firsts)  # FIFO behind the first that waited
     for i in sim.instances():
         assert i.engine.kv.num_free_blocks == 400 and i.inflight == 0
+
+
+def test_a_prefill_waiting_for_kv_held_by_a_transfer_starts_when_it_is_released() -> None:
+    fleet = pd_fleet(bandwidth_gb_s=0.5)
+    d = fleet.model_dump()
+    d["deployments"][0]["options"] = {"num_gpu_blocks_override": 240}  # one 3000-token prompt at a time
+    fleet = parse_fleet(d)
+    sim = pd_sim(fleet, "llm_d_decider")
+    res = sim.run(prepare([trace_req(0, 3000, 5), trace_req(10, 3000, 5, (7,))], fleet))
+    # the second prompt cannot get blocks while the first's KV is held for its 0.8 s transfer;
+    # the prefill engine idles meanwhile and must be woken when the KV is released
+    assert [r.status for r in res.records] == ["completed", "completed"] and not res.warnings
+    assert res.records[1].ttft_s is not None and res.records[1].ttft_s > 0.78
