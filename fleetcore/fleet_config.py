@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fleetcore.continuation import ContinuationLimits
 from fleetcore.admission_config import AdmissionConfig, BudgetConfig, ClassSLOConfig, check_tenant_classes
 from fleetcore.region_policy import RegionPolicy, check_policy
+from fleetcore.types import ROLES, Role
 
 
 class FleetConfigError(ValueError):
@@ -42,6 +43,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class InterconnectConfig(_Strict):
+    """The link a prefilled request's KV crosses between two instances of one site.
+
+    Defaults: one 400 Gb/s RDMA NIC per instance (50 GB/s), 10 us to set a transfer up.
+    """
+
+    bandwidth_gb_s: float = Field(default=50.0, gt=0, description="KV transfer bandwidth, GB/s (10^9 bytes)")
+    latency_ms: float = Field(default=0.01, ge=0, description="set-up latency of one transfer, ms")
+
+
+class WanConfig(_Strict):
+    """Links between sites: latency is half the sites' round trip (their `rtt_ms`), bandwidth this."""
+
+    bandwidth_gb_s: float = Field(default=1.25, gt=0, description="KV transfer bandwidth between sites, GB/s")
+
+
+
+
 class SiteConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     region: str = Field(min_length=1)
@@ -50,6 +69,8 @@ class SiteConfig(_Strict):
     egress_cost_per_gb: float = Field(default=0.0, ge=0)
     gpus: int | None = Field(default=None, ge=0,
                              description="GPUs the planner may fill with replicas (default: those deployed)")
+    # KV transfer between two instances of this site (prefill -> decode); see fleetcore.interconnect.
+    interconnect: InterconnectConfig = Field(default_factory=lambda: InterconnectConfig())
 
     @model_validator(mode="after")
     def _rtt_non_negative(self) -> SiteConfig:
@@ -108,6 +129,29 @@ class DeploymentConfig(_Strict):
     tp: int = Field(default=1, ge=1)
     urls: list[str] = Field(default_factory=list)
     options: dict[str, Any] = Field(default_factory=dict)
+    # Prefill/decode split: instances per role, e.g. {prefill: 4, decode: 12} (default: all mixed).
+    # The counts must add up to the deployment's instances; instances take roles in the order
+    # mixed, prefill, decode (instance 0 first).
+    roles: dict[Role, int] | None = None
+
+    @model_validator(mode="after")
+    def _roles_add_up(self) -> DeploymentConfig:
+        if self.roles is None:
+            return self
+        bad = sorted(r for r, n in self.roles.items() if n < 0)
+        if bad:
+            raise ValueError(f"roles: counts must be >= 0 (negative: {bad})")
+        total = sum(self.roles.values())
+        if total != self.instance_count:
+            raise ValueError(f"roles: counts add up to {total} but the deployment has {self.instance_count} "
+                             f"instance(s) ({dict(self.roles)})")
+        return self
+
+    def instance_roles(self) -> list[Role]:
+        """The role of each instance, in instance order (all `mixed` without `roles`)."""
+        if self.roles is None:
+            return ["mixed"] * self.instance_count
+        return [r for r in ROLES for _ in range(self.roles.get(r, 0))]
 
     @model_validator(mode="after")
     def _instances_match_adapter(self) -> DeploymentConfig:
@@ -318,6 +362,7 @@ class FleetConfig(_Strict):
     region_policies: list[RegionPolicy] = Field(default_factory=list)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
+    wan: WanConfig = Field(default_factory=WanConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     admin_api_keys: list[str] = Field(default_factory=list, description="plain admin keys (dev only)")
     admin_api_key_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of admin keys")
@@ -411,10 +456,25 @@ class FleetConfig(_Strict):
             if d.version is not None and d.version not in versions:
                 errors.append(f"{where}: model {d.model!r} has no version {d.version!r} (known: {versions})"
                               + did_you_mean(d.version, versions))
+        errors += self._role_errors()
         for t in self.tenants:
             if t.region is not None and t.region not in regions:
                 errors.append(f"tenant {t.name!r}: region {t.region!r} is not one of {sorted(regions)}"
                               + did_you_mean(t.region, regions))
+        return errors
+
+    def _role_errors(self) -> list[str]:
+        """A site's prefill instances of a model need somewhere in that site to hand their KV to."""
+        errors: list[str] = []
+        takers: dict[tuple[str, str], int] = {}
+        for d in self.deployments:
+            roles = d.instance_roles()
+            key = (d.site, d.model)
+            takers[key] = takers.get(key, 0) + sum(1 for r in roles if r != "prefill")
+        for i, d in enumerate(self.deployments):
+            if (d.roles or {}).get("prefill", 0) and not takers.get((d.site, d.model), 0):
+                errors.append(f"deployments[{i}]: prefill instances of {d.model!r} at {d.site!r} need a decode "
+                              f"or mixed instance of it in that site to hand their KV to")
         return errors
 
     @property

@@ -11,7 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["both", "prefill", "decode"]
+# An instance's part in prefill/decode disaggregation; `mixed` (both, as today) is the one
+# spelling in the fleet file and in code.
+Role = Literal["mixed", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("mixed", "prefill", "decode")
 AdmissionAction = Literal["admit", "reject", "queue"]
 
 
@@ -51,7 +54,7 @@ class InstanceSnapshot:
     url: str
     ready: bool = True
     draining: bool = False
-    role: Role = "both"
+    role: Role = "mixed"
     inflight: int = 0
     num_running: int = 0
     num_waiting: int = 0

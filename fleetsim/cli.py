@@ -8,7 +8,9 @@ This command line is a contract outside checks rely on. Extra options:
 `--timeout S` (client gives up S seconds after arrival), `--describe-capacity`
 (print the fleet's estimated capacity for the workload and exit),
 `--admission fcfs,slomax` (gateway admission; every combination with `--policy`
-runs, and each result row says its `"admission"`), `--no-progress`.
+runs, and each result row says its `"admission"`), `--disagg off,static,elastic,
+dynamo_conditional,llm_d_decider` (prefill/decode disaggregation, `fleetsim.disagg`; each
+row says its `"disagg"`), `--no-progress`.
 
 Each policy runs on a fresh simulator (fresh engines, fresh policy object seeded
 with `--seed`) over the same prepared workload. Runnable without the gateway:
@@ -40,6 +42,7 @@ from tokenpilot.registry import ROUTER_NAMES, make_router
 from .metrics import RequestRecord, summarize, summarize_all
 from .planning import PlannerLoop
 from .plots import PlotUnavailable, Run, require_matplotlib, write_plots
+from .disagg import DISAGG_MODES, PDRuntime, make_disagg_policy, pd_controllers, pd_row
 from .replicas import ReplicatedRouter
 from .report import (
     build_report,
@@ -170,6 +173,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", metavar="P1,P2,...", default="fleetmind",
                    help="site placement: fleetmind (home first, spill when home would miss its SLO) and/or "
                         "home (never leave the home site); each is run with every policy (default: fleetmind)")
+    p.add_argument("--disagg", metavar="M1,M2", default="off",
+                   help="prefill/decode disaggregation: off (every instance mixed, the fleet file's roles "
+                        "ignored), static (its roles, TokenPilot decides per request), elastic (static plus "
+                        "FleetMind's role controller), dynamo_conditional, llm_d_decider (published rules); "
+                        "each is run with every policy, all but off with --policy tokenpilot (default: off)")
     p.add_argument("--rate-scale", type=float, default=1.0, metavar="X", help="multiply the arrival rate by X")
     p.add_argument("--max-requests", type=int, default=None, metavar="N", help="only the first N requests")
     p.add_argument("--seed", type=int, default=0, metavar="S",
@@ -265,6 +273,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     bad = [p for p in placements if p not in PLACEMENTS]
     if bad or not placements:
         return _err(f"unknown placement {', '.join(map(repr, bad)) or '(none given)'}; known: {', '.join(PLACEMENTS)}")
+    modes = [m.strip() for m in args.disagg.split(",") if m.strip()]
+    bad_modes = [m for m in modes if m not in DISAGG_MODES]
+    if bad_modes or not modes:
+        return _err(f"unknown disagg mode {', '.join(map(repr, bad_modes)) or '(none given)'}; "
+                    f"known: {', '.join(DISAGG_MODES)}")
+    if any(m != "off" for m in modes) and (set(names) - {"tokenpilot"} or args.gateways > 1):
+        return _err("--disagg other than off prices options with TokenPilot's cost model: "
+                    "use it with --policy tokenpilot (and one gateway)")
     if not args.rate_scale > 0:
         return _err("--rate-scale must be positive")
     if args.max_requests is not None and args.max_requests < 1:
@@ -332,7 +348,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     policies = PolicySet(fleet.region_policies)
     slos = fleet.admission.slos()  # the fleet's SLO map: what admission, FleetMind and the report judge by
     for placement in placements:
-        for name, admission in ((n, a) for n in names for a in admissions):
+        for name, admission, mode in ((n, a, m) for n in names for a in admissions for m in modes):
             random.seed(args.seed)  # for any policy that draws from the module RNG
             try:
                 router = make_policy(name, args.seed, fleet)
@@ -345,11 +361,16 @@ def run_simulate(args: argparse.Namespace) -> int:
             label = name if len(placements) == 1 else f"{name}/{placement}"
             if len(admissions) > 1 or admission != "fcfs":
                 label += f"+{admission}"
+            if len(modes) > 1 or mode != "off":
+                label += f" pd={mode}"
             prog = Progress(label, enabled=not args.no_progress)
             controllers = placement_controllers(placement, fleet)
+            pd_policy = make_disagg_policy(mode, router)
+            pd_ctl = pd_controllers(mode, fleet)
             sim = FleetSimulator(fleet, router, site_chooser=make_placement(placement, fleet, router),
                                  admission=make_admission(admission, slomax_config(fleet)),
-                                 progress=prog, controllers=controllers)
+                                 progress=prog, controllers=[*controllers, *pd_ctl],
+                                 pd=(lambda s, p=pd_policy: PDRuntime(s, p)) if pd_policy is not None else None)
             res = sim.run(inputs)
             for w in res.warnings[:5]:
                 print(f"tokenfleet simulate: warning: {label}: {w}", file=sys.stderr)
@@ -358,6 +379,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                 "steps": res.steps, "preemptions": res.preemptions, "span_s": round(summary["span_s"], 3)})
             row["placement"] = placement
             row["admission"] = admission
+            row["disagg"] = mode
+            last_end = max((r.end_s for r in res.records if r.end_s is not None), default=res.sim_end_s)
+            row.update(pd_row(sim.pd if isinstance(sim.pd, PDRuntime) else None, pd_ctl, last_end))
             row["residency_violations"] = residency_violations(res.records, policies, fleet)
             row["by_site"] = by_site(res.records, summary["span_s"], slos)
             if controllers:

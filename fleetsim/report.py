@@ -46,11 +46,14 @@ def result_row(policy: str, summary: Mapping[str, Any], wall_s: float,
 
 
 def row_label(r: Mapping[str, Any]) -> str:
-    """The row's name in tables: the policy, plus the placement when it is not the default."""
+    """The row's name in tables: the policy, plus the placement, admission and P/D mode when
+    they are not the defaults."""
     placement = r.get("placement")
     label = r["policy"] if placement in (None, "fleetmind") else f"{r['policy']}/{placement}"
     admission = r.get("admission")
-    return label if admission in (None, "fcfs") else f"{label}+{admission}"
+    label = label if admission in (None, "fcfs") else f"{label}+{admission}"
+    disagg = r.get("disagg")
+    return label if disagg in (None, "off") else f"{label} pd={disagg}"
 
 
 def build_report(workload: Mapping[str, Any], fleet: Mapping[str, Any],
@@ -90,7 +93,7 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
     """
     if not results:
         return "(no results)"
-    cols = [("policy", 22, "<"), ("done", 6, ">"), ("rej", 5, ">"), ("canc", 5, ">"),
+    cols = [("policy", 30, "<"), ("done", 6, ">"), ("rej", 5, ">"), ("canc", 5, ">"),
             ("ttft50", 8, ">"), ("ttft95", 8, ">"), ("ttft99", 8, ">"), ("tpot50", 7, ">"), ("tpot95", 7, ">"),
             ("tok/s", 8, ">"), ("good/s", 8, ">"), ("SLO%", 6, ">"), ("hit%", 6, ">"), ("wall", 6, ">"),
             ("good/1st", 8, ">"), ("p95/1st", 8, ">")]
@@ -99,7 +102,7 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
              "  ".join("-" * w for _, w, _ in cols)]
     for r in results:
         t, p = r["ttft_ms"], r["tpot_ms"]
-        cells = [row_label(r)[:22], str(r["completed"]), str(r["rejected"]), str(r.get("cancelled", 0)),
+        cells = [row_label(r)[:30], str(r["completed"]), str(r["rejected"]), str(r.get("cancelled", 0)),
                  _num(t["p50"], ".0f"), _num(t["p95"], ".0f"), _num(t["p99"], ".0f"),
                  _num(p["p50"], ".1f"), _num(p["p95"], ".1f"),
                  _num(r["throughput_tok_s"], ".0f"), _num(r["goodput_tok_s"], ".0f"),
@@ -113,7 +116,7 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
     if classes:
         lines.append("")
         # Each class's first column counts its requests: the header says so (`CLASS n`).
-        head = f"{'per class':<22}" + "".join(f"  {(c[:12] + ' n'):>14} {'SLO%':>5}  good/s  ttft95" for c in classes)
+        head = f"{'per class':<30}" + "".join(f"  {(c[:12] + ' n'):>14} {'SLO%':>5}  good/s  ttft95" for c in classes)
         lines.append(head)
         for r in results:
             cells = []
@@ -125,5 +128,5 @@ def format_table(results: Sequence[Mapping[str, Any]]) -> str:
                 slo = None if g["slo_attainment"] is None else 100 * g["slo_attainment"]
                 cells.append(f"  {g['requests']:>14} {_num(slo, '.1f'):>5}  {_num(g['goodput_tok_s'], '.0f'):>6}"
                              f"  {_num(g['ttft_ms']['p95'], '.0f'):>6}")
-            lines.append(f"{row_label(r)[:22]:<22}" + "".join(cells))
+            lines.append(f"{row_label(r)[:30]:<30}" + "".join(cells))
     return "\n".join(lines)

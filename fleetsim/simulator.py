@@ -60,6 +60,7 @@ from fleetcore.types import (
     InstanceSnapshot,
     RequestOutcome,
     RequestProfile,
+    Role,
     SiteSnapshot,
 )
 from fleetmind.place import place
@@ -206,6 +207,7 @@ class InstanceSpec:
     gpu: str
     tp: int
     engine: EngineConfig
+    role: Role = "mixed"  # the fleet file's; a simulation without --disagg runs every one mixed
 
 
 def fleet_instances(fleet: FleetConfig) -> list[InstanceSpec]:
@@ -234,8 +236,8 @@ def fleet_instances(fleet: FleetConfig) -> list[InstanceSpec]:
             num_gpu_blocks_override=int(override) if override is not None else None,
             enable_kv_events=False)  # nobody drains them here; saves time and memory
         version = fleet.deployment_version(d)
-        for n in range(d.instance_count):
-            out.append(InstanceSpec(f"{prefix}/{n}", d.site, d.model, version, d.gpu, d.tp, cfg))
+        for n, role in enumerate(d.instance_roles()):
+            out.append(InstanceSpec(f"{prefix}/{n}", d.site, d.model, version, d.gpu, d.tp, cfg, role))
     return out
 
 
@@ -256,10 +258,12 @@ def site_rtt_s(site: SiteConfig, region: str) -> float:
 
 class _Inst:
     __slots__ = ("iid", "site", "model", "version", "url", "engine", "stepping", "pending",
-                 "inflight", "max_model_len", "block_size", "spec", "ready", "draining")
+                 "inflight", "max_model_len", "block_size", "spec", "ready", "draining", "role", "busy_s")
 
-    def __init__(self, spec: InstanceSpec) -> None:
+    def __init__(self, spec: InstanceSpec, role: Role = "mixed") -> None:
         self.spec = spec
+        self.role: Role = role  # prefill/decode only when the run disaggregates (fleetsim.disagg)
+        self.busy_s = 0.0  # engine time spent stepping
         self.ready = True  # a replica added at run time is not ready until it has started
         self.draining = False  # takes no new requests, finishes what it has
         self.iid = spec.instance_id
@@ -300,6 +304,14 @@ class _Req:
 # Heap event kinds; ties at one instant run in push order (the sequence number).
 _REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL, _TICK, _READY, _SYNC = range(9)
 
+class PDHook(Protocol):
+    """The prefill/decode half of a run (`fleetsim.disagg.PDRuntime`), as the simulator calls it."""
+
+    def dispatch(self, r: _Req, now: float, view: FleetView, avoid: Collection[str]) -> None: ...
+    def on_prefill_event(self, ev: Any, res: StepResult, now: float) -> None: ...
+    def on_cancel(self, r: _Req, now: float) -> None: ...
+
+
 # A periodic controller (e.g. FleetMind's placement planner): called as fn(simulator, now).
 Controller = Callable[["FleetSimulator", float], None]
 
@@ -326,7 +338,8 @@ class FleetSimulator:
 
     def __init__(self, fleet: FleetConfig, router: InstanceRouter, *, site_chooser: SiteChooser | None = None,
                  admission: Admission | None = None, progress: ProgressFn | None = None,
-                 controllers: Sequence[tuple[float, Controller]] = ()) -> None:
+                 controllers: Sequence[tuple[float, Controller]] = (),
+                 pd: Callable[[FleetSimulator], PDHook] | None = None) -> None:
         self.fleet = fleet
         self.router = router
         if isinstance(router, ReplicatedRouter):  # gateway replicas: their syncs run in virtual time
@@ -334,7 +347,9 @@ class FleetSimulator:
         self.site_chooser: SiteChooser = site_chooser or NearestReadySite()
         self.admission = admission or AdmitAll()
         self.progress = progress
-        self._insts = [_Inst(s) for s in fleet_instances(fleet)]
+        # Prefill/decode disaggregation (fleetsim.disagg): None runs every instance mixed.
+        self.pd = pd(self) if pd is not None else None
+        self._insts = [_Inst(s, s.role if self.pd is not None else "mixed") for s in fleet_instances(fleet)]
         self._by_id = {i.iid: i for i in self._insts}
         self._sites = list(fleet.sites)
         self._site_cfg = {s.name: s for s in fleet.sites}
@@ -369,7 +384,7 @@ class FleetSimulator:
                 e = i.engine
                 snaps.append(InstanceSnapshot(
                     instance_id=i.iid, site=i.site, model=i.model, version=i.version, url=i.url,
-                    ready=i.ready, draining=i.draining, inflight=i.inflight, num_running=e.num_running, num_waiting=e.num_waiting,
+                    ready=i.ready, draining=i.draining, role=i.role, inflight=i.inflight, num_running=e.num_running, num_waiting=e.num_waiting,
                     kv_usage=e.kv.usage(), block_size=i.block_size, max_model_len=i.max_model_len))
             sites.append(SiteSnapshot(name=s.name, region=s.region, jurisdiction=s.jurisdiction,
                                       rtt_ms=s.rtt_ms, instances=tuple(snaps)))
@@ -413,6 +428,32 @@ class FleetSimulator:
         self.router.register_instance(iid, spec_prior(spec))
         self._push(now + startup_s, _READY, inst, on_ready)
         return iid
+
+    # -- what the P/D half (fleetsim.disagg) drives ----------------------------------
+
+    def instance(self, instance_id: str) -> _Inst:
+        return self._by_id[instance_id]
+
+    def instances(self) -> list[_Inst]:
+        return list(self._insts)
+
+    def schedule(self, t: float, fn: Callable[[float], None]) -> None:
+        """Call fn(t) at virtual time t."""
+        self._push(t, _SYNC, fn)
+
+    def kick(self, inst: _Inst, now: float) -> None:
+        """New work reached `inst`: step it now unless a step is under way."""
+        if not inst.stepping:
+            self._step(inst, now)
+
+    def kv_arrived(self, r: _Req, inst: _Inst, now: float) -> None:
+        """A split request's KV reached its decode instance: its first token leaves from there now."""
+        rid = r.inp.request_id
+        self._active[rid] = r
+        r.ntok = 1
+        r.first = r.last = now
+        self.admission.on_first_token(rid, now)
+        self.kick(inst, now)
 
     def drain(self, instance_id: str) -> None:
         """Stop sending requests to a replica; it finishes what it has."""
@@ -479,22 +520,36 @@ class FleetSimulator:
         if need > self._max_len[inp.model]:
             self._undispatchable(r, now, f"context_length_exceeded: {need} tokens > {self._max_len[inp.model]}")
             return
+        if self.pd is not None:
+            self.pd.dispatch(r, now, view, avoid)
+            return
         choice = place(profile, view, now, self.site_chooser, self.router, avoid=avoid)
         inst = self._by_id.get(choice.instance.instance_id) if choice.instance is not None else None
         if inst is None or choice.site.site is None:
             self._undispatchable(r, now, choice.reason)
             return
-        if need > inst.max_model_len:
+        self._send(r, inst, now)
+
+    def _send(self, r: _Req, inst: _Inst, now: float) -> bool:
+        """Dispatch `r` to `inst` (its whole run there): on the wire now, reaching it rtt/2 later.
+        False (rejected) when it cannot fit there."""
+        inp = r.inp
+        if inp.prompt_tokens + inp.output_tokens > inst.max_model_len:
             self._undispatchable(r, now, f"context_length_exceeded on {inst.iid}")
-            return
+            return False
+        self._start(r, inst, now)
+        self._push(now + r.half_rtt, _REACH, r)
+        return True
+
+    def _start(self, r: _Req, inst: _Inst, now: float) -> None:
+        """`r` runs, streaming from `inst`: the gateway counts it in flight there."""
         r.status = "running"
         r.inst = inst
         r.site = inst.site
         r.dispatch_s = now
-        r.half_rtt = self._rtt(inst.site, inp.region) / 2.0
+        r.half_rtt = self._rtt(inst.site, r.inp.region) / 2.0
         inst.inflight += 1
-        self._push(now + r.half_rtt, _REACH, r)
-        self.admission.on_dispatched(inp.request_id, inst.iid, now)
+        self.admission.on_dispatched(r.inp.request_id, inst.iid, now)
 
     def _undispatchable(self, r: _Req, now: float, reason: str) -> None:
         """Admitted, but nowhere to send it: rejected, and admission hears it failed (it counted
@@ -562,6 +617,7 @@ class FleetSimulator:
         ticks = 0
         progress = self.progress
         first_token = self.admission.on_first_token
+        pd = self.pd
         self.requests = reqs
         for ctl in self.controllers:
             self._push((inputs[0].arrival_s if n else 0.0) + ctl[0], _TICK, ctl)
@@ -572,10 +628,13 @@ class FleetSimulator:
                     # Hot path: apply the finished step, start the next one.
                     inst = a
                     res = inst.pending
+                    inst.busy_s += res.duration
                     for ev in res.events:
                         r = active.get(ev.request_id)
                         if r is None:
-                            continue  # aborted while the step ran
+                            if pd is not None:  # a prefill leg (else: aborted while the step ran)
+                                pd.on_prefill_event(ev, res, now)
+                            continue
                         if ev.new_tokens:
                             r.ntok += 1
                             if ev.first_token:
@@ -701,6 +760,8 @@ class FleetSimulator:
         r.status = "cancelled"
         r.reason = "client timeout"
         r.end = now
+        if self.pd is not None:
+            self.pd.on_cancel(r, now)
         inst = r.inst
         assert inst is not None  # running implies dispatched
         inst.inflight -= 1

@@ -123,3 +123,21 @@ def test_adapter_options_are_problems_too_not_a_traceback(tmp_path: Path) -> Non
         f"{f}:8: deployments.1.options: s1/m#1: unknown sim option(s) 'time_scael' (did you mean 'time_scale'?) "
         "(known: time_scale, num_gpu_blocks_override, startup_s, network_rtt_ms, urls)",
     ]
+
+
+def test_role_errors_are_located_at_their_deployment() -> None:
+    text = """\
+sites:
+  - {name: east, region: us-east, jurisdiction: us}
+models:
+  - name: llama
+    engine: {spec: llama-3.1-8b}
+deployments:
+  - {site: east, model: llama, instances: 2, roles: {prefill: 2}}
+"""
+    config, problems = check_fleet_text(text)
+    assert config is None
+    assert [(p.line, p.where) for p in problems] == [(7, "deployments.0")]
+    assert "need a decode or mixed instance" in problems[0].message
+    config, problems = check_fleet_text(text.replace("{prefill: 2}", "{prefill: 1, decode: 2}"))
+    assert config is None and problems[0].line == 7 and "add up to 3" in problems[0].message

@@ -68,3 +68,50 @@ def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
     p.write_text("- just a list\n")
     with pytest.raises(FleetConfigError, match="mapping at top level"):
         load_fleet_file(p)
+
+
+# --- prefill/decode roles and the interconnect (issue 17) ---
+
+
+def test_roles_default_to_mixed_and_split_in_instance_order() -> None:
+    c = parse_fleet(base())
+    assert c.deployments[0].instance_roles() == ["mixed", "mixed"]
+    assert c.sites[0].interconnect.bandwidth_gb_s == 50.0 and c.wan.bandwidth_gb_s == 1.25
+    d = base()
+    d["deployments"][0].update(instances=5, roles={"decode": 3, "prefill": 2})
+    d["sites"][0]["interconnect"] = {"bandwidth_gb_s": 25, "latency_ms": 0.5}
+    d["wan"] = {"bandwidth_gb_s": 2.5}
+    c = parse_fleet(d)
+    assert c.deployments[0].instance_roles() == ["prefill", "prefill", "decode", "decode", "decode"]
+    assert c.sites[0].interconnect.latency_ms == 0.5 and c.wan.bandwidth_gb_s == 2.5
+
+
+@pytest.mark.parametrize("roles, needle", [
+    ({"prefill": 1, "decode": 2}, "counts add up to 3 but the deployment has 2"),
+    ({"prefill": 2}, "need a decode or mixed instance"),
+    ({"prefill": 3, "decode": -1}, "counts must be >= 0"),
+    ({"both": 2}, "Input should be 'mixed', 'prefill' or 'decode'"),
+])
+def test_bad_roles_are_clear_errors(roles: dict[str, int], needle: str) -> None:
+    d = base()
+    d["deployments"][0]["roles"] = roles
+    with pytest.raises(FleetConfigError, match="roles|prefill") as e:
+        parse_fleet(d)
+    assert needle in str(e.value)
+
+
+def test_prefill_may_hand_its_kv_to_another_deployment_of_the_site() -> None:
+    d = base()
+    d["deployments"] = [{"site": "a", "model": "m", "instances": 2, "roles": {"prefill": 2}},
+                        {"site": "a", "model": "m", "instances": 1, "gpu": "H200", "roles": {"decode": 1}}]
+    assert parse_fleet(d).deployments[0].instance_roles() == ["prefill", "prefill"]
+    d["deployments"][1]["site"] = "b"  # the decode side elsewhere does not count: KV stays in a site
+    with pytest.raises(FleetConfigError, match=r"deployments\[0\]: prefill instances of 'm' at 'a'"):
+        parse_fleet(d)
+
+
+def test_bad_interconnect_is_a_field_error() -> None:
+    d = base()
+    d["sites"][0]["interconnect"] = {"bandwidth_gb_s": 0}
+    with pytest.raises(FleetConfigError, match=r"sites\.0\.interconnect\.bandwidth_gb_s"):
+        parse_fleet(d)

@@ -472,6 +472,104 @@ class TokenPilot(InstanceRouter):
                 "backlog_s": float(m[s.BACKLOG, k]), "streams": float(m[s.STREAMS, k]),
                 "index_entries": float(self.index.entries(instance_id))}
 
+    # -- hook for the prefill/decode decision (tokenpilot.disagg; issue 17) ----------------
+    # The P/D decision prices options with this cost model rather than a second one: `price`
+    # is `route`'s scoring without the pick, `book` its commit, split when prefill and decode
+    # run on different instances.
+
+    def price(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot], now: float,
+              arrives_prefilled: bool = False) -> Priced:
+        """Every candidate's terms (as `route` scores them) without routing there. No role
+        filter: the caller chose the pool. Draining or unready candidates are left out, and
+        those above the KV high-water mark unless that leaves none. `arrives_prefilled`: the
+        request's KV is computed elsewhere and arrives whole, so no prefill happens here (its
+        decode and KV terms are those of a stream that only decodes)."""
+        up = [c for c in candidates if c.ready and not c.draining]
+        pool = [c for c in up if c.kv_usage < self.config.kv_high_water] or up
+        if not pool:
+            return Priced((), (), ())
+        if not arrives_prefilled:
+            ids, _, terms = self._terms(profile, pool, now)
+            return Priced(ids, tuple(pool), terms)
+        ids = tuple([c.instance_id for c in pool])
+        whole = np.full(len(pool), -(-profile.prompt_tokens // max(profile.block_size, 1)), dtype=float)
+        return Priced(ids, tuple(pool), self._score(profile, pool, self._pool_slots(ids), whole, now))
+
+    def book(self, profile: RequestProfile, priced: Priced, prefill_on: str, decode_on: str, now: float,
+             predicted_ttft_s: float) -> None:
+        """Account a request placed by the P/D decision: all of it on one instance as `route`
+        would, or its prefill (backlog, duty, the prefix it caches) on `prefill_on` and its
+        stream (context, the prefix that arrives with the KV) on `decode_on`."""
+        j = priced.index(prefill_on)
+        if prefill_on == decode_on:
+            self._commit(profile, self._slot(prefill_on), prefill_on, float(priced.ttft[j]),
+                         float(priced.queue[j]), float(priced.prefill[j]), float(priced.compute[j]), now)
+            return
+        s, m = self._s, self._s.m
+        kp, kd = self._slot(prefill_on), self._slot(decode_on)
+        compute = float(priced.compute[j])
+        m[s.BACKLOG, kp] += float(priced.prefill[j])
+        m[s.DUTY, kp] += compute / self._duty_window()
+        self._mean_compute += 0.02 * (compute - self._mean_compute)
+        m[s.CONTEXT, kd] += profile.prompt_tokens
+        m[s.STREAMS, kd] += 1
+        s.refresh_context(kd)
+        self.index.record_route(prefill_on, profile.block_hashes, now)
+        self.index.record_route(decode_on, profile.block_hashes, now)
+        # Its TTFT spans two instances and a link: not evidence of either one's prefill speed.
+        self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, float("inf"))
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """`TokenPilot.price`'s answer: candidate ids, their snapshots, and the score terms
+    (cost, ttft, queue, prefill, interference, kv pressure, cached tokens, own decode,
+    prefill compute), one array each in candidate order."""
+
+    ids: tuple[str, ...]
+    pool: tuple[InstanceSnapshot, ...]
+    terms: tuple[np.ndarray, ...]
+
+    def index(self, instance_id: str) -> int:
+        return self.ids.index(instance_id)
+
+    @property
+    def cost(self) -> np.ndarray:
+        return self.terms[0]
+
+    @property
+    def ttft(self) -> np.ndarray:
+        return self.terms[1]
+
+    @property
+    def queue(self) -> np.ndarray:
+        return self.terms[2]
+
+    @property
+    def prefill(self) -> np.ndarray:
+        return self.terms[3]
+
+    @property
+    def interference(self) -> np.ndarray:
+        return self.terms[4]
+
+    @property
+    def kv_pressure(self) -> np.ndarray:
+        return self.terms[5]
+
+    @property
+    def cached(self) -> np.ndarray:
+        return self.terms[6]
+
+    @property
+    def decode(self) -> np.ndarray:
+        return self.terms[7]
+
+    @property
+    def compute(self) -> np.ndarray:
+        return self.terms[8]
+
+
 
 def _weighted(weight: float, x: np.ndarray) -> np.ndarray:
     """weight * x, skipping the vector operation at the (default) weight 1, where it is exact."""

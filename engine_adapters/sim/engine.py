@@ -18,6 +18,18 @@ Scheduling, as vLLM V1 with chunked prefill and prefix caching:
 A request samples a token whenever a step computes all its known tokens
 (prompt + outputs so far): the end of prefill gives the first token, each
 decode one more; a preempted request's recompute ends with its next token.
+
+Prefill/decode disaggregation (issue 17), per request:
+  * ``mode="prefill"``: prefill only. It ends with its first token (event
+    ``finished``), but its blocks stay held (the KV is being sent) until the
+    caller says the transfer is over: ``release_kv``.
+  * decode only: ``receive(req)`` reserves the blocks for the whole prompt on
+    arrival of a transfer (a prefix this engine already caches is reused and
+    need not cross: the return value), ``kv_arrived`` makes it runnable with
+    its first token already made; it then decodes like any running request
+    (admitted ahead of new prompts: its prefill is paid for). Preempted, it
+    recomputes here, as vLLM's decode instances do.
+Both ends hold the request's KV for the transfer's duration.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from fleetcore.hardware import GpuSpec, ModelSpec
 from fleetcore.roofline import StepTimer
@@ -53,6 +66,7 @@ class SimRequest:
     block_hashes: Sequence[int]  # chained hash per FULL prompt block
     output_len: int  # exactly the tokens it will generate (caller decided stop vs length)
     arrival: float
+    mode: Literal["full", "prefill"] = "full"  # prefill: stop after the first token, hold the KV
 
 
 @dataclass(slots=True)
@@ -77,7 +91,8 @@ class StepResult:
 class _Req:
     """Engine-side request state (mutable, slotted, never copied)."""
 
-    __slots__ = ("req", "rid", "known", "num_computed", "num_output", "cached_tokens", "cap", "is_running")
+    __slots__ = ("req", "rid", "known", "num_computed", "num_output", "cached_tokens", "cap", "is_running",
+                 "target")
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
@@ -88,6 +103,7 @@ class _Req:
         self.cached_tokens = 0
         self.cap = 0  # tokens the held blocks can take (fast path around ensure_capacity)
         self.is_running = False
+        self.target = 1 if req.mode == "prefill" else req.output_len  # tokens it makes here
 
 
 class SimEngine:
@@ -108,6 +124,11 @@ class SimEngine:
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
         self._by_id: dict[str, _Req] = {}
+        # Disaggregation: prefilled requests whose KV is being sent out; requests whose KV is
+        # coming in (blocks reserved); requests whose KV has arrived, to be admitted to decode.
+        self._held: dict[str, _Req] = {}
+        self._receiving: dict[str, _Req] = {}
+        self._arrived: deque[_Req] = deque()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_preemptions = 0
@@ -141,7 +162,7 @@ class SimEngine:
         return self.kv.prefix_hits_tokens
 
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._arrived)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._by_id
@@ -168,13 +189,67 @@ class SimEngine:
         r = self._by_id.pop(request_id, None)
         if r is None:
             return False
-        if r.is_running:
+        if self._held.pop(request_id, None) is not None or self._receiving.pop(request_id, None) is not None:
+            self.kv.free(r.rid)
+        elif r in self._arrived:
+            self._arrived.remove(r)
+            self.kv.free(r.rid)
+        elif r.is_running:
             self._running.remove(r)
             self.kv.free(r.rid)
         else:
             self._waiting.remove(r)
         self.num_aborted += 1
         return True
+
+    # -- disaggregation ---------------------------------------------------------
+
+    def release_kv(self, request_id: str) -> bool:
+        """A prefill-only request's KV has been sent: free its blocks (its prompt blocks stay
+        cached here). False if it is not held here."""
+        r = self._held.pop(request_id, None)
+        if r is None:
+            return False
+        del self._by_id[request_id]
+        self.kv.free(r.rid)
+        return True
+
+    def receive(self, req: SimRequest) -> int | None:
+        """Reserve blocks for a request whose KV another engine prefilled. Returns the prompt
+        tokens this engine's prefix cache already holds (those need not be sent), or None,
+        changing nothing, when the blocks cannot be had now."""
+        if req.request_id in self._by_id:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.output_len < 2:
+            raise ValueError("a request with one output token is done at prefill; nothing to decode")
+        if req.prompt_len + req.output_len > self.max_model_len:
+            raise ValueError(
+                f"prompt {req.prompt_len} + output {req.output_len} tokens exceed max_model_len {self.max_model_len}"
+            )
+        cached = self.kv.allocate_prompt(req.request_id, req.block_hashes, req.prompt_len + 1)
+        if cached is None:
+            return None
+        r = _Req(req)
+        r.cached_tokens = cached
+        self._by_id[req.request_id] = r
+        self._receiving[req.request_id] = r
+        return cached
+
+    def kv_arrived(self, request_id: str) -> None:
+        """The transfer is complete: the prompt's KV and first token are here; decode next."""
+        r = self._receiving.pop(request_id)
+        p = r.req.prompt_len
+        self.kv.commit_full_blocks(r.rid, p)  # received prompt blocks are reusable prefixes here too
+        r.num_computed = p
+        r.num_output = 1
+        r.known = p + 1
+        r.cap = self.kv.num_blocks_of(r.rid) * self.block_size
+        self._arrived.append(r)
+
+    @property
+    def num_held(self) -> int:
+        """Requests whose KV is in transfer out of (held) or into (receiving) this engine."""
+        return len(self._held) + len(self._receiving)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -218,9 +293,17 @@ class SimEngine:
             budget -= n
             i += 1
 
-        # 2. Waiting requests, FCFS (vLLM V1 admits none in a step that preempted).
+        # 2. Waiting requests, FCFS (vLLM V1 admits none in a step that preempted); requests
+        #    whose KV arrived from a prefill engine first (one decode token each).
         if not preempted:
             max_seqs = self.config.max_num_seqs
+            arrived = self._arrived
+            while arrived and budget > 0 and len(running) < max_seqs:
+                r = arrived.popleft()
+                r.is_running = True
+                running.append(r)
+                sched.append((r, 1))
+                budget -= 1
             while waiting and budget > 0 and len(running) < max_seqs:
                 r = waiting[0]
                 cached = kv.allocate_prompt(r.rid, r.req.block_hashes, r.known, budget)
@@ -263,7 +346,7 @@ class SimEngine:
                 first = r.num_output == 1
                 if first:
                     self.prompt_tokens_total += r.req.prompt_len
-                done = r.num_output >= r.req.output_len
+                done = r.num_output >= r.target
                 if done:
                     finished_any = True
                 events.append(RequestEvent(r.rid, 1, first, done, r.cached_tokens))
@@ -272,9 +355,13 @@ class SimEngine:
         if finished_any:
             keep: list[_Req] = []
             for r in running:
-                if r.num_output >= r.req.output_len:
-                    kv.free(r.rid)
-                    del self._by_id[r.rid]
+                if r.num_output >= r.target:
+                    r.is_running = False
+                    if r.req.mode == "prefill":
+                        self._held[r.rid] = r  # KV stays until release_kv
+                    else:
+                        kv.free(r.rid)
+                        del self._by_id[r.rid]
                     self.num_finished += 1
                 else:
                     keep.append(r)

@@ -1,0 +1,146 @@
+"""FleetMind's elastic P/D role controller (fleetmind/pd_roles.py): hysteresis, drain, rollback."""
+
+from __future__ import annotations
+
+from fleetmind.pd_roles import PDRoleController, PDRolesConfig, RoleCommand, RoleInstance, SLOWindow
+
+CFG = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, drain_timeout_s=100, watch_s=60,
+                    rollback_drop=0.1, block_s=600, min_per_role=1, max_step=4)
+
+
+def fleet(roles: dict[str, str], busy: set[str] = frozenset(), draining: set[str] = frozenset()) -> list[RoleInstance]:
+    return [RoleInstance(i, r, i in draining, i not in busy, 3 if i in busy else 0)  # type: ignore[arg-type]
+            for i, r in sorted(roles.items())]
+
+
+TTFT = SLOWindow(ended=100, met=50, ttft_missed=40, tpot_missed=5)
+TPOT = SLOWindow(ended=100, met=50, ttft_missed=5, tpot_missed=40)
+CALM = SLOWindow(ended=100, met=90, ttft_missed=5, tpot_missed=6)
+ROLES = {"p0": "prefill", "d0": "decode", "d1": "decode", "d2": "decode"}
+
+
+def test_ttft_pressure_drains_the_least_loaded_decode_instance_after_a_streak() -> None:
+    c = PDRoleController(CFG)
+    insts = fleet(ROLES, busy={"d0", "d2"})
+    assert c.cycle(0, insts, TTFT) == []  # one cycle of pressure is not enough (hysteresis)
+    assert c.cycle(30, insts, TTFT) == [RoleCommand("drain", "d1")]
+    assert c.log[-1].kind == "drain" and "TTFT pressure" in c.log[-1].reason
+
+
+def test_small_differences_and_few_samples_do_nothing() -> None:
+    c = PDRoleController(CFG)
+    insts = fleet(ROLES)
+    for t in range(0, 600, 30):
+        assert c.cycle(t, insts, CALM) == []
+        assert c.cycle(t + 15, insts, SLOWindow(ended=10, met=0, ttft_missed=10, tpot_missed=0)) == []
+    assert c.log == []
+
+
+def test_the_switch_waits_for_the_drain_and_gives_up_after_its_timeout() -> None:
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(ROLES), TPOT)
+    assert c.cycle(30, fleet(ROLES), TPOT) == []
+    # TPOT pressure wants a decode instance, but the prefill pool is at its minimum (one): nothing
+    assert c.log == []
+    roles = {**ROLES, "p1": "prefill"}
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(roles), TPOT)
+    assert c.cycle(30, fleet(roles), TPOT) == [RoleCommand("drain", "p0")]
+    busy = fleet(roles, busy={"p0"}, draining={"p0"})
+    assert c.cycle(60, busy, TPOT) == []  # still busy: not switched under its requests
+    assert c.cycle(90, fleet(roles, draining={"p0"}), TPOT) == [RoleCommand("set_role", "p0", "decode")]
+    # a second flip: drained but never idle -> back to its old role after drain_timeout_s
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(roles), TPOT)
+    c.cycle(30, fleet(roles), TPOT)
+    assert c.cycle(100, busy, TPOT) == []
+    assert c.cycle(131, busy, TPOT) == [RoleCommand("set_role", "p0", "prefill")]
+    assert c.log[-1].kind == "abandon"
+
+
+def test_goodput_drop_after_a_flip_rolls_it_back_and_blocks_that_direction() -> None:
+    c = PDRoleController(CFG)
+    good = SLOWindow(ended=100, met=60, ttft_missed=35, tpot_missed=5)
+    c.cycle(0, fleet(ROLES), good)
+    c.cycle(30, fleet(ROLES), good)  # drain d0 (all idle: the smallest id)
+    assert c.cycle(60, fleet(ROLES, draining={"d0"}), good) == [RoleCommand("set_role", "d0", "prefill")]
+    flipped = {**ROLES, "d0": "prefill"}
+    worse = SLOWindow(ended=100, met=20, ttft_missed=70, tpot_missed=10)
+    assert c.cycle(90, fleet(flipped), worse) == []  # watching
+    assert c.cycle(120, fleet(flipped), worse) == [RoleCommand("drain", "d0")]
+    assert c.log[-1].kind == "rollback"
+    assert c.cycle(150, fleet(flipped, draining={"d0"}), worse) == [RoleCommand("set_role", "d0", "decode")]
+    # TTFT pressure persists, but decode -> prefill is blocked for block_s
+    for t in range(180, 700, 30):
+        assert c.cycle(t, fleet(ROLES), TTFT) == []
+    assert c.cycle(720, fleet(ROLES), TTFT) == [RoleCommand("drain", "d0")]  # 600 s after the rollback
+
+
+def test_a_flip_that_helps_is_kept_and_the_next_waits_for_the_cooldown() -> None:
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(ROLES), TTFT)
+    c.cycle(30, fleet(ROLES), TTFT)
+    c.cycle(60, fleet(ROLES, draining={"d0"}), TTFT)
+    flipped = {**ROLES, "d0": "prefill"}
+    better = SLOWindow(ended=100, met=80, ttft_missed=15, tpot_missed=5)
+    c.cycle(90, fleet(flipped), better)
+    assert c.cycle(120, fleet(flipped), better) == [] and c.log[-1].kind == "keep"
+    assert c.cycle(150, fleet(flipped), TTFT) == []  # cooldown (60 s from 120)
+    assert c.cycle(180, fleet(flipped), TTFT) == [RoleCommand("drain", "d1")]
+
+
+def test_no_verdict_on_a_flip_until_enough_requests_ended_after_it() -> None:
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(ROLES), TTFT)
+    c.cycle(30, fleet(ROLES), TTFT)
+    c.cycle(60, fleet(ROLES, draining={"d0"}), TTFT)
+    flipped = {**ROLES, "d0": "prefill"}
+    quiet = SLOWindow(ended=3, met=0, ttft_missed=3, tpot_missed=0)  # the trace's tail, say
+    for t in range(90, 270, 30):  # six windows, 18 requests: fewer than min_samples
+        assert c.cycle(t, fleet(flipped), quiet) == []
+    assert c.log[-1].kind == "flip"  # neither kept nor rolled back yet
+    assert c.cycle(270, fleet(flipped), quiet) == [RoleCommand("drain", "d0")]  # 21: judged (and worse)
+
+
+def test_strong_pressure_moves_several_instances_and_a_stuck_one_stays() -> None:
+    roles = {"p0": "prefill", **{f"d{k}": "decode" for k in range(10)}}
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(roles), TTFT)
+    cmds = c.cycle(30, fleet(roles, busy={"d0"}), TTFT)  # 35% of 10 instances: 4 (max_step)
+    assert cmds == [RoleCommand("drain", i) for i in ("d1", "d2", "d3", "d4")]
+    draining = {"d1", "d2", "d3", "d4"}
+    assert c.cycle(60, fleet(roles, busy={"d4"}, draining=draining), TTFT) == []  # d4 still busy
+    assert c.cycle(130, fleet(roles, busy={"d4"}, draining=draining), TTFT) == [
+        RoleCommand("set_role", "d1", "prefill"), RoleCommand("set_role", "d2", "prefill"),
+        RoleCommand("set_role", "d3", "prefill"), RoleCommand("set_role", "d4", "decode")]
+    assert [e.kind for e in c.log] == ["drain", "abandon", "flip"]
+
+
+def test_ttft_misses_from_prefills_waiting_for_decode_kv_ask_for_decode_instances() -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "d0": "decode"}
+    blocked = SLOWindow(ended=100, met=40, ttft_missed=50, tpot_missed=5, decode_blocked=30)
+    c = PDRoleController(CFG)
+    c.cycle(0, fleet(roles), blocked)
+    assert c.cycle(30, fleet(roles, busy={"p0"}), blocked) == [RoleCommand("drain", "p1")]  # 30% of 3: 1
+    assert "decode KV pressure" in c.log[-1].reason
+
+
+def test_a_pool_nearly_out_of_kv_gives_no_instance_up_and_a_rollback_waits_for_its_drain() -> None:
+    full = [RoleInstance(i, r, False, True, 0, 0.9 if r == "decode" else 0.1)  # type: ignore[arg-type]
+            for i, r in sorted(ROLES.items())]
+    c = PDRoleController(CFG)
+    for t in range(0, 300, 30):
+        assert c.cycle(t, full, TTFT) == []  # TTFT pressure, but the decode pool's KV is 90% full
+    c = PDRoleController(CFG)
+    good = SLOWindow(ended=100, met=60, ttft_missed=35, tpot_missed=5)
+    c.cycle(0, fleet(ROLES), good)
+    c.cycle(30, fleet(ROLES), good)
+    c.cycle(60, fleet(ROLES, draining={"d0"}), good)
+    flipped = {**ROLES, "d0": "prefill"}
+    worse = SLOWindow(ended=100, met=20, ttft_missed=70, tpot_missed=10)
+    c.cycle(90, fleet(flipped), worse)
+    assert c.cycle(120, fleet(flipped), worse) == [RoleCommand("drain", "d0")]  # rollback
+    stuck = fleet(flipped, busy={"d0"}, draining={"d0"})
+    for t in range(150, 600, 30):  # far past drain_timeout_s: a rollback is not given up
+        assert c.cycle(t, stuck, worse) == []
+    assert c.cycle(600, fleet(flipped, draining={"d0"}), worse) == [RoleCommand("set_role", "d0", "decode")]

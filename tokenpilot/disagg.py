@@ -1,0 +1,208 @@
+"""Prefill/decode placement per request: prefill where it decodes, or on a prefill instance
+and move the KV (issue 17).
+
+A site's pool holds instances of three roles: `mixed` and `decode` instances can run a
+request whole (a decode instance prefilling locally); `prefill` instances only prefill and
+send the KV to a `decode` or `mixed` instance over the interconnect. For each request a
+`DisaggPolicy` picks one of
+
+    local:   instance L prefills and decodes;
+    split:   instance P prefills, its KV crosses the link P -> D, D decodes.
+
+`TokenPilotDisagg` prices every option with TokenPilot's own cost model
+(`TokenPilot.price`, the very terms `route` minimises) and takes the cheapest:
+
+    local(L)    = cost(L)                        TTFT + interference with L's streams
+                                                 + own decode + KV pressure - locality
+    split(P, D) = cost(P) - decode(P) - interference(P)   TTFT on P (its cache reuse counts)
+                + transfer(P -> D)               the link's queue + latency + bytes / bandwidth
+                                                 of the prompt less what D already caches
+                + decode(D) + kv(D)              TPOT on D with this stream added, and the KV
+                                                 pressure of its blocks there (priced as arriving
+                                                 prefilled: no prefill duty on D)
+                + split_overhead_s               the second hop (two schedulers, a handshake)
+
+so a short uncached prompt stays local (its prefill barely disturbs decoding there), a long
+one goes to a prefill instance when the interference it would cause costs more than the
+transfer, and a congested link keeps it local. Cache reuse counts on the prefill side and,
+for local prefill, on the decode side (both come from the router's prefix index).
+
+The baselines (`tokenpilot.disagg_baselines`) share the skeleton (`RuleDisagg`): choose the
+decode instance first, then a fixed rule says whether to prefill remotely.
+
+Pure: no I/O, no clock; the link is asked through `Transfers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+
+from fleetcore.types import InstanceSnapshot, RequestProfile
+from tokenpilot.router import Priced, TokenPilot
+
+
+class Transfers(Protocol):
+    """What the caller knows of its links (`fleetcore.interconnect`): predicted seconds to move
+    `tokens` tokens of KV from instance `src` to `dst` if sent at `now`, queueing included."""
+
+    def predict_s(self, src: str, dst: str, tokens: int, now: float) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PDDecision:
+    """Where a request runs. `decode` is None when it runs nowhere; `prefill` is None when it
+    prefills on `decode` itself."""
+
+    decode: str | None
+    reason: str
+    prefill: str | None = None
+    predicted_ttft_s: float | None = None
+    transfer_s: float = 0.0
+    cached_tokens: int = 0  # on the instance that prefills
+
+    @property
+    def split(self) -> bool:
+        return self.prefill is not None and self.prefill != self.decode
+
+
+class DisaggPolicy(Protocol):
+    name: str
+
+    def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
+               now: float) -> PDDecision: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    # The second hop of a split request (two schedulers and a handshake: about an engine step
+    # each), charged against splitting.
+    split_overhead_s: float = 0.02
+    max_prefill_options: int = 4  # best prefill instances (by their own cost) paired ...
+    max_decode_options: int = 4  # ... with the best decode instances (by decode cost)
+
+
+def _as_priced(pool: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    """The pool as the cost model should see it: what runs on a prefill instance is prefills,
+    not decode streams, so its running count must not be priced as streams whose KV every
+    step reads (its queued prefill work is in the router's backlog already)."""
+    return [replace(c, num_running=0) if c.role == "prefill" and c.num_running else c for c in pool]
+
+
+def _roles(priced: Priced) -> tuple[list[int], list[int]]:
+    """(candidates that may run a request whole or decode one, prefill-only candidates)."""
+    whole = [j for j, c in enumerate(priced.pool) if c.role != "prefill"]
+    prefill = [j for j, c in enumerate(priced.pool) if c.role == "prefill"]
+    return whole, prefill
+
+
+def _prefill_cost(priced: Priced) -> np.ndarray:
+    """Cost of only prefilling on each candidate: its full cost less the parts that belong to
+    decoding there (its own decode, the stall of streams decoding there)."""
+    return priced.cost - priced.decode - priced.interference
+
+
+def _nowhere(pool: Sequence[InstanceSnapshot]) -> PDDecision:
+    return PDDecision(None, "no instance to decode on" if not pool else "no ready decode or mixed instance")
+
+
+def _uncached_at(profile: RequestProfile, priced: Priced, j: int) -> int:
+    return int(profile.prompt_tokens - priced.cached[j])
+
+
+class _Placer:
+    """Shared by every policy: price the pool, then book and explain the pick."""
+
+    name = "disagg"
+
+    def __init__(self, router: TokenPilot, config: DisaggConfig | None = None) -> None:
+        self.router = router
+        self.config = config or DisaggConfig()
+
+    def _price(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
+               now: float) -> tuple[Priced, list[int], list[int]]:
+        """The pool priced, and which candidates can run it whole / only prefill it."""
+        priced = self.router.price(profile, _as_priced(pool), now)
+        whole, prefill = _roles(priced)
+        return priced, whole, prefill
+
+    def _local(self, profile: RequestProfile, priced: Priced, j: int, now: float, reason: str) -> PDDecision:
+        iid = priced.ids[j]
+        ttft = float(priced.ttft[j])
+        self.router.book(profile, priced, iid, iid, now, ttft)
+        return PDDecision(iid, reason, None, ttft, 0.0, int(priced.cached[j]))
+
+    def _split(self, profile: RequestProfile, priced: Priced, p: int, d: int, transfer_s: float, now: float,
+               reason: str) -> PDDecision:
+        ttft = float(priced.ttft[p]) + transfer_s
+        self.router.book(profile, priced, priced.ids[p], priced.ids[d], now, ttft)
+        return PDDecision(priced.ids[d], reason, priced.ids[p], ttft, transfer_s, int(priced.cached[p]))
+
+    def _transfer(self, profile: RequestProfile, priced: Priced, p: int, d: int, transfers: Transfers,
+                  now: float) -> float:
+        return transfers.predict_s(priced.ids[p], priced.ids[d], _uncached_at(profile, priced, d), now)
+
+
+class TokenPilotDisagg(_Placer):
+    """TokenPilot's P/D decision: the cheapest of every local and split option (module doc)."""
+
+    name = "tokenpilot_disagg"
+
+    def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
+               now: float) -> PDDecision:
+        priced, whole, prefill = self._price(profile, pool, now)
+        if not whole:
+            return _nowhere(pool)
+        cost = priced.cost
+        best_local = min(whole, key=lambda j: (cost[j], j))
+        if not prefill or (profile.max_tokens or 2) < 2:
+            return self._local(profile, priced, best_local, now, "local: no prefill instance" if not prefill
+                               else "local: one output token, nothing to decode elsewhere")
+        cfg = self.config
+        pre = _prefill_cost(priced)
+        # A decode instance that receives the KV does not prefill: price its stream as such.
+        streams = self.router.price(profile, [priced.pool[j] for j in whole], now, arrives_prefilled=True)
+        dec = {j: float(streams.decode[k] + streams.kv_pressure[k])
+               for j in whole for k in (streams.index(priced.ids[j]),)}
+        ps = sorted(prefill, key=lambda j: (pre[j], j))[: cfg.max_prefill_options]
+        ds = sorted(whole, key=lambda j: (dec[j], j))[: cfg.max_decode_options]
+        best: tuple[float, int, int, float] | None = None
+        for p in ps:
+            for d in ds:
+                xfer = self._transfer(profile, priced, p, d, transfers, now)
+                total = float(pre[p]) + xfer + dec[d] + cfg.split_overhead_s
+                if best is None or total < best[0]:
+                    best = (total, p, d, xfer)
+        assert best is not None
+        total, p, d, xfer = best
+        if total < float(cost[best_local]):
+            return self._split(profile, priced, p, d, xfer, now,
+                               f"split: predicted cost {total:.3f} s < {float(cost[best_local]):.3f} s local")
+        return self._local(profile, priced, best_local, now,
+                           f"local: predicted cost {float(cost[best_local]):.3f} s <= {total:.3f} s split")
+
+
+class RuleDisagg(_Placer):
+    """The published deciders' shape: pick the decode instance first (here by TokenPilot's cost,
+    so that comparisons isolate the rule), then `remote(uncached, prompt)` says whether to
+    prefill on a prefill instance (the cheapest to prefill on) instead of locally."""
+
+    def remote(self, uncached: int, prompt: int) -> bool:
+        raise NotImplementedError
+
+    def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
+               now: float) -> PDDecision:
+        priced, whole, prefill = self._price(profile, pool, now)
+        if not whole:
+            return _nowhere(pool)
+        d = min(whole, key=lambda j: (priced.cost[j], j))
+        uncached = _uncached_at(profile, priced, d)
+        if not prefill or (profile.max_tokens or 2) < 2 or not self.remote(uncached, profile.prompt_tokens):
+            return self._local(profile, priced, d, now, f"local: {uncached} uncached tokens on the decode instance")
+        pre = _prefill_cost(priced)
+        p = min(prefill, key=lambda j: (pre[j], j))
+        return self._split(profile, priced, p, d, self._transfer(profile, priced, p, d, transfers, now), now,
+                           f"split: {uncached} uncached tokens on the decode instance")
