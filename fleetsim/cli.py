@@ -411,7 +411,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             controllers = placement_controllers(placement, fleet)
             sim = FleetSimulator(fleet, router, site_chooser=make_placement(placement, fleet, router),
                                  admission=make_admission(admission, slomax_config(fleet)),
-                                 progress=prog, controllers=controllers, failures=failures)
+                                 progress=prog, controllers=controllers,
+                                 failures=failures if failures.active else None)
             res = sim.run(inputs)
             for w in res.warnings[:5]:
                 print(f"tokenfleet simulate: warning: {label}: {w}", file=sys.stderr)

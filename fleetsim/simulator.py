@@ -73,6 +73,7 @@ from .failures import (
     FailureModel,
     FailureStats,
     FaultClock,
+    FaultKind,
     first_byte_deadline_s,
     health_detect_s,
     tail_block_hashes,
@@ -393,7 +394,7 @@ class FleetSimulator:
         self.controllers = list(controllers)
         self.requests: list[_Req] = []  # every arrival so far, in order (controllers read it)
         self._added = 0
-        self.failures = failures if failures is not None and failures.active else None
+        self.failures = failures  # None: engines never fail (and the report has no failures block)
         self.failure_stats = FailureStats()
         self._fault_clock = FaultClock(self.failures) if self.failures is not None else None
         self._last_arrival = 0.0
@@ -804,6 +805,18 @@ class FleetSimulator:
     # every leg on it; a stall freezes it. Each failed leg is then retried (before its first
     # token) or continued (after it) through `_place`, the same placement as a first attempt.
 
+    def inject(self, instance_id: str, kind: FaultKind, at: float) -> None:
+        """A failure at a chosen time (besides the model's random ones); needs a `FailureModel`.
+        Ignored if the instance is already dead or stalled then."""
+        if self.failures is None:
+            raise ValueError("inject needs a FailureModel (failures=...)")
+        inst = self._by_id[instance_id]
+
+        def fire(now: float) -> None:
+            if not (inst.down or inst.frozen_until > now):
+                (self._die if kind == "death" else self._stall)(inst, now)
+        self._push(at, _FAULT, fire)
+
     def _start_failures(self, first_arrival: float, last_arrival: float) -> None:
         self._last_arrival = last_arrival
         for inst in self._insts:
@@ -813,9 +826,9 @@ class FleetSimulator:
         self._arm_fault(inst, "death", t)
         self._arm_fault(inst, "stall", t)
 
-    def _arm_fault(self, inst: _Inst, kind: str, t: float) -> None:
+    def _arm_fault(self, inst: _Inst, kind: FaultKind, t: float) -> None:
         assert self._fault_clock is not None
-        at = self._fault_clock.next_after(inst.iid, kind, t)  # type: ignore[arg-type]
+        at = self._fault_clock.next_after(inst.iid, kind, t)
         if at is not None:
             self._push(at, _FAULT, lambda now: self._fault(inst, kind, now))
 
@@ -829,7 +842,7 @@ class FleetSimulator:
     def _work_left(self, now: float) -> bool:
         return now < self._last_arrival or bool(self._active or self._queue or self._held)
 
-    def _fault(self, inst: _Inst, kind: str, now: float) -> None:
+    def _fault(self, inst: _Inst, kind: FaultKind, now: float) -> None:
         if not self._work_left(now):
             return  # the workload is over: no failure to count, none to arm
         if inst.down or inst.frozen_until > now:
