@@ -1,7 +1,7 @@
 """Goodput under engine failures, with and without continuation: the table of bench/CONTINUATION.md.
 
     .venv/bin/python bench/continuation_table.py [--trace FILE] [--rate-scale X] [--policy P]
-        [--seeds 0,1,2] [--rates 1] [--max-requests N] [--out DIR] [--report-only]
+        [--seeds 0,1,2] [--rates 1] [--max-requests N] [--out DIR] [--report-only] [--only PREFIX]
 
 For every seed: one `tokenfleet simulate` run without failures (the baseline), and for every
 rate R in `--rates` four runs — `--fail-rate R` and `--stall-rate R`, each with continuation
@@ -53,6 +53,8 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         for label, flags in configs(args.rates):
+            if args.only and not label.startswith(args.only):
+                continue
             dest = out / f"{label}-s{seed}.json"
             argv = ["simulate", "--trace", args.trace, "--policy", args.policy, "--rate-scale", f"{args.rate_scale:g}",
                     "--seed", str(seed), "--no-progress", "--json", str(dest), *flags]
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--out", default="bench_out/continuation")
     p.add_argument("--report-only", action="store_true", help="only build the table from the JSON in --out")
+    p.add_argument("--only", default="", metavar="PREFIX",
+                   help="run only the configurations whose label starts so (none, deaths, stalls); the table "
+                        "still reads them all")
     args = p.parse_args(argv)
     out = Path(args.out)
     if not args.report_only:

@@ -32,6 +32,13 @@ What is modelled, and how:
   nothing is excluded).
 * Feedback: `RequestOutcome`s go to the router, site chooser and admission
   hook's `observe` when the gateway sees the request end, as in the gateway.
+* Failures (only with a `FailureModel`; `fleetsim.failures` says how they are drawn and
+  noticed): a dead engine loses its KV cache and its requests and restarts; a stalled one
+  freezes. A failed attempt goes to the router and site chooser's `observe`; before its
+  first token it is retried once elsewhere, after it it is continued — prompt + generated
+  tokens re-prefilled for the remaining budget, placed by `fleetmind.place` with the
+  continuation profile of `fleetcore.continuation` — or, if that refuses, fails
+  (status "failed"). TTFT stays the first token's; TPOT and e2e include the gap.
 
 The engine's state advances at `step()` time, so a snapshot taken during a step
 already reflects that step's scheduling (admitted, preempted) — the granularity
@@ -924,7 +931,8 @@ class FleetSimulator:
                 self._watch_stalled(r, inst, now)
             return
         assert self.failures is not None
-        inst.ready = False  # the relay marks an instance that timed out failed
+        if inst.frozen_until > now:  # the relay marks it failed; a stall already over passes the next check
+            inst.ready = False
         self._active.pop(r.eid, None)
         self._leg_failed(r, leg, "stalled", inst.frozen_until - self.failures.stall_s, now)
 
