@@ -638,8 +638,8 @@ class FleetSimulator:
                     # Hot path: apply the finished step, start the next one.
                     inst = a
                     if b != inst.epoch or inst.shift:  # a dead engine's step, or a stalled one's
-                        if self._step_held(inst, now, b):
-                            continue
+                        self._step_held(inst, now, b)
+                        continue
                     res = inst.pending
                     for ev in res.events:
                         r = active.get(ev.request_id)
@@ -903,14 +903,13 @@ class FleetSimulator:
         self._arm_fault(inst, "stall", now)
         self._after_release(now)
 
-    def _step_held(self, inst: _Inst, now: float, epoch: int) -> bool:
-        """A step end that must not be applied now: True when it was dropped or put off."""
+    def _step_held(self, inst: _Inst, now: float, epoch: int) -> None:
+        """A step end that must not be applied now: dropped (its engine died) or put off (stall)."""
         if epoch != inst.epoch:
-            return True  # the engine that ran it is dead
+            return
         self._seq += 1
         heapq.heappush(self._heap, (now + inst.shift, self._seq, _STEP_END, inst, epoch))
         inst.shift = 0.0
-        return True
 
     def _watch_stalled(self, r: _Req, inst: _Inst, now: float) -> None:
         """Arm the relay's deadline for `r`'s leg on a stalled `inst`: idle after a token of
