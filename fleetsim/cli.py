@@ -10,7 +10,11 @@ This command line is a contract outside checks rely on. Extra options:
 `--admission fcfs,slomax` (gateway admission; every combination with `--policy`
 runs, and each result row says its `"admission"`), `--disagg off,static,elastic,
 dynamo_conditional,llm_d_decider` (prefill/decode disaggregation, `fleetsim.disagg`; each
-row says its `"disagg"`), `--no-progress`.
+row says its `"disagg"`), `--no-progress`, and engine
+failures (`fleetsim.failures`): `--fail-rate R` (deaths per instance-hour),
+`--stall-rate R` (stalls per instance-hour, each `--stall-s` long), `--restart-s S`,
+`--no-continuation`, `--max-continuations N`; with a rate above 0 each result row
+gains a `"failures"` block.
 
 Each policy runs on a fresh simulator (fresh engines, fresh policy object seeded
 with `--seed`) over the same prepared workload. Runnable without the gateway:
@@ -28,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
+from fleetcore.continuation import ContinuationLimits
 from fleetcore.fleet_config import FleetConfig, FleetConfigError, load_fleet_file
 from fleetcore.policies import InstanceRouter
 from fleetcore.slo import ClassSLO
@@ -40,7 +45,8 @@ from slomax import from_fleet as slomax_config
 from tokenpilot.registry import ROUTER_NAMES, make_router
 
 from .metrics import RequestRecord, summarize, summarize_all
-from .planning import PlannerLoop
+from .failures import DEFAULT_STALL_S, FailureModel
+from .planning import DEFAULT_STARTUP_S, PlannerLoop
 from .plots import PlotUnavailable, Run, require_matplotlib, write_plots
 from .disagg import DISAGG_MODES, PDRuntime, make_disagg_policy, pd_controllers, pd_row
 from .replicas import ReplicatedRouter
@@ -116,6 +122,45 @@ def by_site(records: Sequence[RequestRecord], span_s: float,
         out[site] = {k: part[k] for k in ("requests", "completed", "ttft_ms", "throughput_tok_s",
                                           "goodput_tok_s", "slo_attainment", "cache_hit_rate")}
     return out
+
+
+# --- failures -------------------------------------------------------------------------
+
+
+def failure_model(args: argparse.Namespace) -> FailureModel | str:
+    """The `FailureModel` the options ask for, or what is wrong with them."""
+    for name in ("fail_rate", "stall_rate"):
+        if not getattr(args, name) >= 0:
+            return f"--{name.replace('_', '-')} must be >= 0"
+    if not args.stall_s > 0:
+        return "--stall-s must be positive"
+    if args.restart_s is not None and not args.restart_s >= 0:
+        return "--restart-s must be >= 0"
+    if args.max_continuations is not None and args.max_continuations < 0:
+        return "--max-continuations must be >= 0"
+    base = ContinuationLimits()
+    limits = ContinuationLimits(
+        enabled=not args.no_continuation,
+        max_continuations=base.max_continuations if args.max_continuations is None else args.max_continuations,
+        max_reprefill_tokens=base.max_reprefill_tokens)
+    return FailureModel(args.fail_rate, args.stall_rate, args.stall_s, args.restart_s, args.seed, limits)
+
+
+def failure_desc(m: FailureModel) -> dict[str, Any]:
+    """The workload block's record of the failure model a run used."""
+    return {"fail_rate_per_instance_h": m.fail_rate_per_h, "stall_rate_per_instance_h": m.stall_rate_per_h,
+            "stall_s": m.stall_s, "restart_s": m.restart_s, "continuation": m.limits.enabled,
+            "max_continuations": m.limits.max_continuations, "max_reprefill_tokens": m.limits.max_reprefill_tokens}
+
+
+def failure_line(f: Mapping[str, Any]) -> str:
+    lost = f["time_lost_per_continuation_ms"]
+    conts = ", ".join(f"{k} {v}" for k, v in f["continuations"].items()) or "none"
+    lost_s = "-" if lost["p50"] is None else f"p50 {lost['p50']:.0f} ms, p95 {lost['p95']:.0f} ms"
+    return (f"{f['deaths']} deaths, {f['stalls']} stalls; continuations: {conts} "
+            f"({f['continued_requests']} requests, {f['reprefill_tokens']} tokens re-prefilled, time lost "
+            f"{lost_s}); {f['retries_before_first_token']} retried before the first token; "
+            f"{f['failed_requests']} failed")
 
 
 # --- progress -------------------------------------------------------------------------
@@ -199,6 +244,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spread", action="store_true",
                    help="with --gateways: replicas route over the whole pool, not their share of it "
                         "(fleetcore.replica_spread; to measure how they herd without it)")
+    p.add_argument("--fail-rate", type=float, default=0.0, metavar="R",
+                   help="engine deaths per instance-hour (Poisson per instance, seeded with --seed): the "
+                        "instance loses its KV cache and in-flight requests and restarts (default 0)")
+    p.add_argument("--stall-rate", type=float, default=0.0, metavar="R",
+                   help="engine stalls per instance-hour: the instance produces nothing for --stall-s; the "
+                        "gateway's idle / first-byte deadlines (fleet file `gateway:`) notice (default 0)")
+    p.add_argument("--stall-s", type=float, default=DEFAULT_STALL_S, metavar="S",
+                   help=f"how long a stall lasts (default {DEFAULT_STALL_S:g})")
+    p.add_argument("--restart-s", type=float, default=None, metavar="S",
+                   help="how long a dead instance takes to serve again (default: its deployment's startup_s, "
+                        f"else {DEFAULT_STARTUP_S:g})")
+    p.add_argument("--no-continuation", action="store_true",
+                   help="a request whose engine fails after its first token fails (no continuation elsewhere)")
+    p.add_argument("--max-continuations", type=int, default=None, metavar="N",
+                   help=f"continuations per request (default {ContinuationLimits().max_continuations})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -281,6 +341,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if any(m != "off" for m in modes) and (set(names) - {"tokenpilot"} or args.gateways > 1):
         return _err("--disagg other than off prices options with TokenPilot's cost model: "
                     "use it with --policy tokenpilot (and one gateway)")
+    if any(m != "off" for m in modes) and (args.fail_rate > 0 or args.stall_rate > 0):
+        return _err("--disagg other than off does not model engine failures yet: "
+                    "use --fail-rate / --stall-rate with --disagg off")
     if not args.rate_scale > 0:
         return _err("--rate-scale must be positive")
     if args.max_requests is not None and args.max_requests < 1:
@@ -291,6 +354,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err("--gateways must be at least 1")
     if not args.sync_ms >= 0:
         return _err("--sync-ms must be >= 0")
+    failures = failure_model(args)
+    if isinstance(failures, str):
+        return _err(failures)
     if not Path(args.trace).is_file():
         return _err(f"trace file not found: {args.trace}")
     if args.plot:
@@ -315,6 +381,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                  "seed": args.seed, "timeout_s": args.timeout})
     if args.gateways > 1:  # one replica's report stays as it was
         desc.update({"gateways": args.gateways, "sync_ms": args.sync_ms, "spread": not args.no_spread})
+    if failures.active:  # a run without failures reports as it did before they were modelled
+        desc["failures"] = failure_desc(failures)
     fsum["capacity"] = cap
     deps = ", ".join(f"{d['instances']} x {d['model']} on {d['tp']}x{d['gpu']} @ {d['site']}"
                      for d in fsum["deployments"])
@@ -370,7 +438,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             sim = FleetSimulator(fleet, router, site_chooser=make_placement(placement, fleet, router),
                                  admission=make_admission(admission, slomax_config(fleet)),
                                  progress=prog, controllers=[*controllers, *pd_ctl],
-                                 pd=(lambda s, p=pd_policy: PDRuntime(s, p)) if pd_policy is not None else None)
+                                 pd=(lambda s, p=pd_policy: PDRuntime(s, p)) if pd_policy is not None else None,
+                                 failures=failures if failures.active else None)
             res = sim.run(inputs)
             for w in res.warnings[:5]:
                 print(f"tokenfleet simulate: warning: {label}: {w}", file=sys.stderr)
@@ -384,6 +453,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             row.update(pd_row(sim.pd if isinstance(sim.pd, PDRuntime) else None, pd_ctl, last_end))
             row["residency_violations"] = residency_violations(res.records, policies, fleet)
             row["by_site"] = by_site(res.records, summary["span_s"], slos)
+            if res.failures is not None:
+                row["failures"] = res.failures
             if controllers:
                 row["planner_log"] = [{"at": e.at, "kind": e.kind, "move": e.move.describe() if e.move else None,
                                        "reason": e.reason} for e in controllers[0][1].core.planner.log]
@@ -394,6 +465,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             _say(f"ran       {label:<22} wall {res.wall_s:6.1f} s  ({res.steps} engine steps, "
                  f"{summary['span_s']:.0f} s simulated)  goodput {row['goodput_tok_s']:.0f} tok/s  "
                  f"SLO {100 * slo if slo is not None else 0:.1f}%")
+            if res.failures is not None:
+                _say(f"failures  {label:<22} {failure_line(res.failures)}")
 
     report = build_report(desc, fsum, rows)
     print()

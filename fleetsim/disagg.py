@@ -137,13 +137,16 @@ class PDRuntime:
             sim._undispatchable(r, now, d.reason)
             return
         dec = sim.instance(d.decode)
+        need = r.inp.prompt_tokens + r.inp.output_tokens
         if not d.split:
+            if need > dec.max_model_len:
+                sim._undispatchable(r, now, f"context_length_exceeded on {dec.iid}")
+                return
             self.stats.local += 1
             sim._send(r, dec, now)
             return
         assert d.prefill is not None
         pre = sim.instance(d.prefill)
-        need = r.inp.prompt_tokens + r.inp.output_tokens
         if need > min(dec.max_model_len, pre.max_model_len):
             sim._undispatchable(r, now, f"context_length_exceeded on {pre.iid} -> {dec.iid}")
             return

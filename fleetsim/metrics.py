@@ -36,7 +36,7 @@ import numpy as np
 
 from fleetcore.slo import ClassSLO, class_by_length
 
-Status = Literal["completed", "rejected", "cancelled"]
+Status = Literal["completed", "rejected", "cancelled", "failed"]  # failed: ended by an engine failure
 
 PERCENTILES_TTFT = (50, 90, 95, 99)
 PERCENTILES_TPOT = (50, 95)

@@ -32,6 +32,13 @@ What is modelled, and how:
   nothing is excluded).
 * Feedback: `RequestOutcome`s go to the router, site chooser and admission
   hook's `observe` when the gateway sees the request end, as in the gateway.
+* Failures (only with a `FailureModel`; `fleetsim.failures` says how they are drawn and
+  noticed): a dead engine loses its KV cache and its requests and restarts; a stalled one
+  freezes. A failed attempt goes to the router and site chooser's `observe`; before its
+  first token it is retried once elsewhere, after it it is continued — prompt + generated
+  tokens re-prefilled for the remaining budget, placed by `fleetmind.place` with the
+  continuation profile of `fleetcore.continuation` — or, if that refuses, fails
+  (status "failed"). TTFT stays the first token's; TPOT and e2e include the gap.
 
 The engine's state advances at `step()` time, so a snapshot taken during a step
 already reflects that step's scheduling (admitted, preempted) — the granularity
@@ -44,11 +51,12 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from engine_adapters.sim.engine import EngineConfig, SimEngine, SimRequest, StepResult
 from fleetcore import hardware
+from fleetcore.continuation import ContinuationReason, Faithfulness, continuation_profile, refusal, remaining_budget
 from fleetcore.fleet_config import FleetConfig, SiteConfig
 from fleetcore.policies import Admission, InstanceRouter, SiteChooser
 from fleetcore.prefix import synthetic_block_hashes
@@ -68,6 +76,16 @@ from fleetmind.site_choice import NearestReadySite, rtt_ms
 from fleetcore.policies import EnginePrior
 from tokenpilot.priors import prior_from_physics
 
+from .failures import (
+    ATTEMPTS_BEFORE_FIRST_TOKEN,
+    FailureModel,
+    FailureStats,
+    FaultClock,
+    FaultKind,
+    first_byte_deadline_s,
+    health_detect_s,
+    tail_block_hashes,
+)
 from .metrics import RequestRecord, Status
 from .replicas import ReplicatedRouter
 
@@ -258,7 +276,8 @@ def site_rtt_s(site: SiteConfig, region: str) -> float:
 
 class _Inst:
     __slots__ = ("iid", "site", "model", "version", "url", "engine", "stepping", "pending",
-                 "inflight", "max_model_len", "block_size", "spec", "ready", "draining", "role", "busy_s")
+                 "inflight", "max_model_len", "block_size", "spec", "ready", "draining", "role", "busy_s",
+                 "epoch", "down", "frozen_until", "shift")
 
     def __init__(self, spec: InstanceSpec, role: Role = "mixed") -> None:
         self.spec = spec
@@ -277,16 +296,25 @@ class _Inst:
         self.inflight = 0  # gateway's count: dispatched, not yet seen end
         self.max_model_len = self.engine.max_model_len
         self.block_size = spec.engine.block_size
+        # Failures (see fleetsim.failures): a death starts a new epoch (a step end of the old
+        # engine is dropped); a stall freezes the engine until `frozen_until` and delays the
+        # step under way by `shift` seconds.
+        self.epoch = 0
+        self.down = False  # dead, not yet restarted
+        self.frozen_until = 0.0
+        self.shift = 0.0
 
 
 class _Req:
     __slots__ = ("inp", "profile", "status", "inst", "site", "half_rtt", "dispatch_s", "reach_s",
-                 "first", "last", "ntok", "cached", "engine_wait", "end", "reason")
+                 "first", "last", "ntok", "cached", "engine_wait", "end", "reason",
+                 "eid", "legs", "conts", "retries", "excluded", "leg_prompt", "leg_hashes", "leg_out",
+                 "leg_base", "leg_dispatch_s", "predicted_ttft", "failed_at")
 
     def __init__(self, inp: SimInput, profile: RequestProfile) -> None:
         self.inp = inp
         self.profile = profile
-        self.status = "new"  # new | queued | running | completed | rejected | cancelled
+        self.status = "new"  # new | queued | running | completed | rejected | cancelled | failed
         self.inst: _Inst | None = None
         self.site: str | None = None
         self.half_rtt = 0.0
@@ -299,10 +327,24 @@ class _Req:
         self.engine_wait: float | None = None
         self.end: float | None = None
         self.reason: str | None = None
+        # The attempt under way ("leg"): a retry or a continuation after a failure is a new
+        # leg with its own engine request id, prompt and output budget.
+        self.eid = inp.request_id
+        self.legs = 0  # legs started after the first
+        self.conts = 0  # of them continuations (after the first token)
+        self.retries = 0  # of them retries (before it)
+        self.excluded: list[str] = []  # instances that failed this request
+        self.leg_prompt = inp.prompt_tokens
+        self.leg_hashes = inp.block_hashes
+        self.leg_out = inp.output_tokens
+        self.leg_base = 0  # tokens the request had when this leg started
+        self.leg_dispatch_s = 0.0
+        self.predicted_ttft: float | None = None
+        self.failed_at = 0.0  # when the failure the current leg continues from happened
 
 
 # Heap event kinds; ties at one instant run in push order (the sequence number).
-_REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL, _TICK, _READY, _SYNC = range(9)
+_REACH, _STEP_END, _DONE, _CANCEL, _ABORT, _POLL, _TICK, _READY, _SYNC, _FAULT = range(10)
 
 class PDHook(Protocol):
     """The prefill/decode half of a run (`fleetsim.disagg.PDRuntime`), as the simulator calls it."""
@@ -324,6 +366,7 @@ class SimResult:
     preemptions: int = 0
     sim_end_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    failures: dict[str, Any] | None = None  # FailureStats.as_dict() when failures were simulated
 
 
 ProgressFn = Callable[[int, int], None]
@@ -339,7 +382,8 @@ class FleetSimulator:
     def __init__(self, fleet: FleetConfig, router: InstanceRouter, *, site_chooser: SiteChooser | None = None,
                  admission: Admission | None = None, progress: ProgressFn | None = None,
                  controllers: Sequence[tuple[float, Controller]] = (),
-                 pd: Callable[[FleetSimulator], PDHook] | None = None) -> None:
+                 pd: Callable[[FleetSimulator], PDHook] | None = None,
+                 failures: FailureModel | None = None) -> None:
         self.fleet = fleet
         self.router = router
         if isinstance(router, ReplicatedRouter):  # gateway replicas: their syncs run in virtual time
@@ -372,6 +416,11 @@ class FleetSimulator:
         self.controllers = list(controllers)
         self.requests: list[_Req] = []  # every arrival so far, in order (controllers read it)
         self._added = 0
+        self.failures = failures  # None: engines never fail (and the report has no failures block)
+        self.failure_stats = FailureStats()
+        self._fault_clock = FaultClock(self.failures) if self.failures is not None else None
+        self._last_arrival = 0.0
+        self._health_detect_s = health_detect_s(fleet.gateway)
 
     # -- views -------------------------------------------------------------------
 
@@ -427,6 +476,8 @@ class FleetSimulator:
                 insts.append(inst)
         self.router.register_instance(iid, spec_prior(spec))
         self._push(now + startup_s, _READY, inst, on_ready)
+        if self._fault_clock is not None:  # it can fail once it runs
+            self._arm_faults(inst, now + startup_s)
         return iid
 
     # -- what the P/D half (fleetsim.disagg) drives ----------------------------------
@@ -466,6 +517,8 @@ class FleetSimulator:
         heapq.heappush(self._heap, (t, self._seq, kind, a, b))
 
     def _step(self, inst: _Inst, now: float) -> None:
+        if inst.frozen_until > now:  # stalled: it steps again when the stall ends
+            return
         res = inst.engine.step(now)
         if res.duration <= 0.0:
             # Nothing schedulable (cannot happen with a sane KV size); wait for the next arrival.
@@ -475,7 +528,7 @@ class FleetSimulator:
         inst.pending = res
         inst.stepping = True
         self._seq += 1
-        heapq.heappush(self._heap, (now + res.duration, self._seq, _STEP_END, inst, None))
+        heapq.heappush(self._heap, (now + res.duration, self._seq, _STEP_END, inst, inst.epoch))
 
     def _reject(self, r: _Req, now: float, reason: str) -> None:
         r.status = "rejected"
@@ -512,41 +565,58 @@ class FleetSimulator:
         return True
 
     def _dispatch(self, r: _Req, now: float, view: FleetView, avoid: Collection[str] = ()) -> None:
-        inp, profile = r.inp, r.profile
-        if inp.model not in self._max_len:
-            self._undispatchable(r, now, f"model {inp.model!r} is not served by this fleet")
-            return
-        need = inp.prompt_tokens + inp.output_tokens
-        if need > self._max_len[inp.model]:
-            self._undispatchable(r, now, f"context_length_exceeded: {need} tokens > {self._max_len[inp.model]}")
-            return
-        if self.pd is not None:
+        if self.pd is not None:  # prefill/decode: the P/D half places both legs (fleetsim.disagg)
+            unfit = self._unfit(r)
+            if unfit is not None:
+                self._undispatchable(r, now, unfit)
+                return
+            r.dispatch_s = now
             self.pd.dispatch(r, now, view, avoid)
             return
-        choice = place(profile, view, now, self.site_chooser, self.router, avoid=avoid)
-        inst = self._by_id.get(choice.instance.instance_id) if choice.instance is not None else None
-        if inst is None or choice.site.site is None:
-            self._undispatchable(r, now, choice.reason)
+        inst = self._place(r, r.profile, now, view, avoid)
+        if isinstance(inst, str):
+            self._undispatchable(r, now, inst)
             return
+        r.dispatch_s = now
         self._send(r, inst, now)
 
-    def _send(self, r: _Req, inst: _Inst, now: float) -> bool:
-        """Dispatch `r` to `inst` (its whole run there): on the wire now, reaching it rtt/2 later.
-        False (rejected) when it cannot fit there."""
+    def _unfit(self, r: _Req) -> str | None:
+        """Why no instance of this fleet can take `r` at all, or None."""
         inp = r.inp
-        if inp.prompt_tokens + inp.output_tokens > inst.max_model_len:
-            self._undispatchable(r, now, f"context_length_exceeded on {inst.iid}")
-            return False
+        if inp.model not in self._max_len:
+            return f"model {inp.model!r} is not served by this fleet"
+        need = inp.prompt_tokens + inp.output_tokens  # a continuation's too: its prompt holds what it generated
+        if need > self._max_len[inp.model]:
+            return f"context_length_exceeded: {need} tokens > {self._max_len[inp.model]}"
+        return None
+
+    def _place(self, r: _Req, profile: RequestProfile, now: float, view: FleetView,
+               avoid: Collection[str] = (), exclude: Collection[str] = ()) -> _Inst | str:
+        """The instance for this attempt of `r` (`fleetmind.place`), or why there is none."""
+        unfit = self._unfit(r)
+        if unfit is not None:
+            return unfit
+        need = r.inp.prompt_tokens + r.inp.output_tokens
+        choice = place(profile, view, now, self.site_chooser, self.router, exclude=exclude, avoid=avoid)
+        inst = self._by_id.get(choice.instance.instance_id) if choice.instance is not None else None
+        if inst is None or choice.site.site is None:
+            return choice.reason
+        if need > inst.max_model_len:
+            return f"context_length_exceeded on {inst.iid}"
+        r.predicted_ttft = choice.route.predicted_ttft_s if choice.route is not None else None
+        return inst
+
+    def _send(self, r: _Req, inst: _Inst, now: float) -> None:
+        """Send the current leg of `r` to `inst`: it reaches the engine half a round trip later."""
         self._start(r, inst, now)
         self._push(now + r.half_rtt, _REACH, r)
-        return True
 
     def _start(self, r: _Req, inst: _Inst, now: float) -> None:
-        """`r` runs, streaming from `inst`: the gateway counts it in flight there."""
+        """The current leg of `r` runs, streaming from `inst`: the gateway counts it in flight there."""
         r.status = "running"
         r.inst = inst
         r.site = inst.site
-        r.dispatch_s = now
+        r.leg_dispatch_s = now
         r.half_rtt = self._rtt(inst.site, r.inp.region) / 2.0
         inst.inflight += 1
         self.admission.on_dispatched(r.inp.request_id, inst.iid, now)
@@ -621,12 +691,17 @@ class FleetSimulator:
         self.requests = reqs
         for ctl in self.controllers:
             self._push((inputs[0].arrival_s if n else 0.0) + ctl[0], _TICK, ctl)
+        if self.failures is not None and n:
+            self._start_failures(inputs[0].arrival_s, inputs[-1].arrival_s)
         while True:
             if heap and heap[0][0] <= next_arrival:
                 now, _, kind, a, b = pop(heap)
                 if kind == _STEP_END:
                     # Hot path: apply the finished step, start the next one.
                     inst = a
+                    if b != inst.epoch or inst.shift:  # a dead engine's step, or a stalled one's
+                        self._step_held(inst, now, b)
+                        continue
                     res = inst.pending
                     inst.busy_s += res.duration
                     for ev in res.events:
@@ -638,10 +713,13 @@ class FleetSimulator:
                         if ev.new_tokens:
                             r.ntok += 1
                             if ev.first_token:
-                                r.first = now
-                                r.cached = ev.cached_tokens
-                                r.engine_wait = res.start - r.reach_s
-                                first_token(ev.request_id, now)
+                                if r.conts:  # a continuation's first token is not the request's
+                                    self._resumed(r, ev.cached_tokens, now)
+                                else:
+                                    r.first = now
+                                    r.cached = ev.cached_tokens
+                                    r.engine_wait = res.start - r.reach_s
+                                    first_token(r.inp.request_id, now)
                             r.last = now
                             if ev.finished:
                                 del active[ev.request_id]
@@ -656,7 +734,7 @@ class FleetSimulator:
                             self.steps += 1
                             inst.pending = res
                             self._seq += 1
-                            push(heap, (now + res.duration, self._seq, _STEP_END, inst, None))
+                            push(heap, (now + res.duration, self._seq, _STEP_END, inst, inst.epoch))
                         else:
                             inst.stepping = False
                             inst.pending = None
@@ -667,13 +745,16 @@ class FleetSimulator:
                     r = a
                     if r.status == "running":  # not cancelled on the way
                         inst = r.inst
-                        r.reach_s = now
-                        inp = r.inp
-                        inst.engine.add_request(SimRequest(inp.request_id, inp.prompt_tokens, inp.block_hashes,
-                                                           inp.output_tokens, now))
-                        active[inp.request_id] = r
-                        if not inst.stepping:
-                            self._step(inst, now)
+                        if inst.down:  # sent to an engine that died meanwhile: connection refused
+                            self._push(now + r.half_rtt, _FAULT, self._leg_failed_fn(r, "engine_died", now))
+                        else:
+                            r.reach_s = now
+                            inst.engine.add_request(SimRequest(r.eid, r.leg_prompt, r.leg_hashes, r.leg_out, now))
+                            active[r.eid] = r
+                            if inst.frozen_until > now:  # stalled: the gateway's deadlines will notice
+                                self._watch_stalled(r, inst, now)
+                            elif not inst.stepping:
+                                self._step(inst, now)
                 elif kind == _DONE:
                     r = a
                     if r.status == "running":
@@ -700,6 +781,8 @@ class FleetSimulator:
                         b(a.iid, now)
                 elif kind == _SYNC:
                     a(now)  # a gateway replica hears of another's dispatch or release
+                elif kind == _FAULT:
+                    a(now)  # an engine fails, restarts or resumes; a request hears of it
                 else:  # _ABORT
                     a.engine.abort(b)
             elif i < n:
@@ -727,7 +810,9 @@ class FleetSimulator:
         if progress is not None:
             progress(n, n)
         records = [self._record(r) for r in reqs]
-        return SimResult(records, time.perf_counter() - wall0, self.steps, self.preemptions, now, warnings)
+        failures = self.failure_stats.as_dict() if self.failures is not None else None
+        return SimResult(records, time.perf_counter() - wall0, self.steps, self.preemptions, now, warnings,
+                         failures)
 
     def _arrive(self, inp: SimInput, now: float) -> _Req:
         profile = RequestProfile(
@@ -765,8 +850,8 @@ class FleetSimulator:
         inst = r.inst
         assert inst is not None  # running implies dispatched
         inst.inflight -= 1
-        self._active.pop(r.inp.request_id, None)
-        self._push(now + r.half_rtt, _ABORT, inst, r.inp.request_id)
+        self._active.pop(r.eid, None)
+        self._push(now + r.half_rtt, _ABORT, inst, r.eid)
         self._observe(self._outcome(r, now, cancelled=True))
         self._after_release(now)
 
@@ -788,6 +873,224 @@ class FleetSimulator:
             output_tokens=r.ntok,
             cached_tokens=r.cached, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e, queue_s=queue, end_s=r.end,
             deadline_s=inp.deadline_s, site=r.site, instance=r.inst.iid if r.inst else None, reason=r.reason)
+
+    # -- failures and continuation (fleetsim.failures) ---------------------------------
+    # A death replaces the engine (new epoch: the old one's step end is dropped) and ends
+    # every leg on it; a stall freezes it. Each failed leg is then retried (before its first
+    # token) or continued (after it) through `_place`, the same placement as a first attempt.
+
+    def inject(self, instance_id: str, kind: FaultKind, at: float) -> None:
+        """A failure at a chosen time (besides the model's random ones); needs a `FailureModel`.
+        Ignored if the instance is already dead or stalled then."""
+        if self.failures is None:
+            raise ValueError("inject needs a FailureModel (failures=...)")
+        inst = self._by_id[instance_id]
+
+        def fire(now: float) -> None:
+            if not (inst.down or inst.frozen_until > now):
+                (self._die if kind == "death" else self._stall)(inst, now)
+        self._push(at, _FAULT, fire)
+
+    def _start_failures(self, first_arrival: float, last_arrival: float) -> None:
+        self._last_arrival = last_arrival
+        for inst in self._insts:
+            self._arm_faults(inst, first_arrival)
+
+    def _arm_faults(self, inst: _Inst, t: float) -> None:
+        self._arm_fault(inst, "death", t)
+        self._arm_fault(inst, "stall", t)
+
+    def _arm_fault(self, inst: _Inst, kind: FaultKind, t: float) -> None:
+        assert self._fault_clock is not None
+        at = self._fault_clock.next_after(inst.iid, kind, t)
+        if at is not None:
+            self._push(at, _FAULT, lambda now: self._fault(inst, kind, now))
+
+    def _restart_s(self, inst: _Inst) -> float:
+        assert self.failures is not None
+        if self.failures.restart_s is not None:
+            return self.failures.restart_s
+        from .planning import startup_s  # planning imports this module: import at call time
+        return startup_s(self.fleet, inst.site, inst.model)
+
+    def _work_left(self, now: float) -> bool:
+        return now < self._last_arrival or bool(self._active or self._queue or self._held)
+
+    def _fault(self, inst: _Inst, kind: FaultKind, now: float) -> None:
+        if not self._work_left(now):
+            return  # the workload is over: no failure to count, none to arm
+        if inst.down or inst.frozen_until > now:
+            self._arm_fault(inst, kind, now)  # it fails only while it runs (memoryless: draw again)
+            return
+        if kind == "death":
+            self._die(inst, now)
+        else:
+            self._stall(inst, now)
+
+    def _die(self, inst: _Inst, now: float) -> None:
+        self.failure_stats.deaths += 1
+        inst.epoch += 1
+        inst.down = True
+        inst.ready = False  # a refused connection takes it out at once
+        inst.engine = SimEngine(inst.spec.engine)  # a new process: the KV cache is gone
+        inst.stepping = False
+        inst.pending = None
+        inst.shift = 0.0
+        for r in [r for r in self._active.values() if r.inst is inst]:
+            del self._active[r.eid]
+            # the connection resets; the gateway hears it half a round trip later
+            self._push(now + r.half_rtt, _FAULT, self._leg_failed_fn(r, "engine_died", now))
+        self._push(now + self._restart_s(inst), _FAULT, lambda t: self._restarted(inst, t))
+
+    def _restarted(self, inst: _Inst, now: float) -> None:
+        inst.down = False
+        inst.ready = True
+        self._arm_fault(inst, "death", now)
+        self._after_release(now)  # queued work may start on it
+
+    def _stall(self, inst: _Inst, now: float) -> None:
+        assert self.failures is not None
+        self.failure_stats.stalls += 1
+        inst.frozen_until = now + self.failures.stall_s
+        if inst.stepping:
+            inst.shift = self.failures.stall_s  # the step under way ends that much later
+        for r in [r for r in self._active.values() if r.inst is inst]:
+            self._watch_stalled(r, inst, now)
+        self._push(now + self._health_detect_s, _FAULT, lambda t: self._health_missed(inst, t))
+        self._push(inst.frozen_until, _FAULT, lambda t: self._stall_ended(inst, t))
+
+    def _health_missed(self, inst: _Inst, now: float) -> None:
+        if inst.frozen_until > now:
+            inst.ready = False
+
+    def _stall_ended(self, inst: _Inst, now: float) -> None:
+        inst.ready = True  # its health checks pass again
+        if not inst.stepping and inst.engine.has_work():
+            self._step(inst, now)
+        self._arm_fault(inst, "stall", now)
+        self._after_release(now)
+
+    def _step_held(self, inst: _Inst, now: float, epoch: int) -> None:
+        """A step end that must not be applied now: dropped (its engine died) or put off (stall)."""
+        if epoch != inst.epoch:
+            return
+        self._seq += 1
+        heapq.heappush(self._heap, (now + inst.shift, self._seq, _STEP_END, inst, epoch))
+        inst.shift = 0.0
+
+    def _watch_stalled(self, r: _Req, inst: _Inst, now: float) -> None:
+        """Arm the relay's deadline for `r`'s leg on a stalled `inst`: idle after a token of
+        this leg, first byte before one."""
+        g = self.fleet.gateway
+        if r.ntok > r.leg_base and r.last is not None:
+            due = r.last + r.half_rtt + g.stream_idle_timeout_s
+        else:
+            due = r.leg_dispatch_s + first_byte_deadline_s(g, r.predicted_ttft)
+        leg, seen = r.legs, r.ntok
+        self._push(max(due, now), _FAULT, lambda t: self._stall_deadline(r, inst, leg, seen, t))
+
+    def _stall_deadline(self, r: _Req, inst: _Inst, leg: int, seen: int, now: float) -> None:
+        if r.status != "running" or r.legs != leg or r.inst is not inst:
+            return
+        if r.ntok != seen:  # a token came since: not silent for the whole deadline
+            if inst.frozen_until > now:
+                self._watch_stalled(r, inst, now)
+            return
+        assert self.failures is not None
+        if inst.frozen_until > now:  # the relay marks it failed; a stall already over passes the next check
+            inst.ready = False
+        self._active.pop(r.eid, None)
+        self._leg_failed(r, leg, "stalled", inst.frozen_until - self.failures.stall_s, now)
+
+    def _leg_failed_fn(self, r: _Req, reason: ContinuationReason, failed_at: float) -> Callable[[float], None]:
+        leg = r.legs
+        return lambda now: self._leg_failed(r, leg, reason, failed_at, now)
+
+    def _leg_failed(self, r: _Req, leg: int, reason: ContinuationReason, failed_at: float, now: float) -> None:
+        """The gateway learns that `r`'s current leg failed: retry, continue, or fail it."""
+        if r.status != "running" or r.legs != leg:
+            return  # the client gave up meanwhile
+        inst = r.inst
+        assert inst is not None
+        inst.inflight -= 1
+        r.excluded.append(inst.iid)
+        if reason == "stalled":  # the relay drops the connection: the engine aborts it when it can
+            self._push(now + r.half_rtt, _ABORT, inst, r.eid)
+        failed = replace(self._outcome(r, now, cancelled=False), ok=False, error=reason)
+        for observe in self._observers[:2]:  # router and site chooser hear every attempt (relay.observe)
+            observe(failed)
+        if r.ntok == 0:
+            self._retry(r, now, failed)
+        else:
+            self._continue(r, reason, failed_at, now, failed)
+
+    def _retry(self, r: _Req, now: float, failed: RequestOutcome) -> None:
+        """Before the first token: the relay's retry elsewhere, failed instances excluded."""
+        if 1 + r.retries >= ATTEMPTS_BEFORE_FIRST_TOKEN:
+            self._fail(r, now, failed, "retry_spent", "upstream_failed: the instance failed and the retry is spent")
+            return
+        inst = self._place(r, r.profile, now, self.view(), exclude=r.excluded)
+        if isinstance(inst, str):
+            self._fail(r, now, failed, "no_instance", f"upstream_failed: {inst}")
+            return
+        self.failure_stats.retries += 1
+        r.retries += 1
+        self._new_leg(r)
+        self.admission.note_retry(r.inp.request_id)
+        self._send(r, inst, now)
+
+    def _continue(self, r: _Req, reason: ContinuationReason, failed_at: float, now: float,
+                  failed: RequestOutcome) -> None:
+        """After the first token: prompt + generated tokens re-prefilled elsewhere, for the
+        remaining budget, if `fleetcore.continuation` allows it."""
+        assert self.failures is not None
+        inp, done = r.inp, r.ntok
+        why = refusal(Faithfulness(), continuations_done=r.conts, generated_tokens=done,
+                      prompt_tokens=inp.prompt_tokens, remaining_tokens=remaining_budget(inp.output_tokens, done),
+                      limits=self.failures.limits)
+        if why is not None:
+            self.failure_stats.refused[why] += 1
+            self._fail(r, now, failed, f"refused_{why}", f"stream ended by the failure: continuation refused ({why})")
+            return
+        tail = tail_block_hashes(inp.request_id, inp.block_hashes, (inp.prompt_tokens + done) // inp.block_size)
+        profile = continuation_profile(r.profile, generated_tokens=done, tail_block_hashes=tail)
+        inst = self._place(r, profile, now, self.view(), exclude=r.excluded)
+        if isinstance(inst, str):
+            self._fail(r, now, failed, "no_instance", f"stream ended by the failure: nowhere to continue ({inst})")
+            return
+        self.failure_stats.continued(inp.request_id, reason)
+        r.conts += 1
+        self._new_leg(r)
+        r.leg_prompt = profile.prompt_tokens
+        r.leg_hashes = profile.block_hashes
+        r.leg_out = inp.output_tokens - done
+        r.leg_base = done
+        r.failed_at = failed_at
+        old_h = r.half_rtt
+        self._send(r, inst, now)
+        if r.first is not None and r.half_rtt != old_h:
+            # Another site: keep r.first + half_rtt the client's first-token time (TTFT, TPOT).
+            r.first += old_h - r.half_rtt
+
+    def _new_leg(self, r: _Req) -> None:
+        r.legs += 1
+        r.eid = f"{r.inp.request_id}/{r.legs}"  # a stalled engine may still hold the old leg
+
+    def _resumed(self, r: _Req, cached: int, now: float) -> None:
+        """A continuation's first token: the re-prefill is through."""
+        st = self.failure_stats
+        st.reprefill_tokens += r.leg_prompt - cached
+        st.reprefill_cached_tokens += cached
+        st.lost_s.append(now + r.half_rtt - r.failed_at)
+
+    def _fail(self, r: _Req, now: float, failed: RequestOutcome, label: str, reason: str) -> None:
+        """The request ends with an error (the client's stream with an error event)."""
+        r.status = "failed"
+        r.reason = reason
+        r.end = now
+        self.failure_stats.failed[label] += 1
+        self.admission.observe(failed)  # the final outcome, once (the relay's release)
+        self._after_release(now)
 
 
 # --- capacity -------------------------------------------------------------------
