@@ -37,11 +37,8 @@ import xxhash
 
 from fleetcore.continuation import ContinuationLimits, ContinuationReason
 from fleetcore.fleet_config import GatewaySettings
+from fleetcore.first_byte import first_byte_deadline_s as first_byte_deadline
 from fleetcore.prefix import ROOT_HASH, synthetic_block_hashes
-
-# The relay's attempts before the first token: the first try plus one retry elsewhere
-# (gateway/relay.py MAX_ATTEMPTS; the simulator may not import the gateway).
-ATTEMPTS_BEFORE_FIRST_TOKEN = 2
 
 DEFAULT_STALL_S = 120.0  # long enough that the idle deadline (30 s by default) notices it
 
@@ -97,8 +94,8 @@ def health_detect_s(g: GatewaySettings) -> float:
 
 
 def first_byte_deadline_s(g: GatewaySettings, predicted_ttft_s: float | None) -> float:
-    """The relay's first-byte deadline (gateway/deadlines.py `Deadlines.first_byte_s`)."""
-    return max(g.first_byte_timeout_floor_s, g.first_byte_timeout_factor * (predicted_ttft_s or 0.0))
+    """The relay's first-byte deadline, from the fleet file's `gateway:` block."""
+    return first_byte_deadline(g.first_byte_timeout_floor_s, g.first_byte_timeout_factor, predicted_ttft_s)
 
 
 def tail_block_hashes(request_id: str, prompt_hashes: tuple[int, ...], full_blocks: int) -> tuple[int, ...]:
@@ -151,5 +148,5 @@ class FailureStats:
         }
 
 
-__all__ = ["ATTEMPTS_BEFORE_FIRST_TOKEN", "DEFAULT_STALL_S", "FailureModel", "FailureStats", "FaultClock",
+__all__ = ["DEFAULT_STALL_S", "FailureModel", "FailureStats", "FaultClock",
            "first_byte_deadline_s", "health_detect_s", "tail_block_hashes"]

@@ -58,6 +58,7 @@ from engine_adapters.sim.engine import EngineConfig, SimEngine, SimRequest, Step
 from fleetcore import hardware
 from fleetcore.continuation import ContinuationReason, Faithfulness, continuation_profile, refusal, remaining_budget
 from fleetcore.fleet_config import FleetConfig, SiteConfig
+from fleetcore.first_byte import ATTEMPTS_BEFORE_FIRST_BYTE
 from fleetcore.policies import Admission, InstanceRouter, SiteChooser
 from fleetcore.prefix import synthetic_block_hashes
 from fleetcore.slo import class_by_length
@@ -77,7 +78,6 @@ from fleetcore.policies import EnginePrior
 from tokenpilot.priors import prior_from_physics
 
 from .failures import (
-    ATTEMPTS_BEFORE_FIRST_TOKEN,
     FailureModel,
     FailureStats,
     FaultClock,
@@ -1026,7 +1026,7 @@ class FleetSimulator:
 
     def _retry(self, r: _Req, now: float, failed: RequestOutcome) -> None:
         """Before the first token: the relay's retry elsewhere, failed instances excluded."""
-        if 1 + r.retries >= ATTEMPTS_BEFORE_FIRST_TOKEN:
+        if 1 + r.retries >= ATTEMPTS_BEFORE_FIRST_BYTE:
             self._fail(r, now, failed, "retry_spent", "upstream_failed: the instance failed and the retry is spent")
             return
         inst = self._place(r, r.profile, now, self.view(), exclude=r.excluded)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fleetcore.fleet_config import GatewaySettings
+from fleetcore.first_byte import first_byte_deadline_s
 
 T = TypeVar("T")
 _EARLY_S = 1e-3  # loop timers may fire up to a clock tick early; that is not "before the deadline"
@@ -59,8 +60,7 @@ class Deadlines:
                    s.stream_idle_timeout_s)
 
     def first_byte_s(self, predicted_ttft_s: float | None) -> float:
-        """The floor is generous on purpose: a prediction is a guess, a wrong timeout kills a request."""
-        return max(self.first_byte_floor_s, self.first_byte_factor * (predicted_ttft_s or 0.0))
+        return first_byte_deadline_s(self.first_byte_floor_s, self.first_byte_factor, predicted_ttft_s)
 
 
 class UpstreamWatch:
