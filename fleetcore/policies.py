@@ -67,6 +67,10 @@ class InstanceRouter(ABC):
     def observe(self, outcome: RequestOutcome) -> None:
         """A routed request ended (every attempt, as the gateway saw it). Default: learns nothing."""
 
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """A routed, streamed request's first token arrived: its prefill is through (a load model
+        reconciles its backlog with it). Default: ignored."""
+
     def register_instance(self, instance_id: str, prior: EnginePrior) -> None:
         """An instance joined the fleet (or restarted cold). Default: the router keeps no per-instance beliefs."""
 

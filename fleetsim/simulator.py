@@ -561,7 +561,12 @@ class FleetSimulator:
         now = 0.0
         ticks = 0
         progress = self.progress
-        first_token = self.admission.on_first_token
+        admission_first_token = self.admission.on_first_token
+        router_first_token = self.router.on_first_token
+
+        def first_token(request_id: str, now: float) -> None:
+            admission_first_token(request_id, now)
+            router_first_token(request_id, now)
         self.requests = reqs
         for ctl in self.controllers:
             self._push((inputs[0].arrival_s if n else 0.0) + ctl[0], _TICK, ctl)

@@ -472,6 +472,7 @@ class Relay:
         return Target(choice.site.site, st.instance, choice.route, choice.site.reason)
 
     def first_token(self, request_id: str) -> None:
+        self.router.on_first_token(request_id, self.clock())  # its load model reconciles its backlog
         if self.admission is not None:
             self.admission.first_token(request_id)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
+from tokenpilot.backlog import Outstanding, reconcile
 from tokenpilot.cache_index import PrefixCacheIndex
 from tokenpilot.learning import SpeedFactor
 from fleetcore.policies import InstanceRouter
@@ -114,12 +115,14 @@ class _Slots:
     bit-for-bit what they were, at a few vector operations less per decision.
     """
 
-    # State. Backlog and duty decay on the same clock, so one "decayed at" serves both.
+    # State. Backlog, untracked backlog and duty decay on the same clock, so one "decayed
+    # at" serves them all. OUT_S / HEAD_S: predicted prefill of the streamed requests sent
+    # there whose first token has not been seen (all of them / the oldest one).
     TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
-        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS = range(13)
+        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS, BACKLOG_UNTRACKED, OUT_S, HEAD_S = range(16)
     # Derived by `refresh`.
-    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(13, 18)
-    ROWS = 18
+    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(16, 21)
+    ROWS = 21
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -184,6 +187,7 @@ class TokenPilot(InstanceRouter):
         self._s = _Slots()
         self._learned: list[_Learned] = []
         self._inflight: dict[str, _Inflight] = {}
+        self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
@@ -316,9 +320,11 @@ class TokenPilot(InstanceRouter):
         context_kv = context * kv_s
         step_s = context_kv + overhead
         prefill = compute + uncached / budget * step_s + overhead
-        # Prefill work routed here and not yet done (seconds), drained by the clock.
+        # Prefill work routed here and not yet done (seconds): drained by the clock, held
+        # within what the first tokens seen so far allow (`tokenpilot.backlog`).
         elapsed = np.maximum(0.0, now - g[s.DECAYED_AT])
-        backlog = np.maximum(0.0, g[s.BACKLOG] - elapsed)
+        untracked = np.maximum(0.0, g[s.BACKLOG_UNTRACKED] - elapsed)
+        backlog = reconcile(np.maximum(0.0, g[s.BACKLOG] - elapsed), untracked, g[s.OUT_S], g[s.HEAD_S])
         # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
         per_token = compute / (uncached if prompt >= 1 else np.maximum(uncached, 1)) + step_s / budget
         waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
@@ -329,7 +335,7 @@ class TokenPilot(InstanceRouter):
         # time per token is its decode step stretched by 1 / (1 - duty).
         window = self._duty_window()
         duty = g[s.DUTY] * np.exp(elapsed / -window)  # (x / -w is -x / w, bit for bit)
-        self._store_decay(k, backlog, duty, g[s.DECAYED_AT], now)
+        self._store_decay(k, backlog, untracked, duty, g[s.DECAYED_AT], now)
         duty_after = np.minimum(cfg.max_duty, duty + compute / window)
         decode_step = g[s.OVERHEAD_DF] + context_kv
         tpot_now = decode_step / (1 - np.minimum(duty, cfg.max_duty))
@@ -358,11 +364,12 @@ class TokenPilot(InstanceRouter):
         cost = cost + decode - locality
         return cost, ttft, queue, prefill, interference, kv_cost, cached, decode, compute
 
-    def _store_decay(self, k: np.ndarray, backlog: np.ndarray, duty: np.ndarray, decayed_at: np.ndarray,
-                     now: float) -> None:
+    def _store_decay(self, k: np.ndarray, backlog: np.ndarray, untracked: np.ndarray, duty: np.ndarray,
+                     decayed_at: np.ndarray, now: float) -> None:
         """Keep the clock-drained backlog and duty: the next decision decays from here."""
         s, m = self._s, self._s.m
         m[s.BACKLOG][k] = backlog
+        m[s.BACKLOG_UNTRACKED][k] = untracked
         m[s.DUTY][k] = duty
         m[s.DECAYED_AT][k] = np.maximum(decayed_at, now)
 
@@ -397,23 +404,60 @@ class TokenPilot(InstanceRouter):
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, now: float) -> None:
         s, m = self._s, self._s.m
+        rid = profile.request_id
+        if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
+            self._release(self._inflight.pop(rid), rid, now)
         m[s.BACKLOG, k] += prefill_s
+        if profile.stream:  # its first token will say when this prefill is through
+            m[s.OUT_S, k], m[s.HEAD_S, k] = self._outstanding.add(k, rid, prefill_s)
+        else:
+            m[s.BACKLOG_UNTRACKED, k] += prefill_s
         m[s.DUTY, k] += compute_s / self._duty_window()
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         m[s.CONTEXT, k] += profile.prompt_tokens
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
         self.index.record_route(instance_id, profile.block_hashes, now)
-        self._inflight[profile.request_id] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
+        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
+
+    def _settle(self, k: int, now: float) -> None:
+        """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
+        s, m = self._s, self._s.m
+        elapsed = max(0.0, now - m[s.DECAYED_AT, k])
+        m[s.BACKLOG_UNTRACKED, k] = max(0.0, m[s.BACKLOG_UNTRACKED, k] - elapsed)
+        m[s.BACKLOG, k] = max(0.0, m[s.BACKLOG, k] - elapsed)
+        m[s.DUTY, k] *= np.exp(elapsed / -self._duty_window())
+        m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
+        m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
+
+    def _through(self, k: int, request_id: str, now: float) -> None:
+        """The request's prefill is through (first token), or it ended: it leaves the outstanding set."""
+        totals = self._outstanding.remove(k, request_id)
+        if totals is not None:
+            s, m = self._s, self._s.m
+            m[s.OUT_S, k], m[s.HEAD_S, k] = totals
+            self._settle(k, now)
+
+    def _release(self, rec: _Inflight, request_id: str, now: float) -> None:
+        s, m, k = self._s, self._s.m, rec.slot
+        m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
+        m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
+        self._through(k, request_id, now)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """A routed request's first token: its prefill, and every one ahead of it, is done."""
+        rec = self._inflight.get(request_id)
+        if rec is not None:
+            self._through(rec.slot, request_id, now)
 
     # -- feedback --------------------------------------------------------------
     def observe(self, outcome: RequestOutcome) -> None:
         rec = self._inflight.pop(outcome.request_id, None)
         if rec is None:
             return
-        s, m, k = self._s, self._s.m, rec.slot
-        m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
-        m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
+        s, k = self._s, rec.slot
+        # (no clock in an outcome: a request ending without a first token settles at the last decision's time)
+        self._release(rec, outcome.request_id, float(s.m[s.DECAYED_AT, k]))
         if outcome.ok and not outcome.cancelled:
             self._learn(k, rec, outcome)
             s.refresh(k)
@@ -457,6 +501,7 @@ class TokenPilot(InstanceRouter):
         return {"prefill_speed_factor": float(m[s.PREFILL_FACTOR, k]),
                 "decode_speed_factor": float(m[s.DECODE_FACTOR, k]),
                 "backlog_s": float(m[s.BACKLOG, k]), "streams": float(m[s.STREAMS, k]),
+                "outstanding_prefill_s": float(m[s.OUT_S, k]), "outstanding": float(self._outstanding.count(k)),
                 "index_entries": float(self.index.entries(instance_id))}
 
 
