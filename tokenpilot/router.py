@@ -69,16 +69,20 @@ class _Inflight:
     prompt_tokens: int
     predicted_ttft_s: float
     predicted_queue_s: float
+    predicted_tpot_s: float
 
 
 @dataclass(slots=True)
 class _Learned:
     prefill: SpeedFactor
     decode: SpeedFactor
+    # Observed over predicted time per output token, the prediction being the one the cost
+    # uses (decode step stretched by prefill duty): the duty estimate runs high under load.
+    tpot: SpeedFactor
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
-          "decode_s", "prefill_compute_s")
+          "decode_s", "prefill_compute_s", "tpot_s")
 
 
 class _Explained(Sequence[Candidate]):
@@ -119,10 +123,10 @@ class _Slots:
     # at" serves them all. OUT_S / HEAD_S: predicted prefill of the streamed requests sent
     # there whose first token has not been seen (all of them / the oldest one).
     TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
-        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS, BACKLOG_UNTRACKED, OUT_S, HEAD_S = range(16)
+        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS, BACKLOG_UNTRACKED, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
     # Derived by `refresh`.
-    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(16, 21)
-    ROWS = 21
+    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
+    ROWS = 22
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -142,7 +146,7 @@ class _Slots:
             grown = np.zeros((self.ROWS, 2 * self.m.shape[1]))
             grown[:, :n] = self.m
             self.m = grown
-        self.m[self.PREFILL_FACTOR, n] = self.m[self.DECODE_FACTOR, n] = 1.0
+        self.m[self.PREFILL_FACTOR, n] = self.m[self.DECODE_FACTOR, n] = self.m[self.TPOT_FACTOR, n] = 1.0
         return n
 
     def pool_slots(self, ids: tuple[str, ...]) -> np.ndarray | None:
@@ -201,7 +205,7 @@ class TokenPilot(InstanceRouter):
         k = s.slot(instance_id)
         if k is None:
             k = s.add(instance_id)
-            self._learned.append(_Learned(SpeedFactor(), SpeedFactor()))
+            self._learned.append(_Learned(SpeedFactor(), SpeedFactor(), SpeedFactor(lo=1 / 16)))
         m = s.m
         m[s.TOKEN_S, k] = prior.prefill_token_s
         m[s.ATTN_S, k] = prior.attn_s_per_token_ctx
@@ -282,7 +286,7 @@ class TokenPilot(InstanceRouter):
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
         self._commit(profile, int(slots[chosen]), ids[chosen], ttft, float(terms[2][chosen]),
-                     float(terms[3][chosen]), float(terms[8][chosen]), now)
+                     float(terms[3][chosen]), float(terms[8][chosen]), float(terms[9][chosen]), now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))
@@ -338,7 +342,7 @@ class TokenPilot(InstanceRouter):
         self._store_decay(k, backlog, untracked, duty, g[s.DECAYED_AT], now)
         duty_after = np.minimum(cfg.max_duty, duty + compute / window)
         decode_step = g[s.OVERHEAD_DF] + context_kv
-        tpot_now = decode_step / (1 - np.minimum(duty, cfg.max_duty))
+        tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
         # Each running stream absorbs this prefill's compute as gaps between its tokens over
         # its remaining output; only what pushes it past its TPOT budget costs goodput.
         remaining = self._remaining_tokens()
@@ -352,7 +356,7 @@ class TokenPilot(InstanceRouter):
         # instance stretches this request's time per token (and past the TPOT budget, costs
         # its SLO); without this term, requests whose prefill is cheap everywhere would
         # all tie on TTFT and pile onto one instance.
-        own_step = (decode_step + prompt * kv_s) / (1 - duty_after)
+        own_step = g[s.TPOT_FACTOR] * (decode_step + prompt * kv_s) / (1 - duty_after)
         out = 2 * remaining
         decode = out * (cfg.decode_weight * own_step
                         + _weighted(cfg.decode_slo_weight, np.maximum(0.0, own_step - cfg.tpot_slo_s)))
@@ -362,7 +366,7 @@ class TokenPilot(InstanceRouter):
         else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
             kv_cost = np.zeros(len(k))
         cost = cost + decode - locality
-        return cost, ttft, queue, prefill, interference, kv_cost, cached, decode, compute
+        return cost, ttft, queue, prefill, interference, kv_cost, cached, decode, compute, own_step
 
     def _store_decay(self, k: np.ndarray, backlog: np.ndarray, untracked: np.ndarray, duty: np.ndarray,
                      decayed_at: np.ndarray, now: float) -> None:
@@ -402,7 +406,7 @@ class TokenPilot(InstanceRouter):
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
-                queue_s: float, prefill_s: float, compute_s: float, now: float) -> None:
+                queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, now: float) -> None:
         s, m = self._s, self._s.m
         rid = profile.request_id
         if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
@@ -418,7 +422,7 @@ class TokenPilot(InstanceRouter):
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
         self.index.record_route(instance_id, profile.block_hashes, now)
-        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
+        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s)
 
     def _settle(self, k: int, now: float) -> None:
         """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
@@ -478,6 +482,8 @@ class TokenPilot(InstanceRouter):
             predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
             learned.decode.update(outcome.mean_tpot_s, max(float(predicted), 1e-4))
             m[s.DECODE_FACTOR, k] = learned.decode.value
+            learned.tpot.update(outcome.mean_tpot_s, max(rec.predicted_tpot_s, 1e-4))
+            m[s.TPOT_FACTOR, k] = learned.tpot.value
 
     def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
         if self._s.slot(instance_id) is not None:  # a known instance (exact ones keep following their events)
@@ -500,6 +506,7 @@ class TokenPilot(InstanceRouter):
         m = s.m
         return {"prefill_speed_factor": float(m[s.PREFILL_FACTOR, k]),
                 "decode_speed_factor": float(m[s.DECODE_FACTOR, k]),
+                "tpot_factor": float(m[s.TPOT_FACTOR, k]),
                 "backlog_s": float(m[s.BACKLOG, k]), "streams": float(m[s.STREAMS, k]),
                 "outstanding_prefill_s": float(m[s.OUT_S, k]), "outstanding": float(self._outstanding.count(k)),
                 "index_entries": float(self.index.entries(instance_id))}
