@@ -191,6 +191,7 @@ class TokenPilot(InstanceRouter):
         self._s = _Slots()
         self._learned: list[_Learned] = []
         self._inflight: dict[str, _Inflight] = {}
+        self._tpot = SpeedFactor(lo=1 / 16)
         self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
@@ -482,8 +483,8 @@ class TokenPilot(InstanceRouter):
             predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
             learned.decode.update(outcome.mean_tpot_s, max(float(predicted), 1e-4))
             m[s.DECODE_FACTOR, k] = learned.decode.value
-            learned.tpot.update(outcome.mean_tpot_s, max(rec.predicted_tpot_s, 1e-4))
-            m[s.TPOT_FACTOR, k] = learned.tpot.value
+            self._tpot.update(outcome.mean_tpot_s, max(rec.predicted_tpot_s, 1e-4))
+            m[s.TPOT_FACTOR, : len(s.ids)] = self._tpot.value
 
     def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
         if self._s.slot(instance_id) is not None:  # a known instance (exact ones keep following their events)
