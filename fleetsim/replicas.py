@@ -142,6 +142,12 @@ class ReplicatedRouter(InstanceRouter):
 
         self._later(now, deliver)
 
+    def refit_due(self) -> bool:
+        return any(r.refit_due() for r in self.routers)
+
+    def refit(self) -> bool:
+        return any([r.refit() for r in self.routers if r.refit_due()])
+
     def on_first_token(self, request_id: str, now: float) -> None:
         """The replica that routed it hears at once; the others (which heard of the dispatch) late."""
         k = self._owner.get(request_id)

@@ -444,6 +444,8 @@ class FleetSimulator:
     def _observe(self, outcome: RequestOutcome) -> None:
         for fn in self._observers:
             fn(outcome)
+        if self.router.refit_due():  # in virtual time, where the gateway's background task would
+            self.router.refit()
 
     def _outcome(self, r: _Req, now: float, *, cancelled: bool) -> RequestOutcome:
         arrival = r.inp.arrival_s

@@ -35,6 +35,7 @@ import numpy as np
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot.backlog import Outstanding, reconcile
 from tokenpilot.cache_index import PrefixCacheIndex
+from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.learning import SpeedFactor
 from fleetcore.policies import InstanceRouter
 from fleetcore.policies import EnginePrior
@@ -61,6 +62,9 @@ class TokenPilotConfig:
     explore_slack: float = 1.25
     max_decisions_kept: int = 256
     max_candidates_explained: int = 8  # the best few, kept with each decision
+    # Rank candidates by the learned latency model's TTFT / TPOT (`tokenpilot.latency_model`)
+    # instead of the physics' own. Either way the decision reports the learned predictions.
+    learned_cost: bool = False
 
 
 @dataclass(slots=True)
@@ -70,6 +74,7 @@ class _Inflight:
     predicted_ttft_s: float
     predicted_queue_s: float
     predicted_tpot_s: float
+    features: np.ndarray  # the learned latency model's inputs at the decision
 
 
 @dataclass(slots=True)
@@ -82,7 +87,7 @@ class _Learned:
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
-          "decode_s", "prefill_compute_s", "tpot_s")
+          "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s")
 
 
 class _Explained(Sequence[Candidate]):
@@ -184,7 +189,8 @@ class TokenPilot(InstanceRouter):
     def __init__(self, priors: Mapping[str, EnginePrior] | None = None,
                  default_prior: EnginePrior | None = None,
                  config: TokenPilotConfig | None = None,
-                 index: PrefixCacheIndex | None = None, seed: int = 0) -> None:
+                 index: PrefixCacheIndex | None = None, seed: int = 0,
+                 latency: LearnedLatency | None = None) -> None:
         self.config = config or TokenPilotConfig()
         self.default_prior = default_prior or EnginePrior()
         self.index = index or PrefixCacheIndex()
@@ -192,7 +198,8 @@ class TokenPilot(InstanceRouter):
         self._learned: list[_Learned] = []
         self._inflight: dict[str, _Inflight] = {}
         self._tpot = SpeedFactor(lo=1 / 16)
-        self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
+        self._outstanding = Outstanding()
+        self.latency = latency or LearnedLatency()  # residual over the prior; fitted when the caller says  # streamed requests sent and not through their prefill
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
@@ -286,8 +293,9 @@ class TokenPilot(InstanceRouter):
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
-        self._commit(profile, int(slots[chosen]), ids[chosen], ttft, float(terms[2][chosen]),
-                     float(terms[3][chosen]), float(terms[8][chosen]), float(terms[9][chosen]), now)
+        self._commit(profile, int(slots[chosen]), ids[chosen], float(terms[10][chosen]), float(terms[2][chosen]),
+                     float(terms[3][chosen]), float(terms[8][chosen]), float(terms[11][chosen]),
+                     terms[12][:, chosen].copy(), now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))
@@ -358,6 +366,17 @@ class TokenPilot(InstanceRouter):
         # its SLO); without this term, requests whose prefill is cheap everywhere would
         # all tie on TTFT and pile onto one instance.
         own_step = g[s.TPOT_FACTOR] * (decode_step + prompt * kv_s) / (1 - duty_after)
+        # The learned residual over these physics predictions (`tokenpilot.latency_model`):
+        # zero until the caller has fitted it on enough outcomes.
+        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
+        features = np.vstack((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
+                              budget / 1e3))
+        lat = self.latency
+        prior_ttft, prior_tpot = ttft, own_step
+        ttft_pred = lat.correct(lat.ttft, ttft, features)
+        tpot_pred = lat.correct(lat.tpot, own_step, features)
+        if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
+            ttft, own_step = ttft_pred, tpot_pred
         out = 2 * remaining
         decode = out * (cfg.decode_weight * own_step
                         + _weighted(cfg.decode_slo_weight, np.maximum(0.0, own_step - cfg.tpot_slo_s)))
@@ -367,7 +386,8 @@ class TokenPilot(InstanceRouter):
         else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
             kv_cost = np.zeros(len(k))
         cost = cost + decode - locality
-        return cost, ttft, queue, prefill, interference, kv_cost, cached, decode, compute, own_step
+        return (cost, ttft_pred, queue, prefill, interference, kv_cost, cached, decode, compute, tpot_pred,
+                prior_ttft, prior_tpot, features)
 
     def _store_decay(self, k: np.ndarray, backlog: np.ndarray, untracked: np.ndarray, duty: np.ndarray,
                      decayed_at: np.ndarray, now: float) -> None:
@@ -407,7 +427,9 @@ class TokenPilot(InstanceRouter):
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
-                queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, now: float) -> None:
+                queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
+                now: float) -> None:
+        """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual)."""
         s, m = self._s, self._s.m
         rid = profile.request_id
         if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
@@ -423,7 +445,7 @@ class TokenPilot(InstanceRouter):
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
         self.index.record_route(instance_id, profile.block_hashes, now)
-        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s)
+        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features)
 
     def _settle(self, k: int, now: float) -> None:
         """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
@@ -455,6 +477,14 @@ class TokenPilot(InstanceRouter):
         if rec is not None:
             self._through(rec.slot, request_id, now)
 
+    # -- the learned latency model: fitted when the caller says ---------------------
+    def refit_due(self) -> bool:
+        return self.latency.refit_due()
+
+    def refit(self) -> bool:
+        """Fit the learned latency model on the outcomes seen (scikit-learn; off the decision path)."""
+        return self.latency.refit()
+
     # -- feedback --------------------------------------------------------------
     def observe(self, outcome: RequestOutcome) -> None:
         rec = self._inflight.pop(outcome.request_id, None)
@@ -464,6 +494,8 @@ class TokenPilot(InstanceRouter):
         # (no clock in an outcome: a request ending without a first token settles at the last decision's time)
         self._release(rec, outcome.request_id, float(s.m[s.DECAYED_AT, k]))
         if outcome.ok and not outcome.cancelled:
+            self.latency.record(rec.features, rec.predicted_ttft_s, rec.predicted_tpot_s, outcome.ttft_s,
+                                outcome.mean_tpot_s if outcome.output_tokens > 1 else None)
             self._learn(k, rec, outcome)
             s.refresh(k)
         else:
