@@ -30,6 +30,7 @@ from gateway.admission_metrics import AdmissionCollector
 from gateway.aliases import alias_entries
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
+from gateway.router_refit import RouterRefit
 from gateway.errors import body_too_large, install_handlers
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
@@ -221,6 +222,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                          loop_monitor, telemetry)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
+    refit = RouterRefit(relay.router)  # the router's learned latency model, fitted off the request path
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager
@@ -238,6 +240,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 placement.start()
             dash_sampler.start()
+            refit.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").
@@ -245,6 +248,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             gc.freeze()
             yield
         finally:
+            await refit.stop()
             await dash_sampler.stop()
             if placement is not None:
                 await placement.stop()
