@@ -91,3 +91,24 @@ def test_router_refits_when_told_and_its_predictions_move_to_what_it_observes() 
     assert abs(before - truth(2000)) / truth(2000) > 0.3
     # (a multiplicative model of an additive hop settles ~15% off here, from ~60% off before)
     assert abs(after - truth(2000)) / truth(2000) < 0.2, (before, after, truth(2000))
+
+
+def test_the_simulator_refits_in_virtual_time() -> None:
+    from fleetsim.simulator import FleetSimulator, fleet_instances, prepare, spec_prior
+    from tests.test_fleetsim import req, small_fleet
+
+    fleet = small_fleet(instances=2)
+    tp = TokenPilot(config=TokenPilotConfig(explore=0.0), latency=LearnedLatency(min_samples=50, refit_every=50))
+    for spec in fleet_instances(fleet):
+        tp.register_instance(spec.instance_id, spec_prior(spec))
+    fits: list[int] = []
+    refit = tp.refit
+
+    def counting() -> bool:
+        fits.append(tp.latency.samples)
+        return refit()
+
+    tp.refit = counting  # type: ignore[method-assign]
+    reqs = [req(40.0 * i, 200 + 37 * (i % 50), 8, ids=(10_000 + i,)) for i in range(300)]
+    FleetSimulator(fleet, tp).run(prepare(reqs, fleet))
+    assert fits[:2] == [50, 100] and len(fits) == 6  # every 50 outcomes, with the buffer at that size
