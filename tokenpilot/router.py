@@ -81,9 +81,6 @@ class _Inflight:
 class _Learned:
     prefill: SpeedFactor
     decode: SpeedFactor
-    # Observed over predicted time per output token, the prediction being the one the cost
-    # uses (decode step stretched by prefill duty): the duty estimate runs high under load.
-    tpot: SpeedFactor
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
@@ -197,9 +194,12 @@ class TokenPilot(InstanceRouter):
         self._s = _Slots()
         self._learned: list[_Learned] = []
         self._inflight: dict[str, _Inflight] = {}
+        # Observed over predicted time per output token, the prediction being the one the cost
+        # uses (decode step stretched by prefill duty, which runs high under load): one factor
+        # for the pool, since it corrects the model's shape (instances' speeds are `_learned`).
         self._tpot = SpeedFactor(lo=1 / 16)
-        self._outstanding = Outstanding()
-        self.latency = latency or LearnedLatency()  # residual over the prior; fitted when the caller says  # streamed requests sent and not through their prefill
+        self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
+        self.latency = latency or LearnedLatency()  # residual over the prior; fitted when the caller says
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
@@ -213,7 +213,8 @@ class TokenPilot(InstanceRouter):
         k = s.slot(instance_id)
         if k is None:
             k = s.add(instance_id)
-            self._learned.append(_Learned(SpeedFactor(), SpeedFactor(), SpeedFactor(lo=1 / 16)))
+            self._learned.append(_Learned(SpeedFactor(), SpeedFactor()))
+            s.m[s.TPOT_FACTOR, k] = self._tpot.value  # the pool's, learned so far
         m = s.m
         m[s.TOKEN_S, k] = prior.prefill_token_s
         m[s.ATTN_S, k] = prior.attn_s_per_token_ctx
