@@ -26,13 +26,14 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
+sys.path.insert(0, str(REPO / "bench"))
 
 import numpy as np  # noqa: E402
 
 from fleetcore.fleet_config import load_fleet_file  # noqa: E402
-from fleetcore.sse import StreamReader  # noqa: E402
 from workloads import head, load_trace  # noqa: E402
 from workloads.prompts import prompt_text  # noqa: E402
+from noisy_live import all_ready, read_stream  # noqa: E402
 
 FLEET = REPO / "bench" / "fleet_noisy_live.yaml"
 TRACE = REPO / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -47,14 +48,7 @@ async def one(s: aiohttp.ClientSession, url: str, prompt: str, out: int) -> tupl
             await r.read()
             return None
         predicted = r.headers.get("x-tokenfleet-predicted-ttft-ms")
-        reader = StreamReader()
-        async for data in r.content.iter_any():
-            reader.feed(data, time.monotonic())
-            if reader.finished:
-                break
-        else:
-            reader.close(time.monotonic())
-        first = reader.stats.first_token_at
+        first = (await read_stream(r)).first_token_at
         if first is None or predicted is None:
             return None
         return float(predicted) / 1000, first - t0
@@ -63,9 +57,6 @@ async def one(s: aiohttp.ClientSession, url: str, prompt: str, out: int) -> tupl
 async def run(model: str, n: int, rate: float) -> list[tuple[float, float]]:
     from gateway.embedded import serve_fleet
     from tokenpilot.latency_model import LearnedLatency
-
-    sys.path.insert(0, str(REPO / "bench"))
-    from noisy_live import all_ready
 
     config = load_fleet_file(FLEET)
     rows = head(load_trace(TRACE), n).requests
