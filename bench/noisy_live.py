@@ -68,6 +68,18 @@ class Report:
         }
 
 
+async def read_stream(r: aiohttp.ClientResponse) -> Any:
+    """Read an SSE response to its end; its stream stats (first/last token times, tokens)."""
+    reader = StreamReader()
+    async for data in r.content.iter_any():
+        reader.feed(data, time.monotonic())
+        if reader.finished:
+            break
+    else:
+        reader.close(time.monotonic())
+    return reader.stats
+
+
 async def stream_one(session: aiohttp.ClientSession, url: str, key: str, prompt: str, max_tokens: int) -> Result:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     t0 = time.monotonic()
@@ -75,14 +87,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, key: str, prompt:
         if r.status != 200:
             err = (await r.json(content_type=None)).get("error", {})
             return Result(r.status, code=err.get("code"))
-        reader = StreamReader()
-        async for data in r.content.iter_any():
-            reader.feed(data, time.monotonic())
-            if reader.finished:
-                break
-        else:
-            reader.close(time.monotonic())
-        st = reader.stats
+        st = await read_stream(r)
         first, last, n = st.first_token_at, st.last_token_at, st.output_tokens()
         ttft = first - t0 if first is not None else None
         tpot = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None

@@ -67,6 +67,19 @@ class InstanceRouter(ABC):
     def observe(self, outcome: RequestOutcome) -> None:
         """A routed request ended (every attempt, as the gateway saw it). Default: learns nothing."""
 
+    def refit_due(self) -> bool:
+        """Enough new outcomes for the router's learned model to be fitted again. Default: never."""
+        return False
+
+    def refit(self) -> bool:
+        """Fit the router's learned model now: the gateway calls it from a background task (off
+        the decision path), the simulator when `refit_due` after an outcome. Default: nothing to fit."""
+        return False
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """A routed, streamed request's first token arrived: its prefill is through (a load model
+        reconciles its backlog with it). Default: ignored."""
+
     def register_instance(self, instance_id: str, prior: EnginePrior) -> None:
         """An instance joined the fleet (or restarted cold). Default: the router keeps no per-instance beliefs."""
 

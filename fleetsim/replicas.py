@@ -150,6 +150,28 @@ class ReplicatedRouter(InstanceRouter):
 
         self._later(now, deliver)
 
+    def refit_due(self) -> bool:
+        return any(r.refit_due() for r in self.routers)
+
+    def refit(self) -> bool:
+        return any([r.refit() for r in self.routers if r.refit_due()])
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """The replica that routed it hears at once; the others (which heard of the dispatch) late."""
+        k = self._owner.get(request_id)
+        if k is None:
+            return
+        self.routers[k].on_first_token(request_id, now)
+        if request_id not in self._routed:
+            return
+        others = [j for j in range(len(self.routers)) if j != k]
+
+        def deliver(t: float) -> None:
+            for j in others:
+                self.routers[j].on_first_token(request_id, t)
+
+        self._later(now, deliver)
+
     def register_instance(self, instance_id: str, prior: EnginePrior) -> None:
         for r in self.routers:
             r.register_instance(instance_id, prior)

@@ -538,6 +538,8 @@ class FleetSimulator:
     def _observe(self, outcome: RequestOutcome) -> None:
         for fn in self._observers:
             fn(outcome)
+        if self.router.refit_due():  # in virtual time, where the gateway's background task would
+            self.router.refit()
 
     def _outcome(self, r: _Req, now: float, *, cancelled: bool) -> RequestOutcome:
         arrival = r.inp.arrival_s
@@ -686,7 +688,12 @@ class FleetSimulator:
         now = 0.0
         ticks = 0
         progress = self.progress
-        first_token = self.admission.on_first_token
+        admission_first_token = self.admission.on_first_token
+        router_first_token = self.router.on_first_token
+
+        def first_token(request_id: str, now: float) -> None:
+            admission_first_token(request_id, now)
+            router_first_token(request_id, now)
         pd = self.pd
         self.requests = reqs
         for ctl in self.controllers:

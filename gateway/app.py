@@ -31,6 +31,7 @@ from gateway.admission_metrics import AdmissionCollector
 from gateway.aliases import alias_entries
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
+from gateway.router_refit import RouterRefit
 from gateway.errors import body_too_large, install_handlers
 from gateway.fast_path import Endpoints, GatewayApp
 from gateway.fleet_metrics import FleetCollector
@@ -237,6 +238,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     metrics.watch_backlog(lambda: backlog.pending, lambda: backlog.inflight)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
+    refit = RouterRefit(relay.router)  # the router's learned latency model, fitted off the request path
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager
@@ -255,6 +257,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 placement.start()
             dash_sampler.start()
+            refit.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").
@@ -265,6 +268,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             yield
         finally:
             sys.setswitchinterval(switch_interval)
+            await refit.stop()
             await dash_sampler.stop()
             if placement is not None:
                 await placement.stop()

@@ -646,6 +646,10 @@ class Relay:
         return Target(choice.site.site, st.instance, choice.route, choice.site.reason)
 
     def first_token(self, request_id: str) -> None:
+        try:  # the router's load model reconciles its backlog; a policy bug must not fail the stream
+            self.router.on_first_token(request_id, self.clock())
+        except Exception:
+            log.exception("%s.on_first_token failed", type(self.router).__name__)
         if self.admission is not None:
             self.admission.first_token(request_id)
 

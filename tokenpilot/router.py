@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
+from tokenpilot.backlog import Outstanding, reconcile
 from tokenpilot.cache_index import PrefixCacheIndex
+from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
 from fleetcore.policies import InstanceRouter
@@ -61,6 +63,9 @@ class TokenPilotConfig:
     explore_slack: float = 1.25
     max_decisions_kept: int = 256
     max_candidates_explained: int = 8  # the best few, kept with each decision
+    # Rank candidates by the learned latency model's TTFT / TPOT (`tokenpilot.latency_model`)
+    # instead of the physics' own. Either way the decision reports the learned predictions.
+    learned_cost: bool = False
 
 
 @dataclass(slots=True)
@@ -69,6 +74,11 @@ class _Inflight:
     prompt_tokens: int
     predicted_ttft_s: float
     predicted_queue_s: float
+    predicted_tpot_s: float
+    features: np.ndarray  # the learned latency model's inputs at the decision
+
+
+_SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split request: learn no prefill from it
 
 
 @dataclass(slots=True)
@@ -78,7 +88,7 @@ class _Learned:
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
-          "decode_s", "prefill_compute_s")
+          "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s")
 
 
 class _Explained(Sequence[Candidate]):
@@ -115,12 +125,14 @@ class _Slots:
     bit-for-bit what they were, at a few vector operations less per decision.
     """
 
-    # State. Backlog and duty decay on the same clock, so one "decayed at" serves both.
+    # State. Backlog, untracked backlog and duty decay on the same clock, so one "decayed
+    # at" serves them all. OUT_S / HEAD_S: predicted prefill of the streamed requests sent
+    # there whose first token has not been seen (all of them / the oldest one).
     TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
-        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS = range(13)
+        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS, BACKLOG_UNTRACKED, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
     # Derived by `refresh`.
-    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(13, 18)
-    ROWS = 18
+    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
+    ROWS = 22
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -140,7 +152,7 @@ class _Slots:
             grown = np.zeros((self.ROWS, 2 * self.m.shape[1]))
             grown[:, :n] = self.m
             self.m = grown
-        self.m[self.PREFILL_FACTOR, n] = self.m[self.DECODE_FACTOR, n] = 1.0
+        self.m[self.PREFILL_FACTOR, n] = self.m[self.DECODE_FACTOR, n] = self.m[self.TPOT_FACTOR, n] = 1.0
         return n
 
     def pool_slots(self, ids: tuple[str, ...]) -> np.ndarray | None:
@@ -178,13 +190,20 @@ class TokenPilot(InstanceRouter):
     def __init__(self, priors: Mapping[str, EnginePrior] | None = None,
                  default_prior: EnginePrior | None = None,
                  config: TokenPilotConfig | None = None,
-                 index: PrefixCacheIndex | None = None, seed: int = 0) -> None:
+                 index: PrefixCacheIndex | None = None, seed: int = 0,
+                 latency: LearnedLatency | None = None) -> None:
         self.config = config or TokenPilotConfig()
         self.default_prior = default_prior or EnginePrior()
         self.index = index or PrefixCacheIndex()
         self._s = _Slots()
         self._learned: list[_Learned] = []
         self._inflight: dict[str, _Inflight] = {}
+        # Observed over predicted time per output token, the prediction being the one the cost
+        # uses (decode step stretched by prefill duty, which runs high under load): one factor
+        # for the pool, since it corrects the model's shape (instances' speeds are `_learned`).
+        self._tpot = SpeedFactor(lo=1 / 16)
+        self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
+        self.latency = latency or LearnedLatency()  # residual over the prior; fitted when the caller says
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
@@ -201,6 +220,7 @@ class TokenPilot(InstanceRouter):
         if k is None:
             k = s.add(instance_id)
             self._learned.append(_Learned(SpeedFactor(), SpeedFactor()))
+            s.m[s.TPOT_FACTOR, k] = self._tpot.value  # the pool's, learned so far
         m = s.m
         m[s.TOKEN_S, k] = prior.prefill_token_s
         m[s.ATTN_S, k] = prior.attn_s_per_token_ctx
@@ -286,8 +306,9 @@ class TokenPilot(InstanceRouter):
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
-        self._commit(profile, int(slots[chosen]), ids[chosen], ttft, float(terms[2][chosen]),
-                     float(terms[3][chosen]), float(terms[8][chosen]), now)
+        self._commit(profile, int(slots[chosen]), ids[chosen], float(terms[10][chosen]), float(terms[2][chosen]),
+                     float(terms[3][chosen]), float(terms[8][chosen]), float(terms[11][chosen]),
+                     terms[12][:, chosen].copy(), now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))
@@ -325,9 +346,11 @@ class TokenPilot(InstanceRouter):
         context_kv = context * kv_s
         step_s = context_kv + overhead
         prefill = compute + uncached / budget * step_s + overhead
-        # Prefill work routed here and not yet done (seconds), drained by the clock.
+        # Prefill work routed here and not yet done (seconds): drained by the clock, held
+        # within what the first tokens seen so far allow (`tokenpilot.backlog`).
         elapsed = np.maximum(0.0, now - g[s.DECAYED_AT])
-        backlog = np.maximum(0.0, g[s.BACKLOG] - elapsed)
+        untracked = np.maximum(0.0, g[s.BACKLOG_UNTRACKED] - elapsed)
+        backlog = reconcile(np.maximum(0.0, g[s.BACKLOG] - elapsed), untracked, g[s.OUT_S], g[s.HEAD_S])
         # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
         per_token = compute / (uncached if prompt >= 1 else np.maximum(uncached, 1)) + step_s / budget
         waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
@@ -338,10 +361,10 @@ class TokenPilot(InstanceRouter):
         # time per token is its decode step stretched by 1 / (1 - duty).
         window = self._duty_window()
         duty = g[s.DUTY] * np.exp(elapsed / -window)  # (x / -w is -x / w, bit for bit)
-        self._store_decay(k, backlog, duty, g[s.DECAYED_AT], now)
+        self._store_decay(k, backlog, untracked, duty, g[s.DECAYED_AT], now)
         duty_after = np.minimum(cfg.max_duty, duty + compute / window)
         decode_step = g[s.OVERHEAD_DF] + context_kv
-        tpot_now = decode_step / (1 - np.minimum(duty, cfg.max_duty))
+        tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
         # Each running stream absorbs this prefill's compute as gaps between its tokens over
         # its remaining output; only what pushes it past its TPOT budget costs goodput.
         remaining = self._remaining_tokens()
@@ -355,7 +378,18 @@ class TokenPilot(InstanceRouter):
         # instance stretches this request's time per token (and past the TPOT budget, costs
         # its SLO); without this term, requests whose prefill is cheap everywhere would
         # all tie on TTFT and pile onto one instance.
-        own_step = (decode_step + prompt * kv_s) / (1 - duty_after)
+        own_step = g[s.TPOT_FACTOR] * (decode_step + prompt * kv_s) / (1 - duty_after)
+        # The learned residual over these physics predictions (`tokenpilot.latency_model`):
+        # zero until the caller has fitted it on enough outcomes.
+        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
+        features = np.vstack((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
+                              budget / 1e3))
+        lat = self.latency
+        prior_ttft, prior_tpot = ttft, own_step
+        ttft_pred = lat.correct(lat.ttft, ttft, features)
+        tpot_pred = lat.correct(lat.tpot, own_step, features)
+        if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
+            ttft, own_step = ttft_pred, tpot_pred
         out = 2 * remaining
         decode = out * (cfg.decode_weight * own_step
                         + _weighted(cfg.decode_slo_weight, np.maximum(0.0, own_step - cfg.tpot_slo_s)))
@@ -365,13 +399,15 @@ class TokenPilot(InstanceRouter):
         else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
             kv_cost = np.zeros(len(k))
         cost = cost + decode - locality
-        return cost, ttft, queue, prefill, interference, kv_cost, cached, decode, compute
+        return (cost, ttft_pred, queue, prefill, interference, kv_cost, cached, decode, compute, tpot_pred,
+                prior_ttft, prior_tpot, features)
 
-    def _store_decay(self, k: np.ndarray, backlog: np.ndarray, duty: np.ndarray, decayed_at: np.ndarray,
-                     now: float) -> None:
+    def _store_decay(self, k: np.ndarray, backlog: np.ndarray, untracked: np.ndarray, duty: np.ndarray,
+                     decayed_at: np.ndarray, now: float) -> None:
         """Keep the clock-drained backlog and duty: the next decision decays from here."""
         s, m = self._s, self._s.m
         m[s.BACKLOG][k] = backlog
+        m[s.BACKLOG_UNTRACKED][k] = untracked
         m[s.DUTY][k] = duty
         m[s.DECAYED_AT][k] = np.maximum(decayed_at, now)
 
@@ -404,17 +440,66 @@ class TokenPilot(InstanceRouter):
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
-                queue_s: float, prefill_s: float, compute_s: float, now: float) -> None:
+                queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
+                now: float) -> None:
+        """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual)."""
         self._memo.clear()
         s, m = self._s, self._s.m
+        rid = profile.request_id
+        if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
+            self._release(self._inflight.pop(rid), rid, now)
         m[s.BACKLOG, k] += prefill_s
+        if profile.stream:  # its first token will say when this prefill is through
+            m[s.OUT_S, k], m[s.HEAD_S, k] = self._outstanding.add(k, rid, prefill_s)
+        else:
+            m[s.BACKLOG_UNTRACKED, k] += prefill_s
         m[s.DUTY, k] += compute_s / self._duty_window()
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         m[s.CONTEXT, k] += profile.prompt_tokens
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
-        self._inflight[profile.request_id] = _Inflight(k, profile.prompt_tokens, ttft, queue_s)
+        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features)
+
+    def _settle(self, k: int, now: float) -> None:
+        """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
+        s, m = self._s, self._s.m
+        elapsed = max(0.0, now - m[s.DECAYED_AT, k])
+        m[s.BACKLOG_UNTRACKED, k] = max(0.0, m[s.BACKLOG_UNTRACKED, k] - elapsed)
+        m[s.BACKLOG, k] = max(0.0, m[s.BACKLOG, k] - elapsed)
+        m[s.DUTY, k] *= np.exp(elapsed / -self._duty_window())
+        m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
+        m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
+
+    def _through(self, k: int, request_id: str, now: float) -> None:
+        """The request's prefill is through (first token), or it ended: it leaves the outstanding set."""
+        totals = self._outstanding.remove(k, request_id)
+        if totals is not None:
+            self._memo.clear()
+            s, m = self._s, self._s.m
+            m[s.OUT_S, k], m[s.HEAD_S, k] = totals
+            self._settle(k, now)
+
+    def _release(self, rec: _Inflight, request_id: str, now: float) -> None:
+        s, m, k = self._s, self._s.m, rec.slot
+        m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
+        m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
+        self._through(k, request_id, now)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """A routed request's first token: its prefill, and every one ahead of it, is done."""
+        rec = self._inflight.get(request_id)
+        if rec is not None:
+            self._through(rec.slot, request_id, now)
+
+    # -- the learned latency model: fitted when the caller says ---------------------
+    def refit_due(self) -> bool:
+        return self.latency.refit_due()
+
+    def refit(self) -> bool:
+        """Fit the learned latency model on the outcomes seen (scikit-learn; off the decision path)."""
+        self._memo.clear()
+        return self.latency.refit()
 
     # -- feedback --------------------------------------------------------------
     def observe(self, outcome: RequestOutcome) -> None:
@@ -422,10 +507,13 @@ class TokenPilot(InstanceRouter):
         if rec is None:
             return
         self._memo.clear()
-        s, m, k = self._s, self._s.m, rec.slot
-        m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
-        m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
+        s, k = self._s, rec.slot
+        # (no clock in an outcome: a request ending without a first token settles at the last decision's time)
+        self._release(rec, outcome.request_id, float(s.m[s.DECAYED_AT, k]))
         if outcome.ok and not outcome.cancelled:
+            if rec.predicted_queue_s != _SPLIT:  # a split P/D request's TTFT is no one instance's
+                self.latency.record(rec.features, rec.predicted_ttft_s, rec.predicted_tpot_s, outcome.ttft_s,
+                                    outcome.mean_tpot_s if outcome.output_tokens > 1 else None)
             self._learn(k, rec, outcome)
             s.refresh(k)
         else:
@@ -445,6 +533,8 @@ class TokenPilot(InstanceRouter):
             predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
             learned.decode.update(outcome.mean_tpot_s, max(float(predicted), 1e-4))
             m[s.DECODE_FACTOR, k] = learned.decode.value
+            self._tpot.update(outcome.mean_tpot_s, max(rec.predicted_tpot_s, 1e-4))
+            m[s.TPOT_FACTOR, : len(s.ids)] = self._tpot.value
 
     def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
         if self._s.slot(instance_id) is not None:  # a known instance (exact ones keep following their events)
@@ -469,7 +559,9 @@ class TokenPilot(InstanceRouter):
         m = s.m
         return {"prefill_speed_factor": float(m[s.PREFILL_FACTOR, k]),
                 "decode_speed_factor": float(m[s.DECODE_FACTOR, k]),
+                "tpot_factor": float(m[s.TPOT_FACTOR, k]),
                 "backlog_s": float(m[s.BACKLOG, k]), "streams": float(m[s.STREAMS, k]),
+                "outstanding_prefill_s": float(m[s.OUT_S, k]), "outstanding": float(self._outstanding.count(k)),
                 "index_entries": float(self.index.entries(instance_id))}
 
     # -- hook for the prefill/decode decision (tokenpilot.disagg; issue 17) ----------------
@@ -501,14 +593,21 @@ class TokenPilot(InstanceRouter):
         would, or its prefill (backlog, duty, the prefix it caches) on `prefill_on` and its
         stream (context, the prefix that arrives with the KV) on `decode_on`."""
         j = priced.index(prefill_on)
+        tpot, features = float(priced.terms[11][j]), priced.terms[12][:, j].copy()
         if prefill_on == decode_on:
-            self._commit(profile, self._slot(prefill_on), prefill_on, float(priced.ttft[j]),
-                         float(priced.queue[j]), float(priced.prefill[j]), float(priced.compute[j]), now)
+            self._commit(profile, self._slot(prefill_on), prefill_on, float(priced.terms[10][j]),
+                         float(priced.queue[j]), float(priced.prefill[j]), float(priced.compute[j]), tpot,
+                         features, now)
             return
+        self._memo.clear()
         s, m = self._s, self._s.m
         kp, kd = self._slot(prefill_on), self._slot(decode_on)
         compute = float(priced.compute[j])
-        m[s.BACKLOG, kp] += float(priced.prefill[j])
+        prefill = float(priced.prefill[j])
+        m[s.BACKLOG, kp] += prefill
+        # The first token leaves the decode instance, so it cannot bound the prefill side's
+        # backlog: that prefill drains by the clock alone (as a non-streamed request's does).
+        m[s.BACKLOG_UNTRACKED, kp] += prefill
         m[s.DUTY, kp] += compute / self._duty_window()
         self._mean_compute += 0.02 * (compute - self._mean_compute)
         m[s.CONTEXT, kd] += profile.prompt_tokens
@@ -517,7 +616,8 @@ class TokenPilot(InstanceRouter):
         self.index.record_route(prefill_on, profile.block_hashes, now)
         self.index.record_route(decode_on, profile.block_hashes, now)
         # Its TTFT spans two instances and a link: not evidence of either one's prefill speed.
-        self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, float("inf"))
+        self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, _SPLIT,
+                                                       tpot, features)
 
 
 @dataclass(frozen=True, slots=True)

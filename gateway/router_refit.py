@@ -1,0 +1,52 @@
+"""The router's learned model, fitted in the background: the live half of `InstanceRouter.refit`.
+
+TokenPilot buffers request outcomes as they come (`observe`, on the event loop) and fits
+its latency model only when asked (`refit`, scikit-learn). This task asks every
+`interval_s` when the router says enough new outcomes are in (`refit_due`), and runs the
+fit in a worker thread so that no decision waits for it: the fit works on a copy of the
+buffer and installs its coefficients in one assignment. The simulator calls the same
+`refit` in virtual time (`fleetsim.simulator`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fleetcore.policies import InstanceRouter
+from gateway.background import cancel_and_wait
+
+log = logging.getLogger("tokenfleet.router_refit")
+
+
+class RouterRefit:
+    def __init__(self, router: InstanceRouter, interval_s: float = 5.0, timeout_s: float = 30.0) -> None:
+        if not interval_s > 0 or not timeout_s > 0:
+            raise ValueError("interval_s and timeout_s must be positive")
+        self.router, self.interval_s, self.timeout_s = router, interval_s, timeout_s
+        self.fits = 0  # fits installed (tests, operators)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="router-refit")
+
+    async def once(self) -> bool:
+        """Fit now if due (in a worker thread, within `timeout_s`); True if a fit was installed."""
+        if not self.router.refit_due():
+            return False
+        fitted = await asyncio.wait_for(asyncio.to_thread(self.router.refit), self.timeout_s)
+        self.fits += bool(fitted)
+        return bool(fitted)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.once()
+            except Exception:  # a failed fit keeps the previous model (or the prior); the gateway goes on
+                log.exception("router refit failed")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        await cancel_and_wait([task])
