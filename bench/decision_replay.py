@@ -23,8 +23,9 @@ TokenPilot as both its predictor and its router, with exclusions (retries), admi
 avoid hint, unready instances, KV pressure, engine KV events, other replicas' routes and
 outcomes fed back. It records every try (site, site scores and their details, instance,
 reason, predicted TTFT, candidate scores) and, at the end, what TokenPilot has learned per
-instance. `tests/test_score_once.py` compares this record with one made at the commit before
-the router scored each pool once per request (`tests/fixtures/place_replay_09d9070.jsonl.gz`):
+instance. `tests/test_score_once.py` compares this record with a pinned one
+(`tests/fixtures/place_replay.jsonl.gz`, re-recorded whenever a decision change is deliberate;
+the test's docstring says when). The replay across score-once (identical):
 
     python bench/decision_replay.py --through place --old 09d9070 --new WORKTREE --decisions 3000
 """

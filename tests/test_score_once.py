@@ -4,14 +4,22 @@ and no decision changes.
 The replay (`bench/decision_replay.py --through place`) drives whole placements — FleetMind
 over three sites with home, residency and spill policies, TokenPilot as predictor and router,
 retries' exclusions, admission's avoid hint, KV pressure, KV events, other replicas' routes,
-outcomes — and records every try bit for bit (`float.hex`). Its record must equal the one
-made at commit 09d9070, before score-once (`tests/fixtures/place_replay_09d9070.jsonl.gz`),
-and the one made in this process with the memo bypassed.
+outcomes — and records every try (scores as `float.hex`). Its record must equal the pinned
+one (`tests/fixtures/place_replay.jsonl.gz`, recorded at RECORDED_AT) and the one made in this
+process with the memo bypassed. Any change to a decision must therefore be deliberate: it
+re-records the fixture (see `_record`) and says why in its commit. Scores are compared to
+1e-9 relative, choices, reasons and counts exactly: numpy's vectorised `exp`/`log` may round
+the last bit differently on another CPU, and that is not a decision change.
+
+History: recorded at 09d9070 (before score-once; the replay through score-once matched it bit
+for bit), re-recorded at c04d9d5 when the i19 backlog model and TPOT calibration changed
+TokenPilot's decisions on purpose.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
 import pytest
@@ -28,7 +36,8 @@ from tokenpilot.score_memo import ScoreMemo
 from tests.bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO / "tests" / "fixtures" / "place_replay_09d9070.jsonl.gz"
+FIXTURE = REPO / "tests" / "fixtures" / "place_replay.jsonl.gz"
+RECORDED_AT = "c04d9d5"
 RECORDED_DECISIONS = 1500  # what the fixture was recorded with (seed 0, 64 instances)
 
 
@@ -38,6 +47,22 @@ def _record(tmp_path: Path, name: str, decisions: int) -> list[str]:
     out = tmp_path / name
     load_bench("decision_replay").record_place(str(out), decisions, 64, 0)
     return out.read_text().splitlines()
+
+
+def _close(a: object, b: object) -> bool:
+    """Equal records, hex floats to 1e-9 relative (see the module doc)."""
+    if isinstance(a, str) and isinstance(b, str) and a.startswith(("0x", "-0x")) and "p" in a:
+        x, y = float.fromhex(a), float.fromhex(b)
+        return abs(x - y) <= 1e-9 * max(abs(x), abs(y)) + 1e-300
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(u, v) for u, v in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _same_records(a: list[str], b: list[str]) -> bool:
+    return len(a) == len(b) and all(x == y or _close(json.loads(x), json.loads(y)) for x, y in zip(a, b))
 
 
 def _first_difference(a: list[str], b: list[str]) -> str:
@@ -59,11 +84,11 @@ def _count_scorings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_placements_replay_exactly_as_recorded_before_score_once(tmp_path: Path) -> None:
+def test_placements_replay_as_recorded(tmp_path: Path) -> None:
     expected = gzip.decompress(FIXTURE.read_bytes()).decode().splitlines()
     assert len(expected) == RECORDED_DECISIONS + 1  # one line per try here, plus the learned state
     got = _record(tmp_path, "now.jsonl", RECORDED_DECISIONS)
-    assert got == expected, _first_difference(expected, got)
+    assert _same_records(expected, got), _first_difference(expected, got)
 
 
 def test_reusing_scores_changes_nothing_and_saves_a_scoring_per_placement(
