@@ -696,7 +696,7 @@ class Relay:
                         target: Target) -> Response:
         d = self.new_dispatch(parsed, target)
         handed_over = False
-        cont = continuation_of(self, parsed)
+        cont = self.continuation(parsed)
         # A whole answer that may be continued is read from the engine as a stream: what it
         # generated before failing is what the continuation starts from.
         streamed = parsed.stream or cont is not None
