@@ -21,11 +21,18 @@
 - Cancellation: a client that goes away closes the upstream response, which is
   how OpenAI-compatible engines learn to abort (vLLM, SGLang, the sim worker).
 - After a stream started, an upstream that dies, stalls or is drained is continued on
-  another instance (`Relay.resume`, `gateway.continuation`): prompt + what was relayed, the
+  another instance (`gateway.resume`: the decision, the leg, the drain migration;
+  `gateway.continuation`: the leg's body and the splice): prompt + what was relayed, the
   rest of the budget, spliced into the client's stream. Where it may not be (unfaithful, the
   limit, nowhere allowed) the stream ends with an SSE error event and `[DONE]`, never a silent
   truncation; so does the end of graceful shutdown's grace (`gateway.shutdown`). A whole
   answer that may be continued is read from the engine as a stream and assembled.
+- Hedged prefill (`gateway.hedge`, off by default): a stream whose instance is slow to its
+  first event is sent to a second one too and the first to answer is kept.
+
+This module is the request's way; the hedge and the continuation legs reach back into it only
+through the narrow `HedgeHost` and `ResumeHost` protocols that `Relay` satisfies, and the
+failures an attempt can end in are `gateway.upstream_failure`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +48,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, TypeVar
 
 import aiohttp
-from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -55,19 +61,20 @@ from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_bo
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
-from gateway.continuation import (CONTINUATION_PATH, CONTINUED_HEADER, Continuation, ContinuationMetrics,
-                                  assembled_answer, continuation_tokenizer, engine_gives_ids, static_refusal,
-                                  strip_token_ids)
+from gateway.continuation import CONTINUED_HEADER, Continuation, ContinuationMetrics, assembled_answer, strip_token_ids
 from gateway.aliases import SERVED_MODEL_HEADER, renamed_body, renamed_event
 from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamWatch
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
                             sse_error_event, upstream_failed, upstream_timeout)
 from gateway.fleet_state import FleetState
+from gateway.hedge import HedgeMetrics, hedge_delay, open_hedged
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
+from gateway.resume import DRAINED, continuation_of, drained, resume
 from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
+from gateway.upstream_failure import NotAStream, RetryableFailure, describe
 
 log = logging.getLogger("tokenfleet.gateway")
 T = TypeVar("T")
@@ -77,30 +84,8 @@ CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever see
 _ERROR_SNIPPET = 300
 
 
-class NotAStream(Exception):
-    """An engine answered a stream request with an error body (4xx) or not as SSE: pass it on whole."""
-
-    def __init__(self, d: Dispatch) -> None:
-        super().__init__(d.iid)
-        self.d = d
-
-
 class ClientGone(Exception):
     """The client disconnected before the response was handed over."""
-
-
-class RetryableFailure(Exception):
-    """The instance failed before the client saw a byte: try another one.
-
-    `detail` is for the log (it may name internal addresses); `public` is what a client may
-    read. `timed_out`: the instance stalled rather than failed."""
-
-    def __init__(self, kind: str, detail: str, public: str, timed_out: bool = False) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
-        self.public = public
-        self.timed_out = timed_out
 
 
 def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
@@ -323,14 +308,11 @@ class LegFailure:
     detail: str
 
 
-DRAINED = "drained"  # the Interrupted code with which a drain moves a stream off its instance
-
-
 class RelayStream:
     """The upstream SSE body, relayed event by event with usage chunks filtered and stats taken.
 
     When the upstream dies, stalls or is drained after the first byte and the request may be
-    continued (`cont`), the relay sends a continuation to another instance (`Relay.resume`) and
+    continued (`cont`), the relay sends a continuation to another instance (`gateway.resume`) and
     this stream reads on from it (`switch`), its events spliced into the client's format."""
 
     def __init__(self, dispatch: Dispatch, include_usage: bool, cont: Continuation | None = None) -> None:
@@ -416,7 +398,7 @@ class RelayStream:
         except UpstreamStalled as e:
             raise _first_byte_timeout(iid, e) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise RetryableFailure("stream_start", _describe(e),
+            raise RetryableFailure("stream_start", describe(e),
                                    f"engine instance {iid} connection broke before the first event") from None
 
     def take_pending(self) -> bytes:
@@ -438,7 +420,7 @@ class RelayStream:
                 if failure is None:
                     return
                 try:
-                    resumed = await relay.resume(self, failure)
+                    resumed = await resume(relay, self, failure)
                 except Exception:  # a bug in continuing must still end the stream with its error event
                     log.exception("request %s: continuation failed", self.d.parsed.profile.request_id)
                     self.d.finish(ok=False, status="stream_error", error="continuation failed", abort=True)
@@ -479,7 +461,7 @@ class RelayStream:
                              f"engine instance {iid} stalled mid-stream: nothing for {e.waited_s:.1f} s", str(e))
             return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            detail = f"upstream stream broke: {_describe(e)}"
+            detail = f"upstream stream broke: {describe(e)}"
             # a dropped connection mid-stream is an engine that died: stop sending it work now
             self.d.relay.state.mark_failed(iid, detail)
             yield LegFailure("engine_died", "stream_broken", "upstream_error",
@@ -560,16 +542,6 @@ def _is_sse(resp: aiohttp.ClientResponse) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
-def _sse_usage(c: Continuation) -> bytes:
-    return b"data: " + json.dumps(c._chunk([], usage=c.total_usage(None)), separators=(",", ":")).encode() + b"\n\n"
-
-
-def _describe(e: BaseException) -> str:
-    """For the log only: aiohttp's texts name hosts and ports."""
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def _first_byte_timeout(iid: str, e: UpstreamStalled) -> RetryableFailure:
     return RetryableFailure("first_byte_timeout", str(e),
                             f"engine instance {iid} sent nothing within {e.waited_s:.1f} s", timed_out=True)
@@ -577,11 +549,11 @@ def _first_byte_timeout(iid: str, e: UpstreamStalled) -> RetryableFailure:
 
 def _connect_failure(iid: str, e: BaseException) -> RetryableFailure:
     if isinstance(e, asyncio.TimeoutError):
-        return RetryableFailure("connect_timeout", _describe(e),
+        return RetryableFailure("connect_timeout", describe(e),
                                 f"engine instance {iid} did not accept the connection in time", timed_out=True)
     os_error = getattr(e, "os_error", e)
     what = "refused the connection" if isinstance(os_error, ConnectionRefusedError) else "connection failed"
-    return RetryableFailure("connect", _describe(e), f"engine instance {iid} {what}")
+    return RetryableFailure("connect", describe(e), f"engine instance {iid} {what}")
 
 
 # --- the relay ---
@@ -614,11 +586,8 @@ class Relay:
         self.continuation_metrics = ContinuationMetrics(metrics.registry)
         self.tokenizers: Mapping[str, PromptTokenizer] = {}  # the app's, set by create_app
         self.live: set[RelayStream] = set()  # streams handed to their clients and not over yet
-        self.hedge_metrics = Counter("tokenfleet_hedges", "Hedged prefills: sent, and which stream was kept",
-                                     ["outcome"], registry=metrics.registry)
-        self.hedge_prefill = Counter("tokenfleet_hedge_prefill_tokens", "Prompt tokens hedges sent to a second "
-                                     "instance (the extra prefill work)", ["model"], registry=metrics.registry)
-        state.on_drain.append(self.drained)
+        self.hedge_metrics = HedgeMetrics(metrics.registry)  # hedged prefill (gateway.hedge)
+        state.on_drain.append(lambda instance_id: drained(self, instance_id))  # drain migration (gateway.resume)
 
     def observe(self, outcome: RequestOutcome, request_outcome: RequestOutcome | None = None) -> None:
         """Feed every policy that learns; a policy bug must not fail the request. Admission hears
@@ -729,9 +698,9 @@ class Relay:
 
     async def _dispatch(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
                         target: Target) -> Response:
-        d = self._new_dispatch(parsed, target)
+        d = self.new_dispatch(parsed, target)
         handed_over = False
-        cont = self._continuation(parsed)
+        cont = self.continuation(parsed)
         # A whole answer that may be continued is read from the engine as a stream: what it
         # generated before failing is what the continuation starts from.
         streamed = parsed.stream or cont is not None
@@ -739,19 +708,19 @@ class Relay:
             ids = cont is not None and cont.engine_ids
             body = (None if streamed == parsed.stream and not ids
                     else upstream_body(parsed, target.instance.model, stream=streamed, token_ids=ids))
-            delay = self._hedge_delay(parsed, target)
+            delay = hedge_delay(self.config.gateway.hedge, parsed, target)
             if delay is not None:
                 try:
-                    stream = await self._open_hedged(watch, parsed, path, d, cont, delay)
+                    stream = await open_hedged(self, watch, parsed, path, d, cont, delay)
                 except NotAStream as e:  # an error answer (4xx) or not SSE: passed on whole, as below
                     return await self._whole_body(watch, e.d)
                 d = stream.d
                 handed_over = True
                 self.live.add(stream)
                 return RelayStreamingResponse(stream, d.headers())
-            d.resp = await watch.race(self._head(d, path, body))
+            d.resp = await watch.race(self.head(d, path, body))
             if d.resp.status >= 500:
-                status, text = d.resp.status, await self._error_text(d.resp)
+                status, text = d.resp.status, await self.error_text(d.resp)
                 raise RetryableFailure(f"http_{status}", text,
                                        f"engine instance {d.iid} answered {redact_addresses(text)}")
             if d.resp.status >= 400 or not streamed or not _is_sse(d.resp):
@@ -778,23 +747,13 @@ class Relay:
                 # covers cancellation and bugs too: never leak a connection or an in-flight count
                 d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
 
-    # --- hedged prefill (gateway.hedge, off by default) ---
-
-    def _hedge_delay(self, parsed: ParsedRequest, target: Target) -> float | None:
-        """How long the first instance gets to send its first event before a hedge goes out (None: no hedge)."""
-        h = self.config.gateway.hedge
-        if not h.enabled or not parsed.stream or parsed.profile.request_class not in h.classes:
-            return None
-        predicted = target.route.predicted_ttft_s if target.route is not None else None
-        return max(h.min_delay_s, h.delay_factor * (predicted or 0.0))
-
-    async def _open(self, d: Dispatch, path: str, cont: Continuation | None) -> RelayStream:
-        """Send a stream request and read its first event (a hedge's unit of work)."""
+    async def open_stream(self, d: Dispatch, path: str, cont: Continuation | None) -> RelayStream:
+        """Send a stream request and read its first event (a hedge's unit of work, `gateway.hedge`)."""
         ids = cont is not None and cont.engine_ids
-        d.resp = await self._head(d, path, upstream_body(d.parsed, d.target.instance.model, token_ids=True)
-                                  if ids else None)
+        d.resp = await self.head(d, path, upstream_body(d.parsed, d.target.instance.model, token_ids=True)
+                                 if ids else None)
         if d.resp.status >= 500:
-            status, text = d.resp.status, await self._error_text(d.resp)
+            status, text = d.resp.status, await self.error_text(d.resp)
             raise RetryableFailure(f"http_{status}", text, f"engine instance {d.iid} answered {redact_addresses(text)}")
         if d.resp.status >= 400 or not _is_sse(d.resp):
             raise NotAStream(d)
@@ -802,63 +761,9 @@ class Relay:
         await stream.prefetch()
         return stream
 
-    async def _open_hedged(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, d: Dispatch,
-                           cont: Continuation | None, delay_s: float) -> RelayStream:
-        """The stream on `d`; when it has sent no event within `delay_s`, the same request goes to a
-        second instance too and the stream whose first event comes first is kept, the other
-        aborted. Both failing: the first one's failure, as without a hedge (`_dispatch` releases
-        `d` then; every other dispatch is released here)."""
-        first = asyncio.ensure_future(self._open(d, path, cont))
-        tasks: dict[asyncio.Future[RelayStream], Dispatch] = {first: d}
-        failed: dict[asyncio.Future[RelayStream], BaseException] = {}
-        won: asyncio.Future[RelayStream] | None = None
-        try:
-            await watch.race(asyncio.wait({first}, timeout=delay_s))
-            if not first.done():
-                second = self._hedge(parsed, d)
-                if second is not None:
-                    tasks[asyncio.ensure_future(self._open(second, path, self._continuation(parsed)))] = second
-            pending = set(tasks)
-            while pending and won is None:
-                done, pending = await watch.race(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
-                for t in done:
-                    exc = t.exception()
-                    if exc is None or isinstance(exc, NotAStream):
-                        won = t  # an answer, even an error answer, ends the race
-                        break
-                    failed[t] = exc
-            if won is None:
-                raise failed.get(first) or next(iter(failed.values()))
-            if len(tasks) > 1:
-                self.hedge_metrics.labels("first_won" if won is first else "second_won").inc()
-                if won is not first and self.admission is not None:
-                    self.admission.routed(parsed.profile.request_id, tasks[won].iid)
-            return won.result()
-        finally:
-            for t, other in tasks.items():
-                if t is won or (t is first and won is None):
-                    continue  # kept; or the first, which `_dispatch` releases when it fails
-                t.cancel()
-                with contextlib.suppress(BaseException):
-                    await t
-                exc = failed.get(t)
-                if isinstance(exc, RetryableFailure):
-                    self.metrics.upstream_errors.labels(other.iid, exc.kind).inc()
-                    self.state.mark_failed(other.iid, str(exc))
-                    other.finish(ok=False, status=None, error=str(exc), abort=True)
-                else:  # lost the race (or the client left): aborted, not failed
-                    other.finish(ok=False, status=None, error="the other hedge was kept", cancelled=True)
-
-    def _hedge(self, parsed: ParsedRequest, first: Dispatch) -> Dispatch | None:
-        """A second dispatch of the request (placement as usual, the first instance excluded)."""
-        target = self.choose(parsed.profile, [first.iid], 0, leg=(0, "hedge"))
-        if target is None:
-            return None
-        self.hedge_metrics.labels("sent").inc()
-        self.hedge_prefill.labels(parsed.profile.model).inc(parsed.profile.prompt_tokens)
-        if self.route_share is not None:
-            self.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
-        return self._new_dispatch(parsed, target)
+    def continuation(self, parsed: ParsedRequest) -> Continuation | None:
+        """The request's continuation state (`gateway.resume.continuation_of`)."""
+        return continuation_of(self, parsed)
 
     async def _assembled(self, watch: DisconnectWatch, stream: RelayStream) -> Response:
         """A whole answer read as a stream (and continued where it failed): assembled for the client."""
@@ -883,7 +788,7 @@ class Relay:
         return Response(json.dumps(answer, separators=(",", ":")).encode(), status_code=200,
                         media_type="application/json", headers=headers)
 
-    def _new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch:
+    def new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch:
         up = UpstreamWatch(self.deadlines.idle_s)
         predicted = target.route.predicted_ttft_s if target.route is not None else None
         d = Dispatch(self, parsed, target, up, up.now() + self.deadlines.first_byte_s(predicted), self.clock())
@@ -893,118 +798,7 @@ class Relay:
             parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
         return d
 
-    # --- continuation (gateway.continuation) ---
-
-    def _continuation(self, parsed: ParsedRequest) -> Continuation | None:
-        """The request's continuation state, or None when it is never continued (why: a label kept
-        for when it fails mid-stream)."""
-        usable, tok = continuation_tokenizer(self.config, parsed.profile.model, self.tokenizers)
-        why = static_refusal(parsed, usable, self.continuation_limits)
-        if why is not None:
-            return None
-        return Continuation(parsed, self.continuation_limits, tok,
-                            engine_ids=engine_gives_ids(self.config, parsed.profile.model))
-
-    def _refused_label(self, parsed: ParsedRequest) -> str:
-        usable, _ = continuation_tokenizer(self.config, parsed.profile.model, self.tokenizers)
-        return static_refusal(parsed, usable, self.continuation_limits) or "disabled"
-
-    def _counted(self, reason: str, outcome: str) -> None:
-        self.continuation_metrics.decisions.labels(reason, outcome).inc()
-
-    async def resume(self, s: RelayStream, f: LegFailure) -> bytes | None:
-        """After `s`'s upstream failed mid-stream: the first bytes of its continuation on another
-        instance (b"" when none came yet), or None when it is not continued (the caller ends the
-        stream with the error event). Every failed leg counts against the request's limit."""
-        s.end_leg(f)
-        c, reason = s.cont, f.reason
-        if reason is None:
-            return None  # the gateway is shutting down: nothing to continue on
-        if c is None:
-            self._counted(reason, self._refused_label(s.d.parsed))
-            return None
-        rid = c.parsed.profile.request_id
-        s.gap_from, s.gap_reason = s.d.stats.last_token_at or self.clock(), reason
-        while True:
-            c.excluded.append(s.d.iid)
-            tail = c.tail_ids()
-            if c.sent.finished and not c.sent.unfaithful:
-                # the answer was whole (its finish_reason went by); only the end of the stream was lost
-                self._counted(reason, "complete")
-                c.before_tokens = len(tail)
-                return (_sse_usage(c) if c.include_usage else b"") + b"data: [DONE]\n\n"
-            why = c.refused(len(tail))
-            if why is not None:
-                self._counted(reason, why)
-                log.warning("request %s: not continued after %s on %s: %s", rid, reason, s.d.iid, why)
-                return None
-            try:  # re-tokenizing a long prompt: off the event loop, within the tokenizer deadline
-                leg = await asyncio.wait_for(asyncio.to_thread(c.next_leg, tail),
-                                             self.config.gateway.tokenize_timeout_s)
-            except Exception as e:
-                self._counted(reason, "tokenize_failed")
-                log.warning("request %s: continuation prompt not built: %s", rid, _describe(e))
-                return None
-            target = self.choose(leg.profile, c.excluded, c.done + 1, leg=(c.done + 1, reason))
-            if target is None:
-                self._counted(reason, "no_instance")
-                log.warning("request %s: no instance to continue on after %s", rid, reason)
-                return None
-            c.done += 1
-            c.before_tokens = leg.generated_tokens
-            c.reprefill_tokens += leg.prompt_tokens
-            model = c.parsed.profile.model
-            self.continuation_metrics.reprefill.labels(model).inc(leg.prompt_tokens)
-            iid = target.instance.instance_id
-            if self.admission is not None:
-                self.admission.routed(rid, iid)
-            if self.route_share is not None:
-                self.route_share.routed(iid, leg.profile.block_hashes)
-            log.info("request %s: continuing on %s after %s on %s (%d tokens sent, %d to re-prefill)",
-                     rid, iid, reason, s.d.iid, leg.generated_tokens, leg.prompt_tokens)
-            d = self._new_dispatch(replace(c.parsed, profile=leg.profile), target)
-            d.carried = (s.first_token_at, leg.generated_tokens)
-            switched = False
-            try:
-                d.resp = await self._head(d, CONTINUATION_PATH, leg.encoded(target.instance.model))
-                if d.resp.status >= 400:
-                    status, text = d.resp.status, await self._error_text(d.resp)
-                    raise RetryableFailure(f"http_{status}", text,
-                                           f"engine instance {d.iid} answered {redact_addresses(text)}")
-                s.switch(d)
-                switched = True
-                await s.prefetch()
-            except RetryableFailure as rf:
-                self.metrics.upstream_errors.labels(d.iid, rf.kind).inc()
-                if rf.kind.startswith("http_4"):  # the engine refused the continuation itself
-                    d.finish(ok=False, status=None, error=str(rf), abort=True)
-                    self._counted(reason, "rejected")
-                    return None
-                self.state.mark_failed(d.iid, str(rf))
-                d.finish(ok=False, status=None, error=str(rf), abort=True)
-                log.warning("request %s: continuation on %s failed before its first event: %s", rid, d.iid, rf)
-                self._counted(reason, "leg_failed")
-                s.d = d  # excluded on the next turn
-                continue
-            except Interrupted:
-                d.finish(ok=False, status=None, error="shutting down", abort=True)
-                return None
-            finally:
-                if not switched and not d.finished:
-                    d.finish(ok=False, status=None, error="continuation ended early", abort=True)
-            self._counted(reason, "continued")
-            self.live.add(s)
-            return s.take_pending()
-
-    def drained(self, instance_id: str) -> None:
-        """`instance_id` is being drained: streams on it that would outlive the drain timeout, at
-        their pace so far, are continued elsewhere now instead of being cut when it stops."""
-        timeout_s = self.config.planner.drain_timeout_s
-        for s in list(self.live):
-            if s.d.iid == instance_id and not s.d.finished and s.cont is not None and s.would_outlive(timeout_s):
-                s.d.watch.interrupt(Interrupted(DRAINED, f"instance {instance_id} is draining"))
-
-    async def _head(self, d: Dispatch, path: str, body: bytes | None = None) -> aiohttp.ClientResponse:
+    async def head(self, d: Dispatch, path: str, body: bytes | None = None) -> aiohttp.ClientResponse:
         """Send and wait for the response head within the first-byte deadline. A non-streaming
         answer only comes once the whole generation is done, so past the deadline it may wait on
         while the engine keeps passing its health checks (rechecked each poll)."""
@@ -1034,7 +828,7 @@ class Relay:
             raise _connect_failure(instance.instance_id, e) from None
 
     @staticmethod
-    async def _error_text(resp: aiohttp.ClientResponse) -> str:
+    async def error_text(resp: aiohttp.ClientResponse) -> str:
         try:
             body = await asyncio.wait_for(resp.read(), 2.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -1063,7 +857,7 @@ class Relay:
                                    f"engine instance {d.iid} stalled sending its answer: nothing for "
                                    f"{e.waited_s:.1f} s", timed_out=True) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise RetryableFailure("body", _describe(e),
+            raise RetryableFailure("body", describe(e),
                                    f"engine instance {d.iid} connection broke while sending its answer") from None
         if status < 400:
             d.stats.usage = usage_of_body(body)
