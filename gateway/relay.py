@@ -55,6 +55,7 @@ from starlette.types import Receive, Scope, Send
 from engine_adapters.base import Instance
 from fleetcore.continuation import ContinuationReason
 from fleetcore.fleet_config import FleetConfig
+from fleetcore.first_byte import ATTEMPTS_BEFORE_FIRST_BYTE
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_body
@@ -79,7 +80,7 @@ from gateway.upstream_failure import NotAStream, RetryableFailure, describe
 log = logging.getLogger("tokenfleet.gateway")
 T = TypeVar("T")
 
-MAX_ATTEMPTS = 2  # the first try plus one retry elsewhere
+MAX_ATTEMPTS = ATTEMPTS_BEFORE_FIRST_BYTE  # the first try plus one retry elsewhere (the simulator's too)
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 _ERROR_SNIPPET = 300
 
