@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+SSE_DONE = b"data: [DONE]\n\n"  # the event that ends every OpenAI stream
+
 # Delta fields that carry generated tokens (role-only and finish-only chunks carry none).
 TOKEN_DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 

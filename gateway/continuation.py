@@ -41,7 +41,7 @@ from fleetcore.continuation import (ContinuationLimits, ContinuationReason, Fait
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.prefix import block_hashes
-from fleetcore.sse import SSEEvent, SSESplitter, parse_sse_event, usage_counts
+from fleetcore.sse import SSE_DONE, SSEEvent, SSESplitter, parse_sse_event, usage_counts
 from fleetcore.tokens import encode
 from fleetcore.types import RequestProfile
 # the very functions that tokenized the prompt for routing: the continuation's ids equal them
@@ -291,7 +291,7 @@ class Continuation:
     def splice(self, ev: SSEEvent, is_usage: bool) -> bytes:
         """A continuation leg's event in the client's format (b"" to drop it)."""
         if ev.done:
-            return b"data: [DONE]\n\n"
+            return SSE_DONE
         obj = ev.obj
         if obj is None:
             return b""

@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetcore.sse import SSE_DONE
+
 log = logging.getLogger("tokenfleet.gateway")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -56,7 +58,7 @@ def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = No
 def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
     """The event that ends a stream which failed after it started, followed by [DONE]."""
     payload = json.dumps(error_body(message, SERVER_ERROR, None, code))
-    return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {payload}\n\n".encode() + SSE_DONE
 
 
 # --- constructors for the errors the gateway raises most; one place for codes ---

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
+from fleetcore.sse import SSE_DONE
 from fleetcore.continuation import ContinuationLimits
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.model_tokenizer import PromptTokenizer
@@ -111,7 +112,7 @@ async def resume(host: ResumeHost, s: RelayStream, f: LegFailure) -> bytes | Non
             # the answer was whole (its finish_reason went by); only the end of the stream was lost
             _counted(host, reason, "complete")
             c.before_tokens = len(tail)
-            return (_sse_usage(c) if c.include_usage else b"") + b"data: [DONE]\n\n"
+            return (_sse_usage(c) if c.include_usage else b"") + SSE_DONE
         why = c.refused(len(tail))
         if why is not None:
             _counted(host, reason, why)

@@ -21,6 +21,7 @@ from typing import Any
 
 import xxhash
 
+from fleetcore.sse import SSE_DONE  # re-exported for the worker
 from fleetcore.tokens import encode, pseudo_word, render_chat
 
 # Natural (EOS) output length range when the client does not force one.
@@ -325,7 +326,6 @@ def sse(obj: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _lp_hash(seed: int, i: int, k: int) -> int:
