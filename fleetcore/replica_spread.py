@@ -12,13 +12,16 @@ dispatches as if every replica had made them was measured too, and changed nothi
 The cure is to break the symmetry: replica k of N routes within its *share* of the pool
 (the serving instances at positions k, k + N, k + 2N, ... in instance-id order), so that
 replicas deciding at the same instant pick disjoint instances; the router's own rule
-(cache affinity, queues, KV pressure) decides within the share. The share gives way to
-the whole pool when that is worth it: for a router with a cost model (`predict`), when the
-best of the pool would have more tokens cached than the best of the share, or a TTFT more
-than `slack` shorter. A router without one routes within
-the share unless its prefix index (`prefix_match`) holds more of the prompt elsewhere. A
-router with neither (load only, or an implicit affinity like a hash ring) is left alone:
-there is nothing to weigh the share against.
+(cache affinity, queues, KV pressure) decides within the share. The share gives way only to
+a cached prefix: an instance outside it that holds more of the prompt (the router's
+`prefix_match`) than the best of the share joins the candidates, and the router weighs that
+cache against its load as it always does. It never gives way for load alone: what makes an
+instance outside the share look idler than the share is exactly what every replica sees at
+that instant, so requests leaving for it herd there again (measured at 4 x 100 ms on the
+Mooncake conversation trace: leaving for a TTFT predicted 10% shorter, or for a lower
+predicted cost, kept 0.65-0.75x of one replica's goodput; leaving for a cached prefix only,
+0.88x; bench/ROUTING.md). A router without a prefix index (load only, or an implicit
+affinity like a hash ring) is left alone: there is nothing to weigh the share against.
 
 One replica (`replicas == 1`) is never touched: the candidates go through as they are.
 Pure: no clock, no I/O. The live gateway (`gateway.load_sync` sets the slot from the
@@ -33,10 +36,6 @@ from typing import Any
 
 from fleetcore.policies import EnginePrior, InstanceRouter
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
-
-# A share's best may predict this much longer a TTFT than the pool's best (relative) and still
-# be taken. Measured 0.05-0.3 on the Mooncake conversation trace: 0.1 was as good as any.
-SPREAD_SLACK = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,46 +60,37 @@ def share(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[Ins
 
 
 def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
-           candidates: Sequence[InstanceSnapshot], now: float,
-           slack: float = SPREAD_SLACK) -> Sequence[InstanceSnapshot]:
-    """The candidates replica `slot` should route `profile` among (see the module docstring)."""
+           candidates: Sequence[InstanceSnapshot], now: float) -> Sequence[InstanceSnapshot]:
+    """The candidates replica `slot` should route `profile` among (see the module docstring):
+    its share, plus the instances outside it that hold more of the prompt than the share does."""
     if slot.replicas <= 1 or len(candidates) <= 1:
         return candidates
     part = share(slot, candidates)
     if not part or len(part) == len(candidates):
         return candidates
-    whole = router.predict(profile, candidates, now)
-    if whole is None:  # no cost model: the share gives way to a longer cached prefix only
-        match = router.prefix_match(profile, candidates, now)
-        if match is None:
-            return candidates  # nothing to weigh the share against the pool with
-        ids = {c.instance_id for c in part}
-        mine_best = max((m for c, m in zip(candidates, match) if c.instance_id in ids), default=0)
-        return part if mine_best >= max(match, default=0) else candidates
-    mine = router.predict(profile, part, now)
-    if mine is None:  # nothing in the share is eligible for this router
-        return candidates
-    (ttft_all, cached_all), (ttft_mine, cached_mine) = whole, mine
-    if cached_mine >= cached_all and ttft_mine <= ttft_all * (1 + slack):
-        return part
-    return candidates
+    match = router.prefix_match(profile, candidates, now)
+    if match is None:
+        return candidates  # no prefix index: nothing to weigh the share against the pool with
+    ids = {c.instance_id for c in part}
+    mine_best = max((m for c, m in zip(candidates, match) if c.instance_id in ids), default=0)
+    view = [c for c, m in zip(candidates, match) if c.instance_id in ids or m > mine_best]
+    return candidates if len(view) == len(candidates) else view
 
 
 class SpreadRouter(InstanceRouter):
     """A replica's router: routes among `spread(...)` of the candidates; everything else is the
     wrapped router's. `slot` is set by whoever knows the roster (ALONE: exactly the wrapped router)."""
 
-    def __init__(self, inner: InstanceRouter, slot: ReplicaSlot = ALONE, slack: float = SPREAD_SLACK) -> None:
+    def __init__(self, inner: InstanceRouter, slot: ReplicaSlot = ALONE) -> None:
         self.inner = inner
         self.slot = slot
-        self.slack = slack
         self.name = inner.name
         self.follows_kv_events = inner.follows_kv_events  # type: ignore[misc]
-        self.spread_routes = 0  # routed within the share (metrics, tests)
+        self.spread_routes = 0  # routed within the share, widened or not (metrics, tests)
 
     def route(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
               now: float) -> RouteDecision:
-        view = spread(self.inner, self.slot, profile, candidates, now, self.slack)
+        view = spread(self.inner, self.slot, profile, candidates, now)
         if view is not candidates:
             self.spread_routes += 1
         return self.inner.route(profile, view, now)

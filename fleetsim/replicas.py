@@ -11,9 +11,10 @@ engines, the same for every replica.
 
 * each request goes to one replica, round robin over requests as they are first routed
   (a retry of a request stays on its replica);
-* replica k of N routes within its share of the pool unless that costs too much
-  (`fleetcore.replica_spread.SpreadRouter`, the same wrapper the live gateway routes
-  through): replicas deciding at the same instant, blind to each other, pick apart;
+* with a lag, replica k of N routes within its share of the pool, widened only to a prefix
+  cached outside it (`fleetcore.replica_spread.SpreadRouter`, the same wrapper the live
+  gateway routes through): replicas deciding at the same instant, blind to each other,
+  pick apart;
 * the replica's router routes it with candidates whose `inflight` is the replica's view:
   the gateway's true count less the other replicas' dispatches it has not heard of yet,
   plus their releases it has not heard of yet;
@@ -55,8 +56,11 @@ class ReplicatedRouter(InstanceRouter):
             raise ValueError("sync lag must be >= 0")
         n = len(routers)
         # One replica is the bare router (exactly today's run); several: each spreads within its
-        # share, unless `spread` is off (how the replicas herd without it: bench/ROUTING.md).
-        self.routers: list[InstanceRouter] = list(routers) if n == 1 or not spread else \
+        # share, unless `spread` is off (how the replicas herd without it: bench/ROUTING.md) or
+        # they hear each other at once (lag 0: no replica is blind to another's pick, so there is
+        # no herd to break up, and the share would only cost: 0.91x of one replica's goodput vs
+        # 0.99x without it, bench/ROUTING.md). The live gateway's lag is never 0.
+        self.routers: list[InstanceRouter] = list(routers) if n == 1 or not spread or sync_s == 0 else \
             [SpreadRouter(r, ReplicaSlot(n, k)) for k, r in enumerate(routers)]
         self.name = self.routers[0].name
         self.follows_kv_events = self.routers[0].follows_kv_events  # type: ignore[misc]

@@ -65,14 +65,49 @@ def test_the_share_gives_way_to_a_prefix_cached_outside_it(name: str) -> None:
     assert first is not None
     outside = next(k for k in range(4) if first not in {c.instance_id for c in share(ReplicaSlot(4, k), pool)})
     router.slot = ReplicaSlot(4, outside)
+    mine = {c.instance_id for c in share(router.slot, pool)}
+    widened = spread(router.inner, router.slot, _profile("again", prefix, 2000), pool, 0.1)
+    assert {c.instance_id for c in widened} == mine | {first}  # the share plus the holder, no other
     again = router.route(_profile("again", prefix, 2000), pool, 0.1)
     assert again.instance_id == first and again.cached_tokens > 0  # the cache wins over the share
     fresh = router.route(_profile("fresh", (9999,), 2000), pool, 0.2)
-    assert fresh.instance_id in {c.instance_id for c in share(router.slot, pool)}
-    assert router.spread_routes == 1
+    assert fresh.instance_id in mine
+    assert router.spread_routes == 2
+
+
+def test_the_share_never_gives_way_for_load_alone() -> None:
+    # The instance outside the share is idle, the share's is deep in prefill work: the replica
+    # still keeps to its share (every other replica sees that idle instance at the same instant).
+    fleet = small_fleet(instances=2)
+    router = SpreadRouter(make_policy("tokenpilot", 0, fleet), ReplicaSlot(2, 0))
+    pool = _snaps(2)
+    for j in range(6):  # a backlog on i0, the whole share of replica 0
+        router.inner.route(_profile(f"long{j}", (7000 + j,), 30000), [pool[0]], 0.0)
+    assert router.inner.route(_profile("probe", (9000,), 2000), pool, 0.0).instance_id == "i1"  # alone: i1
+    assert router.route(_profile("mine", (9001,), 2000), pool, 0.0).instance_id == "i0"
 
 
 def test_a_router_with_neither_a_cost_model_nor_a_prefix_index_is_left_alone() -> None:
     router = make_policy("least_request", 0, small_fleet(instances=4))
     pool = _snaps(4)
     assert spread(router, ReplicaSlot(4, 1), _profile("a"), pool, 0.0) is pool
+
+
+def test_replicas_that_hear_each_other_at_once_route_over_the_whole_pool() -> None:
+    # Lag 0: no replica is blind to another's pick, so there is no herd to break up and the
+    # share would only cost; the run is the one without spreading, decision for decision.
+    fleet = small_fleet(instances=8)
+    reqs = [req(i * 0.5, 3000, 16, [i % 7, 200 + i]) for i in range(40)]
+    inputs = prepare(reqs, fleet)
+
+    def run(sync_s: float, spread_on: bool) -> list[tuple[str | None, float | None]]:
+        routers = [make_policy("tokenpilot", s, fleet) for s in range(4)]
+        records = FleetSimulator(fleet, ReplicatedRouter(routers, sync_s=sync_s, spread=spread_on)) \
+            .run(inputs).records
+        return [(r.instance, r.ttft_s) for r in records]
+
+    assert run(0.0, True) == run(0.0, False)
+    assert not any(isinstance(r, SpreadRouter) for r in ReplicatedRouter(
+        [make_policy("tokenpilot", s, fleet) for s in range(4)], sync_s=0.0).routers)
+    assert all(isinstance(r, SpreadRouter) for r in ReplicatedRouter(
+        [make_policy("tokenpilot", s, fleet) for s in range(4)], sync_s=0.05).routers)

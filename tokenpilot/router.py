@@ -289,6 +289,14 @@ class TokenPilot(InstanceRouter):
         best = int(np.argmin(terms[0]))
         return float(terms[1][best]), int(terms[6][best])
 
+    def prefix_match(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                     now: float) -> list[int] | None:
+        """Prefix blocks of the prompt the cache index holds per candidate, without routing:
+        what a replica's pool share weighs (`fleetcore.replica_spread`). The match the decision
+        itself makes, so it applies the deferred index update the decision would apply first."""
+        ids = tuple([c.instance_id for c in candidates])
+        return [int(x) for x in self.index.match_blocks(profile.block_hashes, ids)]
+
     def route(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
               now: float) -> RouteDecision:
         cfg = self.config
