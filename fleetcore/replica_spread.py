@@ -20,7 +20,7 @@ instance outside the share look idler than the share is exactly what every repli
 that instant, so requests leaving for it herd there again (measured at 4 x 100 ms on the
 Mooncake conversation trace: leaving for a TTFT predicted 10% shorter, or for a lower
 predicted cost, kept 0.65-0.75x of one replica's goodput; leaving for a cached prefix only,
-0.88x; bench/ROUTING.md). A router without a prefix index (load only, or an implicit
+0.85x on the mean of three seeds; bench/ROUTING.md). A router without a prefix index (load only, or an implicit
 affinity like a hash ring) is left alone: there is nothing to weigh the share against.
 
 One replica (`replicas == 1`) is never touched: the candidates go through as they are.
