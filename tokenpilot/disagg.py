@@ -129,6 +129,18 @@ class _Placer:
         whole, prefill = _roles(priced)
         return priced, whole, prefill
 
+    def _kv(self, profile: RequestProfile, priced: Priced) -> np.ndarray:
+        """Decode-side KV pressure per candidate, from the KV promised there (`committed_kv`:
+        split requests still prefilling elsewhere count on their decode instance), priced at
+        the prompt's prefill there (what a preemption redoes; what a wait for room costs)."""
+        return self.router.kv_pressure_of(profile, priced, self.router.committed_kv(profile, priced),
+                                          priced.prefill)
+
+    def _local_cost(self, profile: RequestProfile, priced: Priced, kv: np.ndarray) -> np.ndarray:
+        """Running the request whole on each candidate: the router's cost with its KV pressure
+        (the engine's figure alone) replaced by the promised-KV one."""
+        return priced.cost - priced.kv_pressure + kv
+
     def _local(self, profile: RequestProfile, priced: Priced, j: int, now: float, reason: str) -> PDDecision:
         iid = priced.ids[j]
         ttft = float(priced.ttft[j])
@@ -156,17 +168,19 @@ class TokenPilotDisagg(_Placer):
         priced, whole, prefill = self._price(profile, pool, now)
         if not whole:
             return _nowhere(pool)
-        cost = priced.cost
+        kv = self._kv(profile, priced)
+        cost = self._local_cost(profile, priced, kv)
         best_local = min(whole, key=lambda j: (cost[j], j))
         if not prefill or (profile.max_tokens or 2) < 2:
             return self._local(profile, priced, best_local, now, "local: no prefill instance" if not prefill
                                else "local: one output token, nothing to decode elsewhere")
         cfg = self.config
         pre = _prefill_cost(priced)
-        # A decode instance that receives the KV does not prefill: price its stream as such.
+        # A decode instance that receives the KV does not prefill: price its stream as such
+        # (its KV pressure is the promised-KV one: the engine's figure, and a pressure priced
+        # at the near-zero prefill of a prompt that arrives whole, would see no pressure at all).
         streams = self.router.price(profile, [priced.pool[j] for j in whole], now, arrives_prefilled=True)
-        dec = {j: float(streams.decode[k] + streams.kv_pressure[k])
-               for j in whole for k in (streams.index(priced.ids[j]),)}
+        dec = {j: float(streams.decode[streams.index(priced.ids[j])] + kv[j]) for j in whole}
         ps = sorted(prefill, key=lambda j: (pre[j], j))[: cfg.max_prefill_options]
         ds = sorted(whole, key=lambda j: (dec[j], j))[: cfg.max_decode_options]
         best: tuple[float, int, int, float] | None = None
@@ -198,7 +212,8 @@ class RuleDisagg(_Placer):
         priced, whole, prefill = self._price(profile, pool, now)
         if not whole:
             return _nowhere(pool)
-        d = min(whole, key=lambda j: (priced.cost[j], j))
+        cost = self._local_cost(profile, priced, self._kv(profile, priced))
+        d = min(whole, key=lambda j: (cost[j], j))
         uncached = _uncached_at(profile, priced, d)
         if not prefill or (profile.max_tokens or 2) < 2 or not self.remote(uncached, profile.prompt_tokens):
             return self._local(profile, priced, d, now, f"local: {uncached} uncached tokens on the decode instance")
