@@ -13,13 +13,17 @@ send the KV to a `decode` or `mixed` instance over the interconnect. For each re
 (`TokenPilot.price`, the very terms `route` minimises) and takes the cheapest:
 
     local(L)    = cost(L)                        TTFT + interference with L's streams
-                                                 + own decode + KV pressure - locality
+                                                 + own decode + KV pressure (on the KV promised
+                                                 there, as for D below) - locality
     split(P, D) = cost(P) - decode(P) - interference(P)   TTFT on P (its cache reuse counts)
                 + transfer(P -> D)               the link's queue + latency + bytes / bandwidth
                                                  of the prompt less what D already caches
-                + decode(D) + kv(D)              TPOT on D with this stream added, and the KV
-                                                 pressure of its blocks there (priced as arriving
-                                                 prefilled: no prefill duty on D)
+                + decode(D) + kv(D)              TPOT on D with this stream added (priced as
+                                                 arriving prefilled: no prefill duty on D), and
+                                                 the KV pressure of its blocks on the KV promised
+                                                 there (`TokenPilot.committed_kv`: split requests
+                                                 still prefilling for D count), priced at the
+                                                 prompt's prefill on D (what a preemption redoes)
                 + split_overhead_s               the second hop (two schedulers, a handshake)
 
 so a short uncached prompt stays local (its prefill barely disturbs decoding there), a long
