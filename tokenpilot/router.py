@@ -595,6 +595,30 @@ class TokenPilot(InstanceRouter):
         whole = np.full(len(pool), -(-profile.prompt_tokens // max(profile.block_size, 1)), dtype=float)
         return Priced(ids, tuple(pool), self._score(profile, pool, self._pool_slots(ids), whole, now))
 
+    def committed_kv(self, profile: RequestProfile, priced: Priced) -> np.ndarray:
+        """Each candidate's KV in use or promised, as a share of its capacity: the larger of what
+        its engine reports and what was sent there and has not ended (prompts, plus the half of a
+        mean answer each has still to grow). A split request's blocks are reserved on its decode
+        instance only once its prefill is done elsewhere, so the engine's own figure misses every
+        request still prefilling for it (the P/D decision's decode-side KV, `tokenpilot.disagg`)."""
+        s = self._s
+        k = self._pool_slots(priced.ids)
+        booked = s.m[s.CONTEXT].take(k) + s.m[s.STREAMS].take(k) * self._remaining_tokens()
+        capacity = np.maximum(s.m[s.CAPACITY_BLOCKS].take(k) * max(profile.block_size, 1), 1.0)
+        usage = np.fromiter([c.kv_usage for c in priced.pool], dtype=float, count=len(priced.pool))
+        return np.maximum(usage, booked / capacity)
+
+    def kv_pressure_of(self, profile: RequestProfile, priced: Priced, usage: np.ndarray,
+                       recompute_s: np.ndarray) -> np.ndarray:
+        """The KV pressure term of `_kv_cost` for a request of this profile added at `usage`
+        (shares of capacity), priced in `recompute_s` seconds: what losing its KV (a preemption)
+        or waiting for room would cost it."""
+        cfg, s = self.config, self._s
+        capacity = s.m[s.CAPACITY_BLOCKS].take(self._pool_slots(priced.ids))
+        new_usage = usage + (profile.prompt_tokens + self._mean_output) / (profile.block_size * capacity)
+        return recompute_s * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
+                              / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
+
     def book(self, profile: RequestProfile, priced: Priced, prefill_on: str, decode_on: str, now: float,
              predicted_ttft_s: float) -> None:
         """Account a request placed by the P/D decision: all of it on one instance as `route`
