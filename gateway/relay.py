@@ -322,6 +322,8 @@ class Dispatch:
     def headers(self) -> dict[str, str]:
         h = {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
              "x-request-id": self.parsed.profile.request_id, SERVED_MODEL_HEADER: self.parsed.profile.model}
+        if self.relay.worker is not None:
+            h["x-tokenfleet-worker"] = self.relay.worker
         route = self.target.route
         if route is not None:
             # The router's prediction, so operators can compare it with what they saw.
@@ -609,6 +611,7 @@ class Relay:
         self.clock = clock
         self.retry_after_s = retry_after_s
         self.session: aiohttp.ClientSession | None = None  # set by the app's lifespan
+        self.worker: str | None = None  # "workerN" when one of `tokenfleet up --workers` (a response header)
         self.deadlines = Deadlines.from_settings(config.gateway)
         self.shutdown = Shutdown(config.gateway.shutdown_grace_s)  # SIGTERM: drain, then end what is left
         # Others that learn from traffic (FleetMind's placement loop): `arrived(profile)` for
