@@ -65,6 +65,7 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -382,6 +383,8 @@ LITELLM_CONFIG = """model_list:
       api_key: none
 litellm_settings:
   telemetry: false
+general_settings:
+  master_key: {key}
 """
 
 
@@ -389,13 +392,16 @@ async def start_litellm(procs: Processes, py: Path, url: str) -> Proc:
     """LiteLLM's proxy server (one process, no database) with the worker as its one deployment."""
     port = free_port()
     cfg = procs.workdir / "litellm.yaml"
-    cfg.write_text(LITELLM_CONFIG.format(model=MODEL, url=url))
+    # it refuses to start without a master key (every request would be accepted): one per run
+    key = "sk-" + secrets.token_hex(32)
+    cfg.write_text(LITELLM_CONFIG.format(model=MODEL, url=url, key=key))
     # no network here: the model cost map from the package, no telemetry
     env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR"}
     argv = [str(py.parent / "litellm"), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
             "--num_workers", "1"]
     proc = procs.spawn("litellm", argv, env=env)
     proc.url = f"http://127.0.0.1:{port}/v1"
+    proc.extra["key"] = key
     await _wait_http(f"http://127.0.0.1:{port}/health/liveliness", timeout_s=180.0)
     return proc
 
@@ -609,23 +615,33 @@ async def run_overhead(procs: Processes, peers: dict[str, Path], sglang_policy: 
     if "litellm" in peers:
         ll = await start_litellm(procs, peers["litellm"], worker.url)
         gateways.append(ll)
-        paths.append(_Path("litellm-proxy", ll.url, None, ll))
+        paths.append(_Path("litellm-proxy", ll.url, ll.extra["key"], ll))
     tables = []
     for mode in modes:
         async with new_session(1024, fresh_connections=mode == "fresh") as session:
             warm = fixed_rate_workload(min(rates), max(50, n // 10))
             for p in paths:  # warm-up: connections, caches, lazy imports of every path
                 await replay(warm, Target(p.url.removesuffix("/v1"), MODEL, p.key), session=session, timeout_s=30)
+            collapsed: set[str] = set()
             for rate in rates:
                 wl = fixed_rate_workload(rate, n)
-                out: dict[str, list[dict[str, Any]]] = {p.name: [] for p in paths}
+                running = [p for p in paths if p.name not in collapsed]
+                out: dict[str, list[dict[str, Any]]] = {p.name: [] for p in running}
                 for r in range(rounds):  # rounds interleave the paths, so drift hits all of them alike
-                    for p in paths:
+                    for p in running:
                         quiet = await wait_quiet(max_busy, quiet_wait_s)
                         run = await _overhead_run(p, wl, session, mode, r, rate)
                         run["idle_busy_cores"] = quiet
                         out[p.name].append(run)
-                tables.append(_overhead_table(out, rate, n, mode))
+                table = _overhead_table(out, rate, n, mode)
+                # A path that failed requests or queued for seconds at this rate cannot sustain a higher
+                # one: it is not run there (a collapsed proxy would take minutes per round to time out).
+                for name, a in table["paths"].items():
+                    added = a["added_ms"]["ttft_p50"]
+                    if name != "direct" and (a["completed"] < a["requests"] or (added or 0) > COLLAPSED_ADDED_P50_MS):
+                        collapsed.add(name)
+                table["not_run"] = sorted(p.name for p in paths if p.name not in out)
+                tables.append(table)
     for proc in (*reversed(gateways), worker):
         procs.stop(proc)
     return tables
@@ -675,6 +691,7 @@ def _overhead_table(out: dict[str, list[dict[str, Any]]], rate: float, n: int, m
 
 
 SUSTAIN_ADDED_P99_MS = 50.0  # issue 14: a rate is sustained with added TTFT p99 below this and no errors
+COLLAPSED_ADDED_P50_MS = 5000.0  # past this added median (or with errors) a path is not run at higher rates
 
 
 def sustained(tables: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -726,6 +743,9 @@ def format_overhead(o: dict[str, Any]) -> str:
                      f"{_f(add['ttft_p50'])} {_f(add['ttft_p99'])}  {_f(a['cpu_ms_per_req'], 8)} "
                      f"{_f(vs_sglang.get(name), 7)} {_f(vs_base.get(name), 7)} "
                      f"{_f(a['machine_busy_cores'], 5)} {_f(a['idle_busy_cores'], 5)} {_f(a.get('load_avg_1m'), 5)}")
+    if o.get("not_run"):
+        lines.append(f"not run at this rate (errors or added p50 > {COLLAPSED_ADDED_P50_MS / 1e3:g} s at a lower "
+                     f"one): {', '.join(o['not_run'])}")
     lines.append("(ms; added = the path's TTFT percentile minus the direct path's; cpu/req = CPU ms per request "
                  "of the router process and its children (of the worker for direct); /sglang, /first = cpu/req "
                  f"divided by the SGLang router's and by the first tokenfleet row's ({base}), same rounds; "
