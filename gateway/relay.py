@@ -58,7 +58,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.first_byte import ATTEMPTS_BEFORE_FIRST_BYTE
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
-from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_body
+from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, plain_token_text, usage_of_body
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
@@ -387,11 +387,23 @@ class RelayStream:
         first_seen = stats.first_token_at is not None
         rename = self.d.parsed.requested_model
         cont = self.cont
+        now = self.d.relay.clock()  # one read's events arrived together
+        # Plain token events pass on as bytes, unparsed (`plain_token_text`), where nothing needs
+        # the object: no rename, not a continuation leg, no engine ids to strip, and the
+        # continuation's record already holds the first chunk's id.
+        plain_ok = rename is None and not self.splicing and (
+            cont is None or (not cont.engine_ids and cont.sent.id is not None))
         for raw in events:
             if stats.done:
                 break
+            if plain_ok and (text := plain_token_text(raw)) is not None:
+                stats.token(now)
+                if cont is not None:
+                    cont.sent.add(text, None)
+                out.append(raw)
+                continue
             ev = parse_sse_event(raw)
-            usage = stats.account(ev, self.d.relay.clock())
+            usage = stats.account(ev, now)
             if self.splicing:
                 assert cont is not None
                 if usage:  # the continuation's own usage: how much of its re-prefill was a cache hit
