@@ -1,9 +1,10 @@
-"""Live benchmark: TokenFleet vs the real SGLang router, on the same simulated workers.
+"""Live benchmark: TokenFleet vs the real SGLang router (and, for overhead, the vLLM router and LiteLLM), on the same simulated workers.
 
     .venv/bin/python bench/peers.py [--trace FILE] [--window S] [--start S] [--rate-scale X]
         [--workers N] [--spec M --gpu G --tp T] [--time-scale S]
         [--ours tokenpilot,round_robin] [--sglang-policy cache_aware] [--admission fcfs|slomax]
-        [--parts routing,overhead,fidelity] [--overhead-rate 200]
+        [--parts routing,overhead,fidelity] [--overhead-rate 200,500,1000]
+        [--overhead-peers sglang,vllm-router,litellm]
         [--overhead-stacks auto,h11+asyncio,httptools+uvloop] [--json OUT.json]
 
 Three measurements, each printed as a table:
@@ -19,7 +20,8 @@ Three measurements, each printed as a table:
 2. overhead — one very fast worker (time_scale 0.001: a step of the model's
    physics takes microseconds, so the worker's own latency is its HTTP and
    tokenizer work) reached directly, through our gateway and through the SGLang
-   router, each at a fixed open-loop rate (200 req/s) of small streaming
+   router (and the vLLM router and the LiteLLM proxy: `--overhead-peers`), each
+   at fixed open-loop rates (200, 500, 1000 req/s) of small streaming
    requests (64 prompt tokens, 4 output tokens). Added latency per path is the
    path's TTFT (and end-to-end) percentile minus the direct path's, median and p99.
    `--overhead-stacks` runs one gateway per uvicorn stack (HTTP parser + event
