@@ -407,7 +407,7 @@ class TokenPilot(InstanceRouter):
         # zero until the caller has fitted it on enough outcomes.
         kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
         features = np.vstack((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
-                              budget / 1e3))
+                              budget / 1e3, forward, ahead / 1e3, decoding, np.log(forward), 0.01 / forward))
         lat = self.latency
         prior_ttft, prior_tpot = ttft, own_step
         ttft_pred = lat.correct(lat.ttft, forward, features)
