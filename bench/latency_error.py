@@ -53,7 +53,7 @@ class Recorder(TokenPilot):
         c = next((c for c in d.candidates if c.name == d.instance_id), None)
         if c is not None:
             held = max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
-            self._pred[profile.request_id] = (c.detail["prior_ttft_s"], c.detail["forward_ttft_s"],
+            self._pred[profile.request_id] = (c.detail["prior_ttft_s"], c.detail.get("forward_ttft_s", float("nan")),
                                               c.detail["predicted_ttft_s"], c.detail["prior_tpot_s"],
                                               c.detail["tpot_s"], held)
         return d

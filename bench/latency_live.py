@@ -10,7 +10,9 @@ the gateway's `x-tokenfleet-predicted-ttft-ms` with the TTFT the client measured
 `prior`: TokenPilot with its learned latency model never fitted (the physics prior with its
 online factors: this branch's cost model); `learned`: as shipped (the gateway's background
 task fits it once enough outcomes are in). Errors are reported over the second half of each
-run, once the models have data. One fresh fleet per model.
+run, once the models have data. One fresh fleet per model. The gateway's own TTFT (from its
+arrival, as its router observes it) is compared too: the gap to the client's is this process's
+event loop (client and gateway share it) and the machine.
 """
 
 from __future__ import annotations
