@@ -406,8 +406,9 @@ class TokenPilot(InstanceRouter):
         # The learned residual over these physics predictions (`tokenpilot.latency_model`):
         # zero until the caller has fitted it on enough outcomes.
         kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
+        positive = np.maximum(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
         features = np.vstack((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
-                              budget / 1e3, forward, ahead / 1e3, decoding, np.log(forward), 0.01 / forward))
+                              budget / 1e3, forward, ahead / 1e3, decoding, np.log(positive), 0.01 / positive))
         lat = self.latency
         prior_ttft, prior_tpot = ttft, own_step
         ttft_pred = lat.correct(lat.ttft, forward, features)
