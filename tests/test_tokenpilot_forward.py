@@ -115,3 +115,28 @@ def test_time_held_before_dispatch_is_not_taken_for_a_slow_gpu() -> None:
                                   ttft_s=5.0 + predicted))
         t += 10.0
     assert tp.explain("a")["prefill_speed_factor"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_tokens_ahead_follow_dispatches_and_first_tokens() -> None:
+    prior = prior_from_physics("llama-3.1-8b", "H100", max_batched_tokens=2048)
+    tp = TokenPilot({"a": prior}, config=TokenPilotConfig(explore=0.0))
+    a = InstanceSnapshot(instance_id="a", site="s", model="m", version="v", url="http://a")
+
+    def send(i: int, now: float) -> float:
+        p = RequestProfile(request_id=f"r{i}", model="m", prompt_tokens=4096, stream=True,
+                           block_hashes=tuple(range(i * 1000, i * 1000 + 256)))
+        d = tp.route(p, [a], now)
+        return float(d.candidates[0].detail["ahead_tokens"])
+
+    assert send(0, 0.0) == 0.0
+    assert send(1, 0.0) == pytest.approx(4096)  # r0 is ahead, none of it done at the same instant
+    assert send(2, 0.0) == pytest.approx(8192)
+    # r0 and r1 through (their first tokens): only r2 is ahead, less what the clock says is done,
+    # but no less than r2 minus one chunk (a step may already have carried part of it)
+    tp.on_first_token("r0", 0.1)
+    tp.on_first_token("r1", 0.2)
+    ahead = send(3, 0.2)
+    assert 4096 - 2048 - 1e-6 <= ahead <= 4096 + 1e-6
+    # much later, with no first token seen, the clock drains what is left of r2 but not r3's
+    # share below the bound: r2 and r3 are outstanding, so at least r3 - a chunk remains
+    assert send(4, 60.0) >= 4096 - 2048 - 1e-6
