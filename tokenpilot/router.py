@@ -35,6 +35,7 @@ import numpy as np
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot.backlog import Outstanding, reconcile
 from tokenpilot.cache_index import PrefixCacheIndex
+from tokenpilot.forward import drain_rate, forward_ttft
 from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
@@ -76,6 +77,8 @@ class _Inflight:
     predicted_queue_s: float
     predicted_tpot_s: float
     features: np.ndarray  # the learned latency model's inputs at the decision
+    forward_ttft_s: float  # the scheduler-forward TTFT (`tokenpilot.forward`): the learned model's prior
+    held_s: float  # time between the request's arrival and this dispatch (admission hold): in its TTFT
 
 
 _SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split request: learn no prefill from it
@@ -88,7 +91,9 @@ class _Learned:
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
-          "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s")
+          "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s", "forward_ttft_s",
+          "ahead_tokens")
+_FWD, _AHEAD, _FEATURES = 12, 13, 14  # positions in `_score`'s terms (the features: not explained)
 
 
 class _Explained(Sequence[Candidate]):
@@ -132,7 +137,10 @@ class _Slots:
         BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS, BACKLOG_UNTRACKED, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
     # Derived by `refresh`.
     TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
-    ROWS = 22
+    # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
+    # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
+    BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
+    ROWS = 27
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -203,6 +211,7 @@ class TokenPilot(InstanceRouter):
         # for the pool, since it corrects the model's shape (instances' speeds are `_learned`).
         self._tpot = SpeedFactor(lo=1 / 16)
         self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
+        self._outstanding_tok = Outstanding()  # ... the same, in uncached prompt tokens
         self.latency = latency or LearnedLatency()  # residual over the prior; fitted when the caller says
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
@@ -316,7 +325,8 @@ class TokenPilot(InstanceRouter):
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
         self._commit(profile, int(slots[chosen]), ids[chosen], float(terms[10][chosen]), float(terms[2][chosen]),
                      float(terms[3][chosen]), float(terms[8][chosen]), float(terms[11][chosen]),
-                     terms[12][:, chosen].copy(), now)
+                     terms[_FEATURES][:, chosen].copy(), now, float(terms[_FWD][chosen]),
+                     float(profile.prompt_tokens - terms[6][chosen]))
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))
@@ -369,7 +379,21 @@ class TokenPilot(InstanceRouter):
         # time per token is its decode step stretched by 1 / (1 - duty).
         window = self._duty_window()
         duty = g[s.DUTY] * np.exp(elapsed / -window)  # (x / -w is -x / w, bit for bit)
-        self._store_decay(k, backlog, untracked, duty, g[s.DECAYED_AT], now)
+        # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
+        # drained at the engine's prefill rate, and timed by how the engine batches it. It is
+        # what the decision reports and the learned residual corrects; the cost ranks by the
+        # physics above unless `learned_cost`.
+        decoding = np.maximum(streams - g[s.OUT_N], 0.0)
+        overhead_s = g[s.OVERHEAD_S]
+        drained = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead_s)
+        untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained)
+        # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
+        backlog_tok = reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained), untracked_tok, g[s.OUT_TOK],
+                                g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
+        ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
+        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
+                               overhead_s)
+        self._store_decay(k, backlog, untracked, duty, g[s.DECAYED_AT], now, backlog_tok, untracked_tok)
         duty_after = np.minimum(cfg.max_duty, duty + compute / window)
         decode_step = g[s.OVERHEAD_DF] + context_kv
         tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
@@ -390,11 +414,12 @@ class TokenPilot(InstanceRouter):
         # The learned residual over these physics predictions (`tokenpilot.latency_model`):
         # zero until the caller has fitted it on enough outcomes.
         kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
+        positive = np.maximum(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
         features = np.vstack((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
-                              budget / 1e3))
+                              budget / 1e3, forward, ahead / 1e3, decoding, np.log(positive), 0.01 / positive))
         lat = self.latency
         prior_ttft, prior_tpot = ttft, own_step
-        ttft_pred = lat.correct(lat.ttft, ttft, features)
+        ttft_pred = lat.correct(lat.ttft, forward, features)
         tpot_pred = lat.correct(lat.tpot, own_step, features)
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
             ttft, own_step = ttft_pred, tpot_pred
@@ -408,14 +433,16 @@ class TokenPilot(InstanceRouter):
             kv_cost = np.zeros(len(k))
         cost = cost + decode - locality
         return (cost, ttft_pred, queue, prefill, interference, kv_cost, cached, decode, compute, tpot_pred,
-                prior_ttft, prior_tpot, features)
+                prior_ttft, prior_tpot, forward, ahead, features)
 
     def _store_decay(self, k: np.ndarray, backlog: np.ndarray, untracked: np.ndarray, duty: np.ndarray,
-                     decayed_at: np.ndarray, now: float) -> None:
+                     decayed_at: np.ndarray, now: float, backlog_tok: np.ndarray, untracked_tok: np.ndarray) -> None:
         """Keep the clock-drained backlog and duty: the next decision decays from here."""
         s, m = self._s, self._s.m
         m[s.BACKLOG][k] = backlog
         m[s.BACKLOG_UNTRACKED][k] = untracked
+        m[s.BACKLOG_TOK][k] = backlog_tok
+        m[s.UNTRACKED_TOK][k] = untracked_tok
         m[s.DUTY][k] = duty
         m[s.DECAYED_AT][k] = np.maximum(decayed_at, now)
 
@@ -449,25 +476,31 @@ class TokenPilot(InstanceRouter):
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
-                now: float) -> None:
-        """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual)."""
+                now: float, forward_s: float, uncached: float) -> None:
+        """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual;
+        `forward_s`: the scheduler-forward TTFT; `uncached`: the prompt tokens it prefills there)."""
         self._memo.clear()
         s, m = self._s, self._s.m
         rid = profile.request_id
         if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
             self._release(self._inflight.pop(rid), rid, now)
         m[s.BACKLOG, k] += prefill_s
+        m[s.BACKLOG_TOK, k] += uncached
         if profile.stream:  # its first token will say when this prefill is through
             m[s.OUT_S, k], m[s.HEAD_S, k] = self._outstanding.add(k, rid, prefill_s)
+            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] = self._outstanding_tok.add(k, rid, uncached)
+            m[s.OUT_N, k] = self._outstanding.count(k)
         else:
             m[s.BACKLOG_UNTRACKED, k] += prefill_s
+            m[s.UNTRACKED_TOK, k] += uncached
         m[s.DUTY, k] += compute_s / self._duty_window()
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         m[s.CONTEXT, k] += profile.prompt_tokens
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
-        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features)
+        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
+                                        _held(profile, now))
 
     def _settle(self, k: int, now: float) -> None:
         """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
@@ -478,6 +511,13 @@ class TokenPilot(InstanceRouter):
         m[s.DUTY, k] *= np.exp(elapsed / -self._duty_window())
         m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
         m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
+        # (the drain rate from the slot's own streams: the engine's count is not at hand here)
+        decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
+        drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k],
+                                             m[s.BUDGET, k], m[s.TOKEN_EFF, k], m[s.KV_EFF, k], m[s.OVERHEAD_S, k]))
+        m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
+        m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
+                                        m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
 
     def _through(self, k: int, request_id: str, now: float) -> None:
         """The request's prefill is through (first token), or it ended: it leaves the outstanding set."""
@@ -486,6 +526,8 @@ class TokenPilot(InstanceRouter):
             self._memo.clear()
             s, m = self._s, self._s.m
             m[s.OUT_S, k], m[s.HEAD_S, k] = totals
+            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] = self._outstanding_tok.remove(k, request_id) or (0.0, 0.0)
+            m[s.OUT_N, k] = self._outstanding.count(k)
             self._settle(k, now)
 
     def _release(self, rec: _Inflight, request_id: str, now: float) -> None:
@@ -520,7 +562,8 @@ class TokenPilot(InstanceRouter):
         self._release(rec, outcome.request_id, float(s.m[s.DECAYED_AT, k]))
         if outcome.ok and not outcome.cancelled:
             if rec.predicted_queue_s != _SPLIT:  # a split P/D request's TTFT is no one instance's
-                self.latency.record(rec.features, rec.predicted_ttft_s, rec.predicted_tpot_s, outcome.ttft_s,
+                self.latency.record(rec.features, rec.forward_ttft_s, rec.predicted_tpot_s,
+                                    _after_dispatch(outcome.ttft_s, rec.held_s),
                                     outcome.mean_tpot_s if outcome.output_tokens > 1 else None)
             self._learn(k, rec, outcome)
             s.refresh(k)
@@ -534,8 +577,10 @@ class TokenPilot(InstanceRouter):
         learned = self._learned[k]
         # Learn prefill speed only from requests predicted to start at once: otherwise an error
         # in the queue model would be taken for a slow (or fast) GPU and feed back on itself.
-        if outcome.ttft_s is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
-            learned.prefill.update(outcome.ttft_s, rec.predicted_ttft_s)
+        # The TTFT since dispatch: time the request was held before it (admission) is no GPU's speed.
+        ttft = _after_dispatch(outcome.ttft_s, rec.held_s)
+        if ttft is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
+            learned.prefill.update(ttft, rec.predicted_ttft_s)
             m[s.PREFILL_FACTOR, k] = learned.prefill.value
         if outcome.mean_tpot_s is not None and outcome.output_tokens > 1:
             predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
@@ -625,11 +670,12 @@ class TokenPilot(InstanceRouter):
         would, or its prefill (backlog, duty, the prefix it caches) on `prefill_on` and its
         stream (context, the prefix that arrives with the KV) on `decode_on`."""
         j = priced.index(prefill_on)
-        tpot, features = float(priced.terms[11][j]), priced.terms[12][:, j].copy()
+        tpot, features = float(priced.terms[11][j]), priced.terms[_FEATURES][:, j].copy()
+        uncached = float(profile.prompt_tokens - priced.cached[j])
         if prefill_on == decode_on:
             self._commit(profile, self._slot(prefill_on), prefill_on, float(priced.terms[10][j]),
                          float(priced.queue[j]), float(priced.prefill[j]), float(priced.compute[j]), tpot,
-                         features, now)
+                         features, now, float(priced.terms[_FWD][j]), uncached)
             return
         self._memo.clear()
         s, m = self._s, self._s.m
@@ -640,6 +686,8 @@ class TokenPilot(InstanceRouter):
         # The first token leaves the decode instance, so it cannot bound the prefill side's
         # backlog: that prefill drains by the clock alone (as a non-streamed request's does).
         m[s.BACKLOG_UNTRACKED, kp] += prefill
+        m[s.BACKLOG_TOK, kp] += uncached
+        m[s.UNTRACKED_TOK, kp] += uncached
         m[s.DUTY, kp] += compute / self._duty_window()
         self._mean_compute += 0.02 * (compute - self._mean_compute)
         m[s.CONTEXT, kd] += profile.prompt_tokens
@@ -649,7 +697,7 @@ class TokenPilot(InstanceRouter):
         self.index.record_route(decode_on, profile.block_hashes, now)
         # Its TTFT spans two instances and a link: not evidence of either one's prefill speed.
         self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, _SPLIT,
-                                                       tpot, features)
+                                                       tpot, features, predicted_ttft_s, _held(profile, now))
 
 
 @dataclass(frozen=True, slots=True)
@@ -701,6 +749,16 @@ class Priced:
     def compute(self) -> np.ndarray:
         return self.terms[8]
 
+
+
+def _held(profile: RequestProfile, now: float) -> float:
+    """Seconds between the request's arrival and its dispatch now (0 where the arrival is not known)."""
+    return max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
+
+
+def _after_dispatch(ttft_s: float | None, held_s: float) -> float | None:
+    """An observed TTFT (from arrival) from the dispatch on: what the router's predictions are of."""
+    return None if ttft_s is None else max(ttft_s - held_s, 1e-6)
 
 
 def _weighted(weight: float, x: np.ndarray) -> np.ndarray:
