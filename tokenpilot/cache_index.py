@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 
 MAX_LATER = 1024  # deferred route records kept before they are applied anyway (a bound on memory)
+# Pool membership vectors of match groups kept (`match_blocks`): a few MB at 64-256 instances.
+MAX_MEMBER_VECTORS = 4096
 
 
 @dataclass(slots=True)
@@ -73,7 +75,12 @@ class PrefixCacheIndex:
         self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
         self._tick = 0
-        self._want_cache: dict[tuple[str, ...], tuple[int, np.ndarray, int]] = {}
+        self._want_cache: dict[tuple[str, ...], tuple[int, np.ndarray, int, int]] = {}
+        # (pool serial, group bitmask) -> 0/1 per pool member: a decision's groups repeat (the
+        # instances holding a shared system prompt, the one holding a conversation), so the
+        # bit unpacking runs once per group, not once per decision. Cleared with `_want_cache`.
+        self._members: dict[tuple[int, int], np.ndarray] = {}
+        self._pool_serial = 0
         # Routes recorded after the decision (`record_route_later`), applied in order before any
         # other read or write of the index: every answer is what it would have been had they
         # been applied at once.
@@ -101,7 +108,7 @@ class PrefixCacheIndex:
             e = _InstanceBlocks(bit=bit, capacity=max(1, self.default_capacity // self.stride))
             self._inst[instance] = e
             self._by_bit[bit] = instance
-            self._want_cache.clear()
+            self._clear_pool_caches()
         return e
 
     def set_capacity(self, instance: str, capacity_blocks: int) -> None:
@@ -121,7 +128,12 @@ class PrefixCacheIndex:
         self._clear(e)
         del self._by_bit[e.bit]
         self._free_bits.append(e.bit)
+        self._clear_pool_caches()
+
+    def _clear_pool_caches(self) -> None:
+        """Instances came or went: pool bits, hence membership vectors, are stale."""
         self._want_cache.clear()
+        self._members.clear()
 
     def is_exact(self, instance: str, now: float) -> bool:
         if self._later:
@@ -280,10 +292,11 @@ class PrefixCacheIndex:
         """Bits of `instances` (cached, see `_pool_bits`)."""
         return self._pool_bits(instances)[0]
 
-    def _pool_bits(self, instances: tuple[str, ...]) -> tuple[int, np.ndarray, int]:
-        """(bitmask of `instances`, each one's bit index, bytes that hold every bit); pools
-        repeat, so the answer is cached until membership changes. An instance the index does
-        not know gets a spare bit index that no instance holds, so it matches nothing."""
+    def _pool_bits(self, instances: tuple[str, ...]) -> tuple[int, np.ndarray, int, int]:
+        """(bitmask of `instances`, each one's bit index, bytes that hold every bit, a serial
+        naming this pool in `_members`); pools repeat, so the answer is cached until membership
+        changes. An instance the index does not know gets a spare bit index that no instance
+        holds, so it matches nothing."""
         cached = self._want_cache.get(instances)
         if cached is None:
             spare = max(self._by_bit, default=-1) + 1
@@ -294,8 +307,10 @@ class PrefixCacheIndex:
                 if e is not None:
                     want |= 1 << e.bit
             if len(self._want_cache) > 1024:
-                self._want_cache.clear()
-            cached = self._want_cache[instances] = (want, np.array(bits, dtype=np.intp), spare // 8 + 1)
+                self._clear_pool_caches()
+            self._pool_serial += 1
+            cached = self._want_cache[instances] = (want, np.array(bits, dtype=np.intp), spare // 8 + 1,
+                                                    self._pool_serial)
         return cached
 
     def _levels(self, keys: Sequence[int], want: int) -> list[tuple[int, int]]:
@@ -339,21 +354,30 @@ class PrefixCacheIndex:
         """`match` as a float array aligned with `instances`, for the router's vector scoring.
 
         Instead of walking the bits of every instance (one Python step per candidate), each
-        group's bitmask is unpacked to a 0/1 vector by bit and the groups' key counts summed:
-        the groups are nested, so the sum telescopes to the last group's count.
+        group's bitmask becomes a 0/1 vector over the pool (cached: groups repeat) and the
+        vectors are summed, weighted by the blocks each group adds over the previous one: the
+        groups are nested, so the sum telescopes to the last group's count. (Sums of whole
+        numbers: exact in floating point.)
         """
         if self._later:
             self.flush()
-        want, bits, nbytes = self._pool_bits(instances)
+        want, bits, nbytes, serial = self._pool_bits(instances)
         levels = self._levels(self._keys(block_hashes), want)
         if not levels:
             return np.zeros(len(instances))
-        # One row of 0/1 per group (by bit), weighted by the blocks the group adds over the
-        # previous one: the product sums, per bit, the blocks its instance holds. (Sums of
-        # whole numbers: exact in floating point.)
-        member = np.unpackbits(np.frombuffer(b"".join([m.to_bytes(nbytes, "little") for m, _ in levels]),
-                                             dtype=np.uint8), bitorder="little").reshape(len(levels), -1)
-        stride = self.stride
-        added = np.array([(held - below) * stride for (_, held), (_, below)
-                          in zip(levels, [(0, 0), *levels[:-1]])], dtype=float)
-        return (added @ member)[bits]
+        members, stride = self._members, self.stride
+        matched: np.ndarray | None = None
+        below = 0
+        for mask, held in levels:
+            member = members.get((serial, mask))
+            if member is None:
+                if len(members) >= MAX_MEMBER_VECTORS:
+                    members.clear()
+                member = members[(serial, mask)] = np.unpackbits(
+                    np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")[bits] \
+                    .astype(float)
+            added = member * float((held - below) * stride)
+            matched = added if matched is None else matched + added
+            below = held
+        assert matched is not None
+        return matched
