@@ -214,3 +214,34 @@ def test_match_blocks_agrees_with_match() -> None:
         by_id = idx.match(hashes, pool)
         assert idx.match_blocks(hashes, pool).tolist() == [float(by_id[i]) for i in pool]
     assert idx.match_blocks((), ("i0",)).tolist() == [0.0]
+
+
+def test_match_blocks_cached_groups_follow_membership_changes() -> None:
+    """`match_blocks` keeps each group's 0/1 vector per pool (issue 14); pools repeat here while
+    instances are forgotten, come back with another bit, arrive new, and events remove and
+    store blocks, and every answer must still be `match`'s."""
+    rng = random.Random(11)
+    idx = PrefixCacheIndex(stride=2)
+    ids = [f"i{k}" for k in range(12)]
+    pools = [tuple(ids), tuple(ids[:5]), tuple(reversed(ids[3:])), ("i1", "late", "i4")]
+    convs: list[list[int]] = [[0, 1]]
+    for n in range(600):
+        blocks = rng.choice(convs) + [1000 + n] if rng.random() < 0.6 else [0, 2000 + n]
+        convs.append(blocks)
+        hashes = synthetic_block_hashes(blocks, 4)
+        step = rng.random()
+        if step < 0.05:
+            idx.forget(rng.choice(ids))  # its bit is freed; whoever comes next may take it
+        elif step < 0.08:
+            idx.record_route("late", hashes, float(n))  # an instance the pools named before it existed
+        elif step < 0.15:
+            victim = rng.choice(ids)
+            idx.apply_events(victim, n, [{"type": "BlockRemoved", "block_hashes": hashes[: rng.randrange(1, 8)]},
+                                         {"type": "BlockStored", "block_hashes": hashes}], float(n))
+        else:
+            idx.record_route(rng.choice(ids), hashes, float(n))
+        pool = rng.choice(pools)
+        probe = synthetic_block_hashes(rng.choice(convs) + [9000 + n], 4)
+        by_id = idx.match(probe, pool)
+        assert idx.match_blocks(probe, pool).tolist() == [float(by_id[i]) for i in pool], n
+    assert 0 < len(idx._members) <= 4096  # the cache was used, within its bound

@@ -78,7 +78,9 @@ class PrefixCacheIndex:
         self._want_cache: dict[tuple[str, ...], tuple[int, np.ndarray, int, int]] = {}
         # (pool serial, group bitmask) -> 0/1 per pool member: a decision's groups repeat (the
         # instances holding a shared system prompt, the one holding a conversation), so the
-        # bit unpacking runs once per group, not once per decision. Cleared with `_want_cache`.
+        # bit unpacking runs once per group, not once per decision. A pool whose bits change
+        # gets a new serial (`_pool_bits`), so no stale vector is ever read; clearing them
+        # with `_want_cache` only frees their memory.
         self._members: dict[tuple[int, int], np.ndarray] = {}
         self._pool_serial = 0
         # Routes recorded after the decision (`record_route_later`), applied in order before any
