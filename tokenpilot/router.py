@@ -424,7 +424,13 @@ class TokenPilot(InstanceRouter):
         past full it will be preempted and recomputed (its TTFT doubles).
         """
         cfg = self.config
-        need = (profile.prompt_tokens + self._mean_output) / (profile.block_size * capacity)
+        demand = profile.prompt_tokens + self._mean_output
+        # Most decisions see no pressure anywhere: rule that out from two maxima first. The
+        # bound is >= every candidate's new usage in floating point too (rounding is monotonic:
+        # a smaller capacity gives a larger need, and x <= X, y <= Y give fl(x + y) <= fl(X + Y)).
+        if kv_usage.max() + demand / (profile.block_size * capacity.min()) <= cfg.kv_soft_mark:
+            return None
+        need = demand / (profile.block_size * capacity)
         new_usage = kv_usage + need
         if not new_usage.max() > cfg.kv_soft_mark:  # (written so that NaN still takes the full path)
             return None
