@@ -1,20 +1,32 @@
 """Microbenchmark: the cost of one TokenPilot decision with 64 instances and ~1M indexed blocks.
 
-    python bench/decision_cost.py [--instances 64] [--blocks 1000000]
+    python bench/decision_cost.py [--instances 64] [--blocks 1000000] [--cpu-time]
+    python bench/decision_cost.py --cpu-time --baseline-ref main --rounds 3   # before/after, interleaved
 
 Prints p50/p99 per decision for TokenPilot and, as a baseline measured in the same
 run, for round_robin and least_loaded (whose decisions do no cache lookups). TokenPilot
 indexes a routed prompt after the decision (`PrefixCacheIndex.record_route_later`); the
 gateway applies it once the request is sent, and so does this script, outside the decision's
 timing: that update's own cost is printed on the line below.
+
+`--baseline-ref REF` measures the code of another commit against this checkout's in one run:
+the commit's tree (`git archive`, as bench/decision_replay.py does) and this one run this
+script alternately (baseline, this, baseline, this, ...) in their own processes, `--rounds`
+times each, so both see the same machine; each line is one round. The workload is this
+script's, whichever code it drives.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from fleetcore.prefix import synthetic_block_hashes
 from fleetcore.types import InstanceSnapshot, RequestProfile
@@ -31,7 +43,13 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="time each decision in this thread's CPU time, not wall time: on a shared machine the "
                          "wall-time p99 is the scheduler's (another job preempting us), not the decision's")
+    ap.add_argument("--baseline-ref", metavar="REF",
+                    help="also measure the code of this commit, in alternate rounds (see the module doc)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per side with --baseline-ref")
     args = ap.parse_args()
+    if args.baseline_ref:
+        interleave(args)
+        return
     clock = time.thread_time if args.cpu_time else time.perf_counter
     rng = random.Random(0)
     prior = prior_from_physics("llama-3.1-8b", "H100")
@@ -89,6 +107,34 @@ def main() -> None:
               f"{', CPU time' if args.cpu_time else ''})")
         if updates:
             print(f"{'':>13}  index update after dispatch: {_percentiles(updates)}")
+
+
+def interleave(args: argparse.Namespace) -> None:
+    """Run this script over the baseline commit's code and this checkout's, alternately."""
+    from decision_replay import ROOT, tree_at  # (bench/ is this script's folder: its first import path)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = (("baseline " + args.baseline_ref, tree_at(args.baseline_ref, tmp)), ("this checkout", ROOT))
+        for (side, tree), ref in zip(sides, (args.baseline_ref, "HEAD")):
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            dirty = ref == "HEAD" and subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--",
+                                                      "fleetcore", "tokenpilot"],
+                                                     capture_output=True, text=True).stdout.strip()
+            print(f"{side}: {rev}{' + uncommitted changes' if dirty else ''}, code from {tree}", flush=True)
+        for k in range(args.rounds):
+            for side, tree in sides:
+                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *_child_args(args)],
+                                     env={**os.environ, "PYTHONPATH": str(tree)}, cwd=str(tree),
+                                     capture_output=True, text=True, check=True).stdout
+                for line in out.splitlines():
+                    print(f"round {k + 1} {side:>18} | {line}", flush=True)
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    """This run's options, less the interleaving ones."""
+    out = ["--instances", str(args.instances), "--blocks", str(args.blocks), "--decisions", str(args.decisions)]
+    return out + (["--cpu-time"] if args.cpu_time else [])
 
 
 def _percentiles(times: list[float]) -> str:
