@@ -91,9 +91,11 @@ def main() -> None:
     for k in range(args.decisions):
         ids_ = prompt()
         reqs.append(RequestProfile(f"q{k}", "m", 512 * len(ids_), tuple(synthetic_block_hashes(ids_, 32))))
+    pauses = _CollectorPauses()  # garbage collections while the decisions run (each router's loop)
     for name, router in (("tokenpilot", tp), ("round_robin", make_router("round_robin")),
                          ("least_loaded", make_router("least_loaded"))):
         times, updates = [], []
+        pauses.reset()
         flush = getattr(getattr(router, "index", None), "flush", None)
         for k, r in enumerate(reqs):
             t = clock()
@@ -107,6 +109,37 @@ def main() -> None:
               f"{', CPU time' if args.cpu_time else ''})")
         if updates:
             print(f"{'':>13}  index update after dispatch: {_percentiles(updates)}")
+        print(f"{'':>13}  garbage collections meanwhile: {pauses.summary()}")
+    pauses.close()
+
+
+class _CollectorPauses:
+    """Collections (by generation) and their pauses, in this thread's CPU time."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self._pauses: list[tuple[int, float]] = []
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self._pauses.append((info["generation"], time.thread_time() - self._started))
+
+    def reset(self) -> None:
+        self._pauses.clear()
+
+    def summary(self) -> str:
+        parts = []
+        for gen in range(3):
+            p = [d for g, d in self._pauses if g == gen]
+            if p:
+                parts.append(f"gen {gen}: {len(p)} (max {max(p) * 1e3:.2f} ms, total {sum(p) * 1e3:.1f} ms)")
+        return ", ".join(parts) or "none"
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def interleave(args: argparse.Namespace) -> None:
