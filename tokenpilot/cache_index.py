@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from itertools import compress, repeat
+from itertools import repeat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +37,9 @@ from typing import Any
 import numpy as np
 
 MAX_LATER = 1024  # deferred route records kept before they are applied anyway (a bound on memory)
-# Pool membership vectors of match groups kept (`match_blocks`): ~2.5 MB at 64 instances,
-# ~10 MB at 256.
+# Pool membership vectors of match groups kept (`match_blocks`): a few MB at 64-256 instances.
 MAX_MEMBER_VECTORS = 4096
-# Stale batch references cleaned per touch while a compaction pass runs (`_compact_step`):
-# ~0.3 ms of work on the event loop, where a whole rebuild took O(entries) in one go.
-COMPACT_STEP = 8192
-STALE_SLACK = 1024  # a pass starts when batch references exceed 4x the entries plus this
+STALE_SLACK = 1024  # batches are rebuilt when their references exceed 4x the entries plus this
 
 
 @dataclass(slots=True)
@@ -55,17 +51,12 @@ class _InstanceBlocks:
     append; eviction pops the oldest batch and drops only the keys whose last touch
     is still that batch's tick. A request's blocks thus age and leave together, and a
     prefix that a newer request touched stays: prefix closure holds.
-
-    While a compaction pass runs, `compacted` holds the batches it has cleaned, all older
-    than those still in `batches`: eviction reads it first (`_oldest`).
     """
 
     bit: int
     capacity: int
     last: dict[int, int] = field(default_factory=dict)
     batches: deque[tuple[int, Sequence[int]]] = field(default_factory=deque)
-    compacted: deque[tuple[int, Sequence[int]]] = field(default_factory=deque)
-    compacting: bool = False
     batch_refs: int = 0
     exact: bool = False
     last_event_at: float = float("-inf")
@@ -219,32 +210,16 @@ class PrefixCacheIndex:
         e.batch_refs += len(keys)
         if new:
             self._set_bit(new, e.bit)
-        if e.compacting or e.batch_refs > 4 * len(last) + STALE_SLACK:
-            self._compact_step(e)
+        if e.batch_refs > 4 * len(last) + STALE_SLACK:
+            self._compact(e)
 
-    def _compact_step(self, e: _InstanceBlocks) -> None:
-        """Drop stale references (keys a later batch touched again, or removed) when they pile
-        up, `COMPACT_STEP` at a time: a pass moves every batch, cleaned and in order, from the
-        front of `batches` to the back of `compacted`, which becomes the queue when the pass is
-        through. A whole rebuild at once held the event loop O(entries) (milliseconds per 30k
-        entries, tens of them at an engine's cache size). Evictions see the same order
-        throughout, and a dropped reference is one they would have skipped."""
-        e.compacting = True
-        last, todo, done = e.last, e.batches, e.compacted
-        budget = COMPACT_STEP
-        while todo and budget > 0:
-            tick, keys = todo.popleft()
-            budget -= len(keys)
-            live = list(compress(keys, map(tick.__eq__, map(last.get, keys, repeat(-1)))))
-            e.batch_refs -= len(keys) - len(live)
-            if live:
-                done.append((tick, _packed(live)))
-        if not todo:
-            e.batches, e.compacted, e.compacting = done, todo, False
-
-    def _oldest(self, e: _InstanceBlocks) -> deque[tuple[int, Sequence[int]]]:
-        """The queue holding the oldest batch (the cleaned part while a compaction runs)."""
-        return e.compacted if e.compacted else e.batches
+    def _compact(self, e: _InstanceBlocks) -> None:
+        """Rebuild the batch queue from live entries when stale references pile up."""
+        by_tick: dict[int, list[int]] = {}
+        for h, t in e.last.items():
+            by_tick.setdefault(t, []).append(h)
+        e.batches = deque([(t, _packed(keys)) for t, keys in sorted(by_tick.items())])
+        e.batch_refs = len(e.last)
 
     def _remove(self, e: _InstanceBlocks, hashes: Iterable[int]) -> None:
         """Engines remove blocks in batches of thousands (KV events, on the event loop): set
@@ -288,9 +263,9 @@ class PrefixCacheIndex:
             self._mask.pop(h, None)
 
     def _evict(self, e: _InstanceBlocks, limit: int) -> None:
-        last = e.last
-        while len(last) > limit and (e.compacted or e.batches):
-            tick, keys = self._oldest(e).popleft()
+        last, batches = e.last, e.batches
+        while len(last) > limit and batches:
+            tick, keys = batches.popleft()
             e.batch_refs -= len(keys)
             # (`_unset` inlined: this loop runs for every evicted key of every routed request)
             mask, clear = self._mask, ~(1 << e.bit)
@@ -314,8 +289,6 @@ class PrefixCacheIndex:
             self._unset(h, e.bit)
         e.last.clear()
         e.batches.clear()
-        e.compacted.clear()
-        e.compacting = False
         e.batch_refs = 0
 
     # -- queries ---------------------------------------------------------
