@@ -27,6 +27,7 @@ cost), which keeps learned speeds of rarely chosen instances fresh.
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -131,10 +132,12 @@ class _Slots:
     """
 
     # State. Backlog, untracked backlog and duty decay on the same clock, so one "decayed
-    # at" serves them all. OUT_S / HEAD_S: predicted prefill of the streamed requests sent
-    # there whose first token has not been seen (all of them / the oldest one).
+    # at" serves them all; the four rows are adjacent so that a decision writes them back in
+    # one store (`TokenPilot._score`). OUT_S / HEAD_S: predicted prefill of the streamed
+    # requests sent there whose first token has not been seen (all of them / the oldest one).
     TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
-        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS, BACKLOG_UNTRACKED, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
+        BACKLOG, BACKLOG_UNTRACKED, DUTY, DECAYED_AT, CONTEXT, STREAMS, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
+    DECAYING = slice(BACKLOG, DECAYED_AT + 1)  # the rows a decision drains to its clock and stores
     # Derived by `refresh`.
     TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
     # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
@@ -216,7 +219,7 @@ class TokenPilot(InstanceRouter):
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
-        self.decisions: list[tuple[str, RouteDecision]] = []
+        self.decisions: deque[tuple[str, RouteDecision]] = deque(maxlen=self.config.max_decisions_kept)
         self._memo: ScoreMemo[tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]] = ScoreMemo()
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
@@ -295,7 +298,7 @@ class TokenPilot(InstanceRouter):
         if not pool:
             return None
         _, _, terms = self._terms(profile, pool, now)
-        best = int(np.argmin(terms[0]))
+        best = int(terms[0].argmin())  # (the method: no dispatch through np.argmin's wrapper)
         return float(terms[1][best]), int(terms[6][best])
 
     def prefix_match(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
@@ -316,7 +319,7 @@ class TokenPilot(InstanceRouter):
             return RouteDecision(None, why)
         ids, slots, terms = self._terms(profile, pool, now)
         cost = terms[0]
-        best = int(np.argmin(cost))  # pool order is instance-id order: ties go to the smallest id
+        best = int(cost.argmin())  # pool order is instance-id order: ties go to the smallest id
         chosen, reason = best, "lowest predicted cost"
         if cfg.explore > 0 and len(pool) > 1 and self._rng.random() < cfg.explore:
             near = [k for k in np.flatnonzero(cost <= cost[best] * cfg.explore_slack + 0.01) if k != best]
@@ -329,9 +332,7 @@ class TokenPilot(InstanceRouter):
                      float(profile.prompt_tokens - terms[6][chosen]))
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
-        self.decisions.append((profile.request_id, decision))
-        if len(self.decisions) > cfg.max_decisions_kept:
-            del self.decisions[: len(self.decisions) - cfg.max_decisions_kept]
+        self.decisions.append((profile.request_id, decision))  # (bounded: the oldest falls out)
         return decision
 
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
@@ -341,13 +342,18 @@ class TokenPilot(InstanceRouter):
 
         Each expression keeps the operation order it has always had (the floating-point
         results, hence the decisions, are exactly those of earlier versions); what changed is
-        only where the operands come from.
+        only where the operands come from. Why it is written this way: a decision's cost is
+        the count of numpy calls (~0.3-0.5 us each on 64 candidates, whatever the length), so
+        the snapshot fields are read once each, the clock-drained rows are worked in place on
+        the gathered copy `g` and stored back in one assignment, and nothing is computed twice.
         """
         cfg = self.config
         s = self._s
-        g = s.m.take(k, axis=1)  # every state row of every candidate, one gather
-        running = np.fromiter([c.num_running for c in pool], dtype=float, count=len(pool))
-        waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=len(pool))
+        n = len(pool)
+        g = s.m.take(k, axis=1)  # every state row of every candidate, one gather (a copy: worked in place)
+        running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
+        waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)
+        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=n)
         prompt = profile.prompt_tokens
         cached = np.minimum(matched_blocks * profile.block_size, max(prompt - 1, 0))
         uncached = prompt - cached
@@ -365,10 +371,13 @@ class TokenPilot(InstanceRouter):
         step_s = context_kv + overhead
         prefill = compute + uncached / budget * step_s + overhead
         # Prefill work routed here and not yet done (seconds): drained by the clock, held
-        # within what the first tokens seen so far allow (`tokenpilot.backlog`).
+        # within what the first tokens seen so far allow (`tokenpilot.backlog`). Backlog and
+        # untracked backlog drain together (rows BACKLOG, BACKLOG_UNTRACKED of `g`).
         elapsed = np.maximum(0.0, now - g[s.DECAYED_AT])
-        untracked = np.maximum(0.0, g[s.BACKLOG_UNTRACKED] - elapsed)
-        backlog = reconcile(np.maximum(0.0, g[s.BACKLOG] - elapsed), untracked, g[s.OUT_S], g[s.HEAD_S])
+        drained = g[s.BACKLOG:s.BACKLOG_UNTRACKED + 1]
+        np.maximum(0.0, np.subtract(drained, elapsed, out=drained), out=drained)
+        untracked = g[s.BACKLOG_UNTRACKED]
+        backlog = reconcile(g[s.BACKLOG], untracked, g[s.OUT_S], g[s.HEAD_S], out=g[s.BACKLOG])
         # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
         per_token = compute / (uncached if prompt >= 1 else np.maximum(uncached, 1)) + step_s / budget
         waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
@@ -378,22 +387,26 @@ class TokenPilot(InstanceRouter):
         # taking lately (EWMA). Every prefill step stalls all decoding streams, so a stream's
         # time per token is its decode step stretched by 1 / (1 - duty).
         window = self._duty_window()
-        duty = g[s.DUTY] * np.exp(elapsed / -window)  # (x / -w is -x / w, bit for bit)
+        duty = g[s.DUTY]
+        np.multiply(duty, np.exp(elapsed / -window), out=duty)  # (x / -w is -x / w, bit for bit)
         # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
         # drained at the engine's prefill rate, and timed by how the engine batches it. It is
         # what the decision reports and the learned residual corrects; the cost ranks by the
         # physics above unless `learned_cost`.
         decoding = np.maximum(streams - g[s.OUT_N], 0.0)
-        overhead_s = g[s.OVERHEAD_S]
-        drained = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead_s)
-        untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained)
+        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
+        untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
         # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
-        backlog_tok = reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained), untracked_tok, g[s.OUT_TOK],
+        backlog_tok = reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
                                 g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
         ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
         forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
-                               overhead_s)
-        self._store_decay(k, backlog, untracked, duty, g[s.DECAYED_AT], now, backlog_tok, untracked_tok)
+                               overhead)
+        # Keep the clock-drained backlogs and duty: the next decision decays from here.
+        np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
+        s.m[s.DECAYING, k] = g[s.DECAYING]
+        s.m[s.BACKLOG_TOK, k] = backlog_tok
+        s.m[s.UNTRACKED_TOK, k] = untracked_tok
         duty_after = np.minimum(cfg.max_duty, duty + compute / window)
         decode_step = g[s.OVERHEAD_DF] + context_kv
         tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
@@ -402,7 +415,7 @@ class TokenPilot(InstanceRouter):
         remaining = self._remaining_tokens()
         slack = (cfg.tpot_slo_s - tpot_now) * remaining
         interference = _weighted(cfg.interference_weight, streams) * np.maximum(0.0, compute - np.maximum(slack, 0.0))
-        kv_cost = self._kv_cost(profile, pool, g[s.CAPACITY_BLOCKS], prefill)
+        kv_cost = self._kv_cost(profile, kv_usage, g[s.CAPACITY_BLOCKS], prefill)
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
         locality = _weighted(cfg.locality_weight, cached) * token_s
@@ -412,11 +425,11 @@ class TokenPilot(InstanceRouter):
         # all tie on TTFT and pile onto one instance.
         own_step = g[s.TPOT_FACTOR] * (decode_step + prompt * kv_s) / (1 - duty_after)
         # The learned residual over these physics predictions (`tokenpilot.latency_model`):
-        # zero until the caller has fitted it on enough outcomes.
-        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
+        # zero until the caller has fitted it on enough outcomes. (np.array stacks the rows
+        # as np.vstack would, without its per-row reshaping.)
         positive = np.maximum(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
-        features = np.vstack((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
-                              budget / 1e3, forward, ahead / 1e3, decoding, np.log(positive), 0.01 / positive))
+        features = np.array((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
+                             budget / 1e3, forward, ahead / 1e3, decoding, np.log(positive), 0.01 / positive))
         lat = self.latency
         prior_ttft, prior_tpot = ttft, own_step
         ttft_pred = lat.correct(lat.ttft, forward, features)
@@ -430,33 +443,28 @@ class TokenPilot(InstanceRouter):
         if kv_cost is not None:
             cost = cost + kv_cost
         else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
-            kv_cost = np.zeros(len(k))
+            kv_cost = np.zeros(n)
         cost = cost + decode - locality
         return (cost, ttft_pred, queue, prefill, interference, kv_cost, cached, decode, compute, tpot_pred,
                 prior_ttft, prior_tpot, forward, ahead, features)
 
-    def _store_decay(self, k: np.ndarray, backlog: np.ndarray, untracked: np.ndarray, duty: np.ndarray,
-                     decayed_at: np.ndarray, now: float, backlog_tok: np.ndarray, untracked_tok: np.ndarray) -> None:
-        """Keep the clock-drained backlog and duty: the next decision decays from here."""
-        s, m = self._s, self._s.m
-        m[s.BACKLOG][k] = backlog
-        m[s.BACKLOG_UNTRACKED][k] = untracked
-        m[s.BACKLOG_TOK][k] = backlog_tok
-        m[s.UNTRACKED_TOK][k] = untracked_tok
-        m[s.DUTY][k] = duty
-        m[s.DECAYED_AT][k] = np.maximum(decayed_at, now)
-
-    def _kv_cost(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], capacity: np.ndarray,
+    def _kv_cost(self, profile: RequestProfile, kv_usage: np.ndarray, capacity: np.ndarray,
                  prefill: np.ndarray) -> np.ndarray | None:
-        """KV pressure per candidate, or None where no candidate would pass the soft mark.
+        """KV pressure per candidate (`kv_usage`: theirs now), or None where no candidate
+        would pass the soft mark.
 
         The whole request holds KV once running (cached blocks become referenced too), and
         streams grow as they decode; past the soft mark it risks evicting hot prefixes,
         past full it will be preempted and recomputed (its TTFT doubles).
         """
         cfg = self.config
-        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
-        need = (profile.prompt_tokens + self._mean_output) / (profile.block_size * capacity)
+        demand = profile.prompt_tokens + self._mean_output
+        # Most decisions see no pressure anywhere: rule that out from two maxima first. The
+        # bound is >= every candidate's new usage in floating point too (rounding is monotonic:
+        # a smaller capacity gives a larger need, and x <= X, y <= Y give fl(x + y) <= fl(X + Y)).
+        if kv_usage.max() + demand / (profile.block_size * capacity.min()) <= cfg.kv_soft_mark:
+            return None
+        need = demand / (profile.block_size * capacity)
         new_usage = kv_usage + need
         if not new_usage.max() > cfg.kv_soft_mark:  # (written so that NaN still takes the full path)
             return None
