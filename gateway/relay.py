@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -75,6 +75,8 @@ from gateway.resume import DRAINED, continuation_of, drained, resume
 from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
+if TYPE_CHECKING:
+    from gateway.pd_flow import PDFlow
 from gateway.upstream_failure import NotAStream, RetryableFailure, describe
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -199,6 +201,7 @@ class Target:
     instance: Instance
     route: RouteDecision | None = None
     site_reason: str = ""
+    prefill: Target | None = None  # a disaggregated request's prefill instance (gateway.pd_flow)
 
 
 @dataclass(slots=True)
@@ -589,6 +592,7 @@ class Relay:
         self.live: set[RelayStream] = set()  # streams handed to their clients and not over yet
         self.hedge_metrics = HedgeMetrics(metrics.registry)  # hedged prefill (gateway.hedge)
         state.on_drain.append(lambda instance_id: drained(self, instance_id))  # drain migration (gateway.resume)
+        self.pd: PDFlow | None = None  # P/D disaggregation (gateway.pd_flow), set by the app for P/D fleets
 
     def observe(self, outcome: RequestOutcome, request_outcome: RequestOutcome | None = None) -> None:
         """Feed every policy that learns; a policy bug must not fail the request. Admission hears
@@ -671,7 +675,8 @@ class Relay:
         last: RetryableFailure | None = None
         for attempt in range(MAX_ATTEMPTS):
             # failed attempts are excluded; admission's hint to avoid busy instances gives way when it leaves none
-            target = self.choose(parsed.profile, excluded, attempt, avoid)
+            target = (self.choose(parsed.profile, excluded, attempt, avoid) if self.pd is None
+                      else self.pd.choose(parsed.profile, excluded, attempt, avoid))
             if target is None:
                 if attempt == 0:
                     raise no_ready_instance(parsed.profile.model, self.retry_after_s)
@@ -685,6 +690,8 @@ class Relay:
             if self.route_share is not None:
                 self.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
             try:
+                if target.prefill is not None and self.pd is not None:  # split: both legs, its own retry
+                    return await self.pd.run(watch, parsed, path, target)
                 return await self._dispatch(watch, parsed, path, target)
             except RetryableFailure as f:
                 log.warning("request %s: instance %s failed before first byte (%s); %s",
