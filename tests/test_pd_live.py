@@ -268,3 +268,59 @@ async def test_short_prompt_stays_local(healthy: Fleet) -> None:
     d = f.decision(a.request_id)
     assert d["reason"].startswith("local"), d
     assert a.headers["x-tokenfleet-instance"] in {i.instance_id for i in f.instances("east", "decode")}
+
+
+async def prefilling(f: Fleet, pre: Instance) -> None:
+    """Until the prefill worker has a room it is prefilling (the split request reached it)."""
+    await wait_until(lambda: pd_state(pre), 10, "a prefill leg in progress", ok=lambda s: s["rooms"] >= 1)
+
+
+def kill(f: Fleet, inst: Instance) -> None:
+    os.kill(f.proc_pid(inst), signal.SIGKILL)  # its supervisor starts it again (cold)
+
+
+@pytest.mark.parametrize("site,key,how", [("east", EAST_KEY, "kill"), ("west", WEST_KEY, "kill"),
+                                          ("east", EAST_KEY, "stop"), ("west", WEST_KEY, "stop")])
+async def test_prefill_leg_dies_or_stalls_mid_prefill_retried_locally(healthy: Fleet, site: str, key: str,
+                                                                     how: str) -> None:
+    f = healthy
+    pre = f.instances(site, "prefill")[0]
+    rid = f"pd-{how}-{site}"
+    prompt = long_prompt()
+    async with decoding(f, key, site):
+        req = asyncio.create_task(stream(f, key, prompt, 24, rid))
+        await prefilling(f, pre)
+        kill(f, pre) if how == "kill" else f.stop(pre)
+        a = await req
+    assert f.decision(rid)["reason"].startswith("split")
+    # retried once, locally: a decode instance prefilled it itself, and the client saw one whole stream
+    assert a.status == 200, a.events
+    assert a.errors == [] and a.events[-1] == "[DONE]" and a.tokens == 24
+    assert a.headers["x-tokenfleet-instance"] in {i.instance_id for i in f.instances(site, "decode")}
+    assert a.text == await expected_text(f, site, prompt, 24)
+    retry = [d for d in f.ctx.relay.decisions.last(256) if d["request_id"] == rid and d["attempt"] == 1]
+    assert retry and retry[0]["reason"].startswith("local"), retry
+    outcome = "failed" if how == "kill" else "stalled"
+    assert f.metric("tokenfleet_pd_legs_total", leg="prefill", outcome=outcome) >= 1
+    # the decode side gave up the room: nothing reserved, nothing held (the prefill worker is
+    # dead or stopped; the decode workers must not wait for it)
+    for inst in f.instances(site, "decode"):
+        await wait_until(lambda inst=inst: pd_state(inst), 10, f"{inst.instance_id} holds nothing",  # type: ignore[misc]
+                         ok=holds_nothing)
+    f.cont_all()
+
+
+async def test_client_disconnect_releases_both_legs(healthy: Fleet) -> None:
+    f = healthy
+    pre = f.instances("east", "prefill")[0]
+    rid = "pd-gone"
+    async with decoding(f, EAST_KEY, "east"):
+        req = asyncio.create_task(stream(f, EAST_KEY, long_prompt(), 24, rid))
+        await prefilling(f, pre)
+        req.cancel()  # the client goes away while the prefill runs and the decode waits for its KV
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+    assert f.decision(rid)["reason"].startswith("split")
+    await all_released(f, "east")
+    await wait_until(lambda: sum(st.inflight for st in f.ctx.state.states()), 10, "nothing in flight",
+                     ok=lambda n: n == 0)
