@@ -52,7 +52,7 @@ def _build_engine_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: s
     exact = src is not None and load_tokenizer(src) is not None
     return cls(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
                instances=d.instances, engine=config.model(d.model).engine, gpu=d.gpu, tp=d.tp,
-               options=options, exact_kv=exact, restart=restart_policy(config))
+               options=options, exact_kv=exact, restart=restart_policy(config), roles=d.instance_roles())
 
 
 def _kv_link(config: FleetConfig, site: str) -> tuple[float, float]:
