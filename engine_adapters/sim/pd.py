@@ -242,14 +242,18 @@ class PDPeer:
         room = self._room(key)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.wait_timeout_s
-        while room.state in ("waiting", "prefilling"):
-            left = give_up - loop.time()
-            if left <= 0:
-                if room.state == "waiting":
-                    self._rooms.pop(key, None)  # a pull that came for nothing leaves nothing behind
-                raise ApiError(504, f"P/D room {key!r} was not prefilled within {self.wait_timeout_s:.1f} s")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(room.changed.wait(), left)
+        try:
+            while room.state in ("waiting", "prefilling"):
+                left = give_up - loop.time()
+                if left <= 0:
+                    raise ApiError(504, f"P/D room {key!r} was not prefilled within {self.wait_timeout_s:.1f} s")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(room.changed.wait(), left)
+        finally:
+            # A pull that gave up (or whose decode side left) on a room no prefill ever opened
+            # leaves nothing behind; a prefill that comes later is freed by its hold timeout.
+            if room.state == "waiting" and self._rooms.get(key) is room:
+                del self._rooms[key]
         if room.state != "held":
             raise ApiError(410, f"P/D room {key!r} is over (aborted, expired or already sent)", param="key")
         if room.hold_timer is not None:
