@@ -173,8 +173,11 @@ class PDFlow:
         if d is not None and d.split and d.prefill is not None:
             pre = relay.state.get(d.prefill)
             if pre is not None:
+                # The prefill leg's own TTFT (the split's less the transfer): its first-byte deadline
+                # ends before the decode leg's, so a stalled prefill is seen first and blamed.
+                own = d.predicted_ttft_s - d.transfer_s if d.predicted_ttft_s is not None else None
                 target.prefill = Target(choice.site.site, pre.instance,
-                                        RouteDecision(d.prefill, d.reason, (), d.predicted_ttft_s, d.cached_tokens),
+                                        RouteDecision(d.prefill, d.reason, (), own, d.cached_tokens),
                                         choice.site.reason)
         return target
 

@@ -188,6 +188,8 @@ class DisconnectWatch:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await work
+            elif not work.cancelled():
+                work.exception()  # seen: a failure that ended as the race was cancelled is no lost error
         if work.cancelled():
             raise ClientGone()
         return work.result()  # a result that raced the disconnect still wins: it owns resources

@@ -324,3 +324,38 @@ async def test_client_disconnect_releases_both_legs(healthy: Fleet) -> None:
     await all_released(f, "east")
     await wait_until(lambda: sum(st.inflight for st in f.ctx.state.states()), 10, "nothing in flight",
                      ok=lambda n: n == 0)
+
+
+async def test_decode_dying_mid_stream_is_continued_without_the_pd_fields(healthy: Fleet) -> None:
+    """A split request whose decode worker dies after its first tokens is continued elsewhere
+    (re-prefilled: the continuation body drops the bootstrap fields, whose room is gone)."""
+    f = healthy
+    rid = "pd-decode-dies"
+    prompt = long_prompt()
+    seen: dict[str, Any] = {}
+
+    async def read() -> Answer:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        events: list[Any] = []
+        async with httpx.AsyncClient(base_url=f.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {EAST_KEY}", "X-Request-Id": rid}) as c:
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                dec = next(i for i in f.instances("east") if i.instance_id == r.headers["x-tokenfleet-instance"])
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                    if len(events) == 20 and "killed" not in seen:
+                        seen["killed"] = dec.instance_id
+                        kill(f, dec)
+                return Answer(r.status_code, dict(r.headers), events, rid)
+    async with decoding(f, EAST_KEY, "east"):
+        a = await read()
+    assert f.decision(rid)["reason"].startswith("split")
+    assert seen["killed"] in {i.instance_id for i in f.instances("east", "decode")}
+    assert a.status == 200 and a.errors == [] and a.events[-1] == "[DONE]"
+    assert a.tokens == 200 and a.usage is not None and a.usage["completion_tokens"] == 200
+    assert a.text == await expected_text(f, "east", prompt, 200)
+    conts = [d for d in f.ctx.relay.decisions.last(256) if d["request_id"] == rid and d["continuation"]]
+    assert conts and seen["killed"] not in [d["instance"] for d in conts]
