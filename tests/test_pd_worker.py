@@ -55,6 +55,7 @@ def sglang_body(up: str, text: str, **extra: Any) -> dict[str, Any]:
             "bootstrap_port": int(up.rsplit(":", 1)[1]), "bootstrap_room": random.getrandbits(63), **extra}
 
 
+@pytest.mark.slow
 async def test_sglang_legs_concurrent_usage_and_modelled_transfer(pair: Any) -> None:
     up, ud, s = pair
     body = sglang_body(up, prompt())
@@ -100,6 +101,7 @@ async def test_vllm_prefill_answers_nixl_fields_and_decode_reads_them(pair: Any)
     assert empty(await state(s, ud))
 
 
+@pytest.mark.slow
 async def test_decode_gives_up_a_room_that_never_comes(pair: Any) -> None:
     up, ud, s = pair
     t = time.monotonic()
@@ -111,6 +113,7 @@ async def test_decode_gives_up_a_room_that_never_comes(pair: Any) -> None:
     await wait_until(lambda: state(s, up), 5, "the prefill side forgets the room", ok=empty)
 
 
+@pytest.mark.slow
 async def test_prefilled_kv_nobody_pulls_is_freed(pair: Any) -> None:
     up, ud, s = pair
     async with s.post(up + "/v1/completions", json=sglang_body(up, prompt(300))) as r:
