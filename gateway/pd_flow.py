@@ -262,8 +262,7 @@ class PDFlow:
             done.set_result(None)
             await self._decode_failed(parsed, done, pre, dec, f, "vllm")
             raise AssertionError("unreachable")
-        self.metrics.legs.labels(parsed.profile.model, "vllm", "decode",
-                                 "ok" if resp.status_code < 400 else "failed").inc()
+        self.metrics.legs.labels(parsed.profile.model, "vllm", "decode", _outcome(resp.status_code)).inc()
         return resp
 
     def _body(self, parsed: ParsedRequest, pre: Target) -> dict[str, Any]:
@@ -307,7 +306,7 @@ class PDFlow:
         that left): a prefill leg still running finishes in the background (its deadline bounds it),
         unless nobody listens any more."""
         model = parsed.profile.model
-        self.metrics.legs.labels(model, protocol, "decode", "ok" if resp.status_code < 400 else "failed").inc()
+        self.metrics.legs.labels(model, protocol, "decode", _outcome(resp.status_code)).inc()
         if resp.status_code == CLIENT_CLOSED:
             prefill.cancel()
         if prefill.done():
@@ -381,6 +380,10 @@ class _Retry(Exception):
     def __init__(self, excluded: list[str]) -> None:
         super().__init__(",".join(excluded))
         self.excluded = excluded
+
+
+def _outcome(status: int) -> str:
+    return "aborted" if status == CLIENT_CLOSED else "ok" if status < 400 else "failed"
 
 
 async def _cancel(t: asyncio.Future[Any]) -> None:
