@@ -136,3 +136,19 @@ async def test_bad_pd_fields_are_400(pair: Any, body: dict[str, Any], role_url: 
     async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4, **body}) as r:
         assert r.status == 400, await r.text()
         assert (await r.json())["error"]["type"] == "BadRequestError"  # vLLM's error type
+
+
+async def test_one_token_answer_comes_from_the_prefill(pair: Any) -> None:
+    """max_tokens 1 through SGLang PD (the real router sends it so): the decode side takes the KV
+    and answers the prefill's token; nothing is decoded, nothing is left held."""
+    up, ud, s = pair
+    body = sglang_body(up, prompt(200), max_tokens=1)
+
+    async def leg(url: str) -> tuple[int, dict[str, Any]]:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, await r.json()
+    (ps, _), (ds, db) = await asyncio.gather(leg(up), leg(ud))
+    assert ps == 200 and ds == 200, db
+    assert db["usage"]["completion_tokens"] == 1 and db["choices"][0]["finish_reason"] == "length"
+    assert (await state(s, up))["transfers"] == 1
+    assert empty(await state(s, up)) and empty(await state(s, ud))

@@ -337,6 +337,14 @@ class EngineDriver:
         self._publish_kv()
         return stream, cached
 
+    def made_elsewhere(self, request_id: str, cached_tokens: int) -> RequestStream:
+        """A stream of one token another engine made (a disaggregated request that asked for
+        one output token: the prefill made it, nothing is left to decode here)."""
+        t = max(self._clock, self.now())
+        stream = RequestStream(self, request_id, t)
+        stream._put(TokenUpdate(1, True, True, cached_tokens, t))
+        return stream
+
     def kv_arrived(self, request_id: str, cached_tokens: int) -> None:
         """The KV of a received request is here: its first token goes out now (it was made by
         the prefill engine; `cached_tokens` is that engine's prefix hit) and it decodes next."""

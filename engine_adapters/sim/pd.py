@@ -276,10 +276,16 @@ class PDPeer:
         An ApiError (503/504) if the KV cannot be had; the reservation is freed then, and when
         the caller is cancelled (its client left)."""
         assert leg.remote is not None and leg.key is not None
-        if output_len < 2:
-            raise bad_request("a request with one output token is done at prefill; nothing to decode", "max_tokens")
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.wait_timeout_s
+        if output_len < 2:  # the prefill's first token is the whole answer: its KV still comes over
+            try:
+                info = await self._pull(leg, prompt_len, give_up - loop.time())
+            except PullFailed as exc:
+                self.pull_failures += 1
+                raise ApiError(exc.status, f"KV transfer from the prefill server failed: {exc}",
+                               "ServiceUnavailableError") from None
+            return self.driver.made_elsewhere(rid, int(info.get("cached_tokens", 0)))
         try:
             got = self.driver.receive(rid, prompt_len, hashes, output_len, finish_reason)
         except ValueError as exc:
