@@ -48,7 +48,10 @@ async def start_pd_worker(procs: Processes, args: argparse.Namespace, role: str,
     argv = [PY, "-m", "engine_adapters.sim.worker", "--served-model-name", MODEL, "--spec", args.spec,
             "--gpu", args.gpu, "--tp", str(args.tp), "--max-model-len", str(args.max_model_len),
             "--port", "0", "--instance-id", f"{role}{i}", "--pd-role", role,
-            "--kv-link-gb-s", str(args.kv_link_gb_s)]
+            "--kv-link-gb-s", str(args.kv_link_gb_s),
+            # Deployments raise SGLang's KV waiting/bootstrap timeouts well past their defaults;
+            # a prefill queue of tens of seconds must not fail the peer's requests here.
+            "--pd-wait-timeout-s", str(args.pd_timeout_s), "--pd-hold-timeout-s", str(args.pd_timeout_s)]
     proc = procs.spawn(f"{role}{i}", argv)
     m = await _wait_for_log(proc, r'^\{"event": "ready".*$')
     proc.url = json.loads(m.group(0))["url"]
@@ -170,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=131072)
     p.add_argument("--kv-link-gb-s", type=float, default=50.0)
+    p.add_argument("--pd-timeout-s", type=float, default=300.0,
+                   help="the workers' KV wait (decode) and hold (prefill) timeouts")
     p.add_argument("--sglang-policy", default="cache_aware")
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--timeout", type=float, default=600.0)
