@@ -75,9 +75,10 @@ from gateway.resume import DRAINED, continuation_of, drained, resume
 from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
+from gateway.upstream_failure import NotAStream, RetryableFailure, describe
+
 if TYPE_CHECKING:
     from gateway.pd_flow import PDFlow
-from gateway.upstream_failure import NotAStream, RetryableFailure, describe
 
 log = logging.getLogger("tokenfleet.gateway")
 T = TypeVar("T")
