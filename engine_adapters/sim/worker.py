@@ -221,8 +221,10 @@ class SimWorker:
 
     async def _on_shutdown(self, app: web.Application) -> None:
         # Ends in-flight streams and KV feeds so the server can close connections fast.
-        await self.driver.stop()
-        await self.pd.close()
+        try:
+            await self.driver.stop()
+        finally:
+            await self.pd.close()  # its pull session (decode side) and hold timers
 
     # -- generation -------------------------------------------------------------
 
