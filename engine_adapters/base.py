@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetcore.types import Role
+
 
 @dataclass(frozen=True, slots=True)
 class Instance:
@@ -29,6 +31,13 @@ class Instance:
     gpu: str | None = None
     tp: int = 1
     max_batched_tokens: int = 8192
+    # Prefill/decode disaggregation (issue 17): the instance's role, and the P/D protocol its
+    # engine speaks ("sglang": bootstrap fields, both legs at once; "vllm": kv_transfer_params,
+    # prefill then decode). `bootstrap_port`: where a decode leg reaches this prefill instance
+    # (SGLang's --disaggregation-bootstrap-port; vLLM's side channel).
+    role: Role = "mixed"
+    pd_protocol: str | None = None
+    bootstrap_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ loaded. Attached engines are never restarted: they are someone else's.
 
 from __future__ import annotations
 
+from fleetcore.types import Role
+
 import abc
 import asyncio
 import logging
@@ -123,8 +125,10 @@ class ManagedEngineAdapter(HttpEngineAdapter):
 
     def __init__(self, *, id_prefix: str, site: str, model: str, version: str, instances: int | None,
                  engine: EngineConfigSpec, gpu: str | None, tp: int, options: EngineOptions,
-                 exact_kv: bool = True, restart: RestartPolicy | None = None) -> None:
+                 exact_kv: bool = True, restart: RestartPolicy | None = None,
+                 roles: list[Role] | None = None) -> None:
         super().__init__()
+        self.roles: list[Role] = list(roles or [])  # the fleet file's P/D role per instance index
         self.id_prefix, self.site, self.model, self.version = id_prefix, site, model, version
         self.engine, self.gpu, self.tp = engine, gpu, tp
         self.options = options
@@ -148,8 +152,22 @@ class ManagedEngineAdapter(HttpEngineAdapter):
 
     # -- what subclasses say -------------------------------------------------
     @abc.abstractmethod
-    def engine_argv(self, port: int, kv_events_config: dict[str, Any] | None) -> list[str]:
-        """The command line of one engine (after the interpreter)."""
+    def engine_argv(self, port: int, kv_events_config: dict[str, Any] | None, index: int = 0) -> list[str]:
+        """The command line of engine `index` (after the interpreter)."""
+
+    # -- P/D disaggregation (issue 17) ---------------------------------------
+    pd_protocol = "sglang"  # what the gateway's P/D flow speaks to this engine (gateway.pd_flow)
+
+    def role_of(self, index: int) -> Role:
+        return self.roles[index] if index < len(self.roles) else "mixed"
+
+    def bootstrap_port(self, index: int) -> int | None:
+        """Where a decode leg reaches prefill instance `index` (None: not a prefill instance)."""
+        return None
+
+    def instance_env(self, index: int) -> dict[str, str]:
+        """Environment of engine `index` on top of `engine_env` (per-instance P/D ports)."""
+        return {}
 
     def engine_env(self) -> dict[str, str]:
         """Environment of the engines on top of the gateway's own."""
@@ -171,11 +189,13 @@ class ManagedEngineAdapter(HttpEngineAdapter):
 
     def _instance(self, index: int, url: str) -> Instance:
         eng = self.engine
+        pd = any(r != "mixed" for r in self.roles)
         return Instance(instance_id=f"{self.id_prefix}/{index}", site=self.site, model=self.model,
                         version=self.version, url=url.rstrip("/"), adapter=self.name,
                         block_size=eng.block_size, max_model_len=eng.max_model_len,
                         engine_spec=eng.spec, gpu=self.gpu, tp=self.tp,
-                        max_batched_tokens=eng.max_num_batched_tokens)
+                        max_batched_tokens=eng.max_num_batched_tokens, role=self.role_of(index),
+                        pd_protocol=self.pd_protocol if pd else None, bootstrap_port=self.bootstrap_port(index))
 
     def _start_subscriber(self) -> KVEventSubscriber:
         sub = KVEventSubscriber(self.options.kv_events_bind, self.options.kv_events_endpoint)
@@ -230,10 +250,10 @@ class ManagedEngineAdapter(HttpEngineAdapter):
             else:
                 sub.register(topic, inst.instance_id, self.engine.block_size)
             kv_config = self.kv_events_config(sub.endpoint, topic)
-        argv = [str(expand_path(self.options.python)), *self.engine_argv(port, kv_config)]
+        argv = [str(expand_path(self.options.python)), *self.engine_argv(port, kv_config, index)]
         log_path = self._log_dir() / f"{_safe(inst.instance_id)}.log"
         self._logs[inst.instance_id] = log_path
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.engine_env()}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.engine_env(), **self.instance_env(index)}
         with log_path.open("ab") as logf:
             logf.write(f"tokenfleet: {' '.join(argv)}\n".encode())
             logf.flush()

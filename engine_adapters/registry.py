@@ -30,7 +30,8 @@ def build_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str) -> E
                           max_num_seqs=eng.max_num_seqs,
                           gpu_memory_utilization=eng.gpu_memory_utilization, options=d.options,
                           restart=restart_policy(config),
-                          embedding_dim=model.embedding_dim if model.kind == "embedding" else None)
+                          embedding_dim=model.embedding_dim if model.kind == "embedding" else None,
+                          roles=d.instance_roles(), kv_link=_kv_link(config, d.site))
     if d.adapter in ("vllm", "sglang"):
         return _build_engine_adapter(config, d, id_prefix, version)
     raise FleetConfigError(f"deployment {id_prefix}: adapter {d.adapter!r} is not available yet")
@@ -51,7 +52,13 @@ def _build_engine_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: s
     exact = src is not None and load_tokenizer(src) is not None
     return cls(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
                instances=d.instances, engine=config.model(d.model).engine, gpu=d.gpu, tp=d.tp,
-               options=options, exact_kv=exact, restart=restart_policy(config))
+               options=options, exact_kv=exact, restart=restart_policy(config), roles=d.instance_roles())
+
+
+def _kv_link(config: FleetConfig, site: str) -> tuple[float, float]:
+    """(GB/s, ms) of the site's interconnect, what a sim prefill worker sends KV by."""
+    ic = config.site(site).interconnect
+    return ic.bandwidth_gb_s, ic.latency_ms
 
 
 def restart_policy(config: FleetConfig) -> RestartPolicy:

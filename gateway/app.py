@@ -49,6 +49,7 @@ from gateway.admin_store import SqliteKV
 from gateway.key_budgets import KeyBudgets
 from gateway.keys import KeyStore, KVKeyStore, install_key_routes
 from gateway.policy_snapshot import state_dir
+from gateway.pd_flow import PDFlow
 from gateway.relay import DecisionLog, Relay
 from gateway.responses_api import serve_responses
 from gateway.replica_state import Replicas
@@ -209,6 +210,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     relay = Relay(config, state, router, GuardedSiteChooser(chooser, policy_sync),
                   metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * state.poll_interval_s)),
                   admission=gate)
+    relay.pd = PDFlow.for_relay(relay)  # P/D fleets: TokenPilot's split decision and both legs' flow
     # A restarted engine's cache is cold: the router forgets what it indexed there.
     state.on_restart.append(lambda inst: reset_instances(relay.router, [inst]))
     placement = None

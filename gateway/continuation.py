@@ -61,6 +61,9 @@ _CHAT_ONLY = frozenset({
     "reasoning_effort", "store", "metadata", "prediction", "web_search_options", "service_tier",
     "add_generation_prompt", "continue_final_message", "documents", "chat_template",
     "chat_template_kwargs"})
+# A disaggregated request's leg fields (gateway.pd_flow: SGLang's bootstrap, vLLM's
+# kv_transfer_params): they name one prefill's KV, which a continuation leg re-prefills instead.
+PD_LEG_FIELDS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params"})
 # Constrained decoding holds a parser state a continuation cannot resume from text.
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
            "json_schema", "regex", "ebnf")
@@ -270,7 +273,8 @@ class Continuation:
         ids = self._prompt_ids + tail
         tail_hashes = tuple(block_hashes(ids, p.block_size)[len(p.block_hashes):])
         profile = continuation_profile(p, generated_tokens=len(tail), tail_block_hashes=tail_hashes)
-        body = {k: v for k, v in self.parsed.body.items() if not (self.sent.chat and k in _CHAT_ONLY)}
+        body = {k: v for k, v in self.parsed.body.items()
+                if not (self.sent.chat and k in _CHAT_ONLY) and k not in PD_LEG_FIELDS}
         body.update(prompt=ids, stream=True, stream_options={"include_usage": True})
         if self.engine_ids:
             body["return_token_ids"] = True

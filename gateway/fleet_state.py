@@ -83,7 +83,8 @@ def instance_snapshot(st: InstanceState) -> InstanceSnapshot:
     inst, load = st.instance, st.load
     return InstanceSnapshot(
         instance_id=inst.instance_id, site=inst.site, model=inst.model, version=inst.version,
-        url=inst.url, ready=st.up, draining=st.draining, inflight=st.inflight + st.remote_inflight,
+        url=inst.url, ready=st.up, draining=st.draining, role=inst.role,
+        inflight=st.inflight + st.remote_inflight,
         num_running=load.num_running if load else 0,
         num_waiting=load.num_waiting if load else 0,
         kv_usage=load.kv_usage if load else 0.0,

@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -76,6 +76,9 @@ from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
 from gateway.upstream_failure import NotAStream, RetryableFailure, describe
+
+if TYPE_CHECKING:
+    from gateway.pd_flow import PDFlow
 
 log = logging.getLogger("tokenfleet.gateway")
 T = TypeVar("T")
@@ -234,6 +237,7 @@ class Target:
     instance: Instance
     route: RouteDecision | None = None
     site_reason: str = ""
+    prefill: Target | None = None  # a disaggregated request's prefill instance (gateway.pd_flow)
 
 
 @dataclass(slots=True)
@@ -639,6 +643,7 @@ class Relay:
         self.live: set[RelayStream] = set()  # streams handed to their clients and not over yet
         self.hedge_metrics = HedgeMetrics(metrics.registry)  # hedged prefill (gateway.hedge)
         state.on_drain.append(lambda instance_id: drained(self, instance_id))  # drain migration (gateway.resume)
+        self.pd: PDFlow | None = None  # P/D disaggregation (gateway.pd_flow), set by the app for P/D fleets
 
     def observe(self, outcome: RequestOutcome, request_outcome: RequestOutcome | None = None) -> None:
         """Feed every policy that learns; a policy bug must not fail the request. Admission hears
@@ -729,7 +734,8 @@ class Relay:
         last: RetryableFailure | None = None
         for attempt in range(MAX_ATTEMPTS):
             # failed attempts are excluded; admission's hint to avoid busy instances gives way when it leaves none
-            target = self.choose(parsed.profile, excluded, attempt, avoid)
+            target = (self.choose(parsed.profile, excluded, attempt, avoid) if self.pd is None
+                      else self.pd.choose(parsed.profile, excluded, attempt, avoid))
             if target is None:
                 if attempt == 0:
                     raise no_ready_instance(parsed.profile.model, self.retry_after_s)
@@ -743,6 +749,8 @@ class Relay:
             if self.route_share is not None:
                 self.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
             try:
+                if target.prefill is not None and self.pd is not None:  # split: both legs, its own retry
+                    return await self.pd.run(watch, parsed, path, target)
                 return await self._dispatch(watch, parsed, path, target)
             except RetryableFailure as f:
                 log.warning("request %s: instance %s failed before first byte (%s); %s",

@@ -119,9 +119,9 @@ def test_adapter_options_are_problems_too_not_a_traceback(tmp_path: Path) -> Non
     lines = [ln.strip() for ln in done.stderr.splitlines()[1:]]
     assert lines == [
         f"{f}:7: deployments.0.options: s1/m: unknown sim option(s) 'network_rtt' (did you mean 'network_rtt_ms'?) "
-        "(known: time_scale, num_gpu_blocks_override, startup_s, network_rtt_ms, urls)",
+        "(known: time_scale, num_gpu_blocks_override, startup_s, network_rtt_ms, urls, pd_protocol)",
         f"{f}:8: deployments.1.options: s1/m#1: unknown sim option(s) 'time_scael' (did you mean 'time_scale'?) "
-        "(known: time_scale, num_gpu_blocks_override, startup_s, network_rtt_ms, urls)",
+        "(known: time_scale, num_gpu_blocks_override, startup_s, network_rtt_ms, urls, pd_protocol)",
     ]
 
 

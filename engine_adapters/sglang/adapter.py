@@ -24,6 +24,10 @@ DEFAULT_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 class SGLangOptions(EngineOptions):
     mem_fraction_static: float | None = Field(default=None, gt=0, le=1)
+    # P/D (`roles`): prefill instance i's bootstrap server listens on this port + i
+    # (`--disaggregation-bootstrap-port`, SGLang's default 8998); the KV moves by this backend.
+    bootstrap_port_base: int = Field(default=8998, gt=0, lt=65000)
+    transfer_backend: str = "mooncake"
 
 
 class SGLangAdapter(ManagedEngineAdapter):
@@ -31,7 +35,12 @@ class SGLangAdapter(ManagedEngineAdapter):
     options_class = SGLangOptions
     options: SGLangOptions
 
-    def engine_argv(self, port: int, kv_events_config: dict[str, Any] | None) -> list[str]:
+    pd_protocol = "sglang"  # bootstrap_host/port/room, both legs at once (sgl-router's PD mode)
+
+    def bootstrap_port(self, index: int) -> int | None:
+        return self.options.bootstrap_port_base + index if self.role_of(index) == "prefill" else None
+
+    def engine_argv(self, port: int, kv_events_config: dict[str, Any] | None, index: int = 0) -> list[str]:
         o, eng = self.options, self.engine
         assert o.model is not None
         model = expand_path(o.model)
@@ -53,6 +62,12 @@ class SGLangAdapter(ManagedEngineAdapter):
             argv += ["--mem-fraction-static", str(o.mem_fraction_static)]
         if kv_events_config is not None:
             argv += ["--kv-events-config", json.dumps(kv_events_config, separators=(",", ":"))]
+        role = self.role_of(index)
+        if role != "mixed":
+            argv += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", o.transfer_backend]
+            boot = self.bootstrap_port(index)
+            if boot is not None:
+                argv += ["--disaggregation-bootstrap-port", str(boot)]
         return argv + list(o.extra_args)
 
     def engine_env(self) -> dict[str, str]:

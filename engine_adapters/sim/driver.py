@@ -22,9 +22,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from .engine import RequestEvent, SimEngine, SimRequest
 from .kv_cache import KVEvent
@@ -251,6 +251,9 @@ class EngineDriver:
         # exactly then, so loop wake-up latency (magnified by a small time_scale)
         # does not show up as queueing.
         self._wake_at: float | None = None
+        # P/D: told when a prefill-only request is done and its KV is held (request id, its
+        # prefix-cache hit), before its stream sees the update.
+        self.on_prefilled: Callable[[str, int], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -283,16 +286,19 @@ class EngineDriver:
     # -- requests -------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_len: int, block_hashes: Sequence[int],
-               output_len: int, finish_reason: str = "length") -> RequestStream:
+               output_len: int, finish_reason: str = "length", mode: Literal["full", "prefill"] = "full",
+               ) -> RequestStream:
         """Queue a request; ValueError if the engine refuses it (too long, duplicate id).
 
-        ``finish_reason`` only labels the success metric when it completes.
+        ``finish_reason`` only labels the success metric when it completes. ``mode="prefill"``:
+        prefill only (P/D disaggregation); the stream ends with the first token and the engine
+        holds the KV until `release_kv`.
         """
         if not self.alive:
             raise DriverStopped("engine driver is not running")
         arrival = max(self.now(), 0.0)
         idle = not self.engine.has_work()
-        self.engine.add_request(SimRequest(request_id, prompt_len, block_hashes, output_len, arrival))
+        self.engine.add_request(SimRequest(request_id, prompt_len, block_hashes, output_len, arrival, mode=mode))
         stream = RequestStream(self, request_id, arrival)
         self._tracks[request_id] = _Track(stream, arrival, finish_reason)
         if idle and self._wake_at is None:
@@ -312,6 +318,57 @@ class EngineDriver:
                 self.observer.on_finished(max(self._clock, self.now()) - track.arrival, "abort")
         self._publish_kv()
         return found or track is not None
+
+    # -- P/D disaggregation (the engine's prefill-only / decode-only modes) -----
+
+    def receive(self, request_id: str, prompt_len: int, block_hashes: Sequence[int], output_len: int,
+                finish_reason: str = "length") -> tuple[RequestStream, int] | None:
+        """Reserve blocks for a request another engine prefills (`SimEngine.receive`): its stream
+        and the prompt tokens cached here, or None when the blocks cannot be had now. The
+        stream's first update comes from `kv_arrived`. ValueError as `submit`."""
+        if not self.alive:
+            raise DriverStopped("engine driver is not running")
+        cached = self.engine.receive(SimRequest(request_id, prompt_len, block_hashes, output_len, self.now()))
+        if cached is None:
+            return None
+        arrival = max(self.now(), 0.0)
+        stream = RequestStream(self, request_id, arrival)
+        self._tracks[request_id] = _Track(stream, arrival, finish_reason)
+        self._publish_kv()
+        return stream, cached
+
+    def made_elsewhere(self, request_id: str, cached_tokens: int) -> RequestStream:
+        """A stream of one token another engine made (a disaggregated request that asked for
+        one output token: the prefill made it, nothing is left to decode here)."""
+        t = max(self._clock, self.now())
+        stream = RequestStream(self, request_id, t)
+        stream._put(TokenUpdate(1, True, True, cached_tokens, t))
+        return stream
+
+    def kv_arrived(self, request_id: str, cached_tokens: int) -> None:
+        """The KV of a received request is here: its first token goes out now (it was made by
+        the prefill engine; `cached_tokens` is that engine's prefix hit) and it decodes next."""
+        track = self._tracks.get(request_id)
+        if track is None or not self.engine.has_request(request_id):
+            return  # aborted meanwhile
+        self.engine.kv_arrived(request_id)
+        t = max(self._clock, self.now())
+        track.first_time = track.last_time = t
+        if self.observer is not None:
+            self.observer.on_first_token(0.0, max(0.0, t - track.arrival))
+        track.stream._put(TokenUpdate(1, True, False, cached_tokens, t))
+        self._publish_kv()
+        if self._wake_at is None and not self.engine.num_running:
+            self._wake_at = t
+        self._wake.set()
+
+    def release_kv(self, request_id: str) -> bool:
+        """A prefill-only request's KV has been sent (or given up on): free its blocks."""
+        ok = self.engine.release_kv(request_id)
+        if ok:
+            self._publish_kv()
+            self._wake.set()  # freed blocks may let a waiting request in
+        return ok
 
     def reset_prefix_cache(self) -> bool:
         ok = self.engine.reset_prefix_cache()
@@ -415,6 +472,8 @@ class EngineDriver:
                                           ev.cached_tokens, t, ev.preempted))
             if ev.finished:
                 del self._tracks[ev.request_id]
+                if self.on_prefilled is not None and self.engine.holds(ev.request_id):
+                    self.on_prefilled(ev.request_id, ev.cached_tokens)
                 if obs is not None:
                     obs.on_finished(t - track.arrival, track.finish_reason)
 

@@ -246,6 +246,15 @@ class SimEngine:
         r.cap = self.kv.num_blocks_of(r.rid) * self.block_size
         self._arrived.append(r)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a prefill-only request has finished here and its KV waits to be sent."""
+        return request_id in self._held
+
+    @property
+    def num_receiving(self) -> int:
+        """Requests whose KV is coming in (blocks reserved, not arrived yet)."""
+        return len(self._receiving)
+
     @property
     def num_held(self) -> int:
         """Requests whose KV is in transfer out of (held) or into (receiving) this engine."""

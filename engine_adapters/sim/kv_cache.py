@@ -83,6 +83,10 @@ class KVCacheManager:
             n += 1
         return n
 
+    def blocks_of(self, seq_id: Hashable) -> list[int]:
+        """The block ids a sequence holds (what vLLM's P/D connector hands the decode side)."""
+        return list(self._seq_blocks.get(seq_id, ()))
+
     def num_blocks_of(self, seq_id: Hashable) -> int:
         blocks = self._seq_blocks.get(seq_id)
         return len(blocks) if blocks is not None else 0

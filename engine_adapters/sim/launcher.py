@@ -1,7 +1,8 @@
 """The sim adapter: runs bundled simulated workers as local processes, one per instance.
 
 Options (the deployment's `options:` in the fleet file): `time_scale`,
-`num_gpu_blocks_override`, `startup_s` (how long an instance added at run time — by
+`num_gpu_blocks_override`, `pd_protocol` (`sglang`, the default, or `vllm`: which P/D protocol the gateway speaks to
+the deployment's `roles`; the workers understand both), `startup_s` (how long an instance added at run time — by
 FleetMind's planner — loads before it is ready; the fleet's first instances are ready when
 `launch` returns), `network_rtt_ms` (an emulated network to the site: every request
 is served one round trip late) and `urls` (attach mode: workers someone else runs, one URL per
@@ -27,10 +28,12 @@ from engine_adapters.base import AdapterError, Instance, KVEventBatch
 from engine_adapters.http_engine import HttpEngineAdapter, ndjson_kv_events
 from engine_adapters.process import drain, exit_code_soon, spawn, terminate
 from engine_adapters.supervise import RestartPolicy, Supervisor
+from fleetcore.types import Role
 
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
-SIM_OPTIONS = ("time_scale", "num_gpu_blocks_override", "startup_s", "network_rtt_ms", "urls")
+SIM_OPTIONS = ("time_scale", "num_gpu_blocks_override", "startup_s", "network_rtt_ms", "urls", "pd_protocol")
+PD_PROTOCOLS = ("sglang", "vllm")
 
 
 class SimAdapter(HttpEngineAdapter):
@@ -41,7 +44,8 @@ class SimAdapter(HttpEngineAdapter):
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.9, options: dict[str, Any] | None = None,
                  host: str = "127.0.0.1", restart: RestartPolicy | None = None,
-                 embedding_dim: int | None = None) -> None:
+                 embedding_dim: int | None = None, roles: list[Role] | None = None,
+                 kv_link: tuple[float, float] = (50.0, 0.01)) -> None:
         super().__init__()
         self.id_prefix, self.site, self.model, self.version = id_prefix, site, model, version
         self.count = instances
@@ -73,6 +77,13 @@ class SimAdapter(HttpEngineAdapter):
             raise AdapterError(f"{id_prefix}: network_rtt_ms and startup_s must be >= 0")
         if rtt:
             self._args += ["--network-rtt-ms", str(rtt)]
+        self.roles: list[Role] = list(roles or [])
+        protocol = str(opts.pop("pd_protocol", "sglang"))
+        if protocol not in PD_PROTOCOLS:
+            raise AdapterError(f"{id_prefix}: sim option `pd_protocol` must be one of {', '.join(PD_PROTOCOLS)}")
+        self.pd_protocol = protocol
+        if any(r != "mixed" for r in self.roles):  # the site's interconnect: what KV leaves a worker by
+            self._args += ["--kv-link-gb-s", str(kv_link[0]), "--kv-link-latency-ms", str(kv_link[1])]
         if opts:
             raise AdapterError(f"{id_prefix}: unknown sim option(s) "
                                + ", ".join(f"{k!r}{did_you_mean(k, SIM_OPTIONS)}" for k in sorted(opts))
@@ -164,7 +175,9 @@ class SimAdapter(HttpEngineAdapter):
         return self._procs[instance_id]
 
     async def _launch_one(self, instance_id: str, extra: list[str] | None = None, port: int = 0) -> Instance:
+        role = self.role_of(instance_id)
         proc = await spawn([sys.executable, "-m", "engine_adapters.sim.worker", *self._args, *(extra or []),
+                            "--pd-role", role,
                             "--host", self.host, "--port", str(port), "--instance-id", instance_id])
         self._procs[instance_id] = proc
         assert proc.stdout is not None
@@ -182,11 +195,20 @@ class SimAdapter(HttpEngineAdapter):
         asyncio.get_running_loop().create_task(drain(proc.stdout))
         return self._instance(instance_id, url)
 
+    def role_of(self, instance_id: str) -> Role:
+        """The fleet file's role of instance `prefix/i` (instances added later are mixed)."""
+        i = int(instance_id.rsplit("/", 1)[1])
+        return self.roles[i] if i < len(self.roles) else "mixed"
+
     def _instance(self, instance_id: str, url: str) -> Instance:
+        role = self.role_of(instance_id)
+        pd = role != "mixed" or any(r != "mixed" for r in self.roles)
         return Instance(instance_id=instance_id, site=self.site, model=self.model, version=self.version,
                         url=url, adapter=self.name, block_size=self.block_size,
                         max_model_len=self.max_model_len, engine_spec=self.spec, gpu=self.gpu,
-                        tp=self.tp, max_batched_tokens=self.max_batched_tokens)
+                        tp=self.tp, max_batched_tokens=self.max_batched_tokens, role=role,
+                        pd_protocol=self.pd_protocol if pd else None,
+                        bootstrap_port=int(url.rsplit(":", 1)[1]) if role == "prefill" else None)
 
     async def stop(self) -> None:
         await self.supervisor.close()  # first: the stops below are not crashes

@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -31,11 +31,13 @@ from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import disable_created_metrics
 
 from fleetcore import hardware
+from fleetcore.interconnect import Link
 from fleetcore.prefix import block_hashes
 
 from .driver import DriverStopped, EngineDriver, RequestAborted, RequestStream, TokenUpdate
 from .engine import EngineConfig, SimEngine
 from .metrics import CONTENT_TYPE_LATEST, SimMetrics
+from .pd import PD_ROLES, PDLeg, PDPeer, parse_pd
 from .openai_wire import (
     SSE_DONE,
     ApiError,
@@ -91,6 +93,14 @@ class WorkerConfig:
     network_rtt_ms: float = 0.0
     # Set: an embedding model of this size, serving /v1/embeddings only (as vLLM's pooling runner).
     embedding_dim: int | None = None
+    # Prefill/decode disaggregation (engine_adapters.sim.pd): SGLang's `--disaggregation-mode`
+    # / vLLM's kv_role; the link KV leaves this worker by (the site's `interconnect`); how long
+    # a decode leg waits for its KV and a prefilled KV waits to be pulled (wall seconds).
+    pd_role: str = "mixed"
+    kv_link_gb_s: float = 50.0
+    kv_link_latency_ms: float = 0.01
+    pd_wait_timeout_s: float = 30.0
+    pd_hold_timeout_s: float = 30.0
 
 
 class Wire(Protocol):
@@ -157,6 +167,11 @@ class SimWorker:
         self.num_gpu_blocks = self.engine.num_gpu_blocks
         self.metrics = SimMetrics(config.served_model_name, config.block_size, self.num_gpu_blocks)
         self.driver = EngineDriver(self.engine, config.time_scale, observer=self.metrics)
+        if config.pd_role not in PD_ROLES:
+            raise ValueError(f"pd_role must be one of {', '.join(PD_ROLES)}, not {config.pd_role!r}")
+        self.pd = PDPeer(self.driver, ecfg.model, Link(config.kv_link_gb_s * 1e9, config.kv_link_latency_ms / 1000),
+                         config.time_scale, self.instance_id, wait_timeout_s=config.pd_wait_timeout_s,
+                         hold_timeout_s=config.pd_hold_timeout_s, tp=config.tp)
         self.started = time.time()
         self.loaded_at = time.monotonic() + max(0.0, config.startup_s)
 
@@ -194,6 +209,8 @@ class SimWorker:
         r.add_get("/v1/loads", self.loads)
         r.add_get("/load", self.vllm_load)
         r.add_get("/version", self.version)
+        r.add_post("/pd/kv_pull", _api(self.pd_pull))
+        r.add_get("/pd/state", self.pd_state)
         r.add_post("/tokenize", _api(self.tokenize))
         r.add_post("/v1/completions/render", _api(self.render_completion))
         r.add_post("/v1/chat/completions/render", _api(self.render_chat))
@@ -204,7 +221,10 @@ class SimWorker:
 
     async def _on_shutdown(self, app: web.Application) -> None:
         # Ends in-flight streams and KV feeds so the server can close connections fast.
-        await self.driver.stop()
+        try:
+            await self.driver.stop()
+        finally:
+            await self.pd.close()  # its pull session (decode side) and hold timers
 
     # -- generation -------------------------------------------------------------
 
@@ -244,20 +264,20 @@ class SimWorker:
         body = parse_json_object(await request.read())
         req = parse_openai("completion", body, self.config.served_model_name, self.max_model_len,
                            self._request_id(request))
-        return await self._serve(request, req)
+        return await self._serve(request, req, parse_pd(body, self.config.pd_role))  # type: ignore[arg-type]
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self._generative("Chat Completions")
         body = parse_json_object(await request.read())
         req = parse_openai("chat", body, self.config.served_model_name, self.max_model_len,
                            self._request_id(request))
-        return await self._serve(request, req)
+        return await self._serve(request, req, parse_pd(body, self.config.pd_role))  # type: ignore[arg-type]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = parse_json_object(await request.read())
         req = parse_generate(body, self.config.served_model_name, self.max_model_len,
                              self._request_id(request))
-        return await self._serve(request, req)
+        return await self._serve(request, req, parse_pd(body, self.config.pd_role))  # type: ignore[arg-type]
 
     @staticmethod
     def _request_id(request: web.Request) -> str | None:
@@ -282,7 +302,9 @@ class SimWorker:
             raise bad_request(str(exc)) from None
         return streams
 
-    async def _serve(self, request: web.Request, req: GenRequest) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, req: GenRequest, pd: PDLeg | None = None) -> web.StreamResponse:
+        if pd is not None:
+            return await self._serve_pd(request, req, pd)
         streams = self._submit(req)
         headers = {"X-Request-Id": req.request_id}
         # The exit stack closes every choice's stream: a cancelled handler (client gone)
@@ -294,8 +316,55 @@ class SimWorker:
                 return await self._serve_stream(request, req, streams, headers)
             return await self._serve_full(req, streams, headers)
 
+    async def _serve_pd(self, request: web.Request, req: GenRequest, pd: PDLeg) -> web.StreamResponse:
+        """One leg of a disaggregated request (engine_adapters.sim.pd). Prefill: prefill-only, one
+        token out, the KV held for the decode side's pull. Decode: the KV pulled before the
+        response starts (a failed transfer is an HTTP error, not a broken stream), then decoding."""
+        if self.loading:
+            raise ApiError(503, "The engine is still loading its model.", "ServiceUnavailableError")
+        if req.n > 1:
+            raise bad_request("`n` > 1 is not supported on a disaggregated request", "n")
+        headers = {"X-Request-Id": req.request_id}
+        hashes = block_hashes(req.prompt_ids, self.config.block_size)
+        if pd.side == "decode":
+            stream = await self.pd.receive(pd, req.request_id, len(req.prompt_ids), hashes, req.plan.output_len,
+                                           req.plan.finish_reason)
+            async with stream:
+                if req.stream:
+                    return await self._serve_stream(request, req, [stream], headers)
+                return await self._serve_full(req, [stream], headers)
+        plan = replace(req.plan, output_len=1, finish_reason="length")  # the prefill leg makes one token
+        req = replace(req, plan=plan, plans=(plan,))
+        key = pd.key or req.request_id
+        try:
+            stream = self.driver.submit(req.request_id, len(req.prompt_ids), hashes, 1, "length", mode="prefill")
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        self.pd.start_prefill(key, stream)
+        try:
+            async with stream:
+                if req.stream:
+                    return await self._serve_stream(request, req, [stream], headers)
+                rid = req.request_id
+                extra = (lambda: self.pd.transfer_params(rid)) if pd.protocol == "vllm" else None
+                return await self._serve_full(req, [stream], headers, extra)
+        finally:
+            self.pd.prefill_ended(key)
+
+    async def pd_pull(self, request: web.Request) -> web.Response:
+        body = parse_json_object(await request.read())
+        key, tokens = body.get("key"), body.get("tokens")
+        if not isinstance(key, str) or not key:
+            raise bad_request("`key` is required", "key")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise bad_request("`tokens` must be an integer >= 0", "tokens")
+        return web.json_response(await self.pd.serve_pull(key, tokens))
+
+    async def pd_state(self, request: web.Request) -> web.Response:
+        return web.json_response({"role": self.config.pd_role, **self.pd.state()})
+
     async def _serve_full(self, req: GenRequest, streams: list[RequestStream],
-                          headers: dict[str, str]) -> web.Response:
+                          headers: dict[str, str], extra: Callable[[], dict[str, Any]] | None = None) -> web.Response:
         plans = req.choice_plans()
         counts = [0] * len(streams)
         reasons = [p.finish_reason for p in plans]
@@ -318,6 +387,8 @@ class SimWorker:
         choices = [ChoiceOut(output_text(p.seed, 0, c, lstrip_first=chat), r, p.seed, c)
                    for p, c, r in zip(plans, counts, reasons)]
         body = wire.full(choices, u, last_t - streams[0].arrival)
+        if extra is not None:  # vLLM's P/D prefill answer: where the decode side reads the KV
+            body["kv_transfer_params"] = extra()  # after the prefill: its blocks are known now
         return web.json_response(body, headers=headers)
 
     async def _serve_stream(self, request: web.Request, req: GenRequest, streams: list[RequestStream],
@@ -449,6 +520,7 @@ class SimWorker:
             "context_length": self.max_model_len, "max_model_len": self.max_model_len,
             "max_running_requests": c.max_num_seqs, "chunked_prefill_size": c.max_num_batched_tokens,
             "time_scale": c.time_scale,
+            "disaggregation_mode": "null" if c.pd_role == "mixed" else c.pd_role,
             "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}],
             # vLLM's server_info nests the engine config; routers read the block size there.
             "vllm_config": {
@@ -622,6 +694,7 @@ async def start_worker(config: WorkerConfig | None = None, *, host: str = "127.0
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound_port = runner.addresses[0][1]
+    worker.pd.side_channel = (host, bound_port)  # vLLM's remote_host/port, SGLang's bootstrap port
     return runner, f"http://{host}:{bound_port}"
 
 
@@ -649,6 +722,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding-dim", type=int, default=None,
                    help="serve as an embedding model of this size (/v1/embeddings only)")
     p.add_argument("--seed", type=int, default=0, help="reserved; output text does not depend on it")
+    p.add_argument("--pd-role", choices=PD_ROLES, default="mixed",
+                   help="prefill/decode disaggregation role (SGLang --disaggregation-mode, vLLM kv_role)")
+    p.add_argument("--kv-link-gb-s", type=float, default=50.0, help="bandwidth KV leaves this worker by")
+    p.add_argument("--kv-link-latency-ms", type=float, default=0.01, help="set-up latency of a KV transfer")
+    p.add_argument("--pd-wait-timeout-s", type=float, default=30.0,
+                   help="wall seconds a decode leg waits for its KV before giving up on the room")
+    p.add_argument("--pd-hold-timeout-s", type=float, default=30.0,
+                   help="wall seconds a prefilled KV waits to be pulled before it is freed")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -661,7 +742,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, time_scale=args.time_scale,
         instance_id=args.instance_id, seed=args.seed, startup_s=args.startup_s,
-        network_rtt_ms=args.network_rtt_ms, embedding_dim=args.embedding_dim)
+        network_rtt_ms=args.network_rtt_ms, embedding_dim=args.embedding_dim, pd_role=args.pd_role,
+        kv_link_gb_s=args.kv_link_gb_s, kv_link_latency_ms=args.kv_link_latency_ms,
+        pd_wait_timeout_s=args.pd_wait_timeout_s, pd_hold_timeout_s=args.pd_hold_timeout_s)
 
 
 async def _serve_forever(config: WorkerConfig, host: str, port: int, access_log: bool) -> None:

@@ -36,6 +36,13 @@ DEFAULT_ENV = {
 class VLLMOptions(EngineOptions):
     enforce_eager: bool = False  # skip graph capture: starts about twice as fast, runs slower
     num_gpu_blocks_override: int | None = Field(default=None, gt=0)  # shrink the KV cache (tests)
+    # P/D (`roles`): NixlConnector's side channel of instance i is this port + i
+    # (VLLM_NIXL_SIDE_CHANNEL_PORT; one per engine on a host).
+    nixl_side_channel_port_base: int = Field(default=5600, gt=0, lt=65000)
+
+
+# NixlConnector's KV roles per P/D role (vLLM's KVTransferConfig.kv_role).
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 class VLLMAdapter(ManagedEngineAdapter):
@@ -43,7 +50,9 @@ class VLLMAdapter(ManagedEngineAdapter):
     options_class = VLLMOptions
     options: VLLMOptions
 
-    def engine_argv(self, port: int, kv_events_config: dict[str, Any] | None) -> list[str]:
+    pd_protocol = "vllm"  # kv_transfer_params, prefill then decode (toy_proxy_server.py)
+
+    def engine_argv(self, port: int, kv_events_config: dict[str, Any] | None, index: int = 0) -> list[str]:
         o, eng = self.options, self.engine
         assert o.model is not None
         model = expand_path(o.model)
@@ -70,10 +79,20 @@ class VLLMAdapter(ManagedEngineAdapter):
             argv += ["--num-gpu-blocks-override", str(o.num_gpu_blocks_override)]
         if kv_events_config is not None:
             argv += ["--kv-events-config", json.dumps(kv_events_config, separators=(",", ":"))]
+        kv_role = KV_ROLES.get(self.role_of(index))
+        if kv_role is not None:  # disaggregated: NixlConnector moves the KV (needs GPUs and NIXL)
+            argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role},
+                                                        separators=(",", ":"))]
         return argv + list(o.extra_args)
 
     def engine_env(self) -> dict[str, str]:
         return {**DEFAULT_ENV, **self.options.env}
+
+    def instance_env(self, index: int) -> dict[str, str]:
+        if self.role_of(index) == "mixed":
+            return {}
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": self.options.host,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.options.nixl_side_channel_port_base + index)}
 
     def kv_events_config(self, endpoint: str, topic: str) -> dict[str, Any]:
         # A host:port endpoint makes vLLM connect to us (it binds only on wildcards).

@@ -1,0 +1,76 @@
+"""P/D roles in the engine adapters: the engine arguments each role gets (vLLM NixlConnector,
+SGLang disaggregation mode and bootstrap port, the sim worker's role and link), and what the
+gateway learns from the `Instance` (role, protocol, bootstrap port)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine_adapters.registry import build_adapters
+from engine_adapters.sglang import SGLangAdapter
+from engine_adapters.sim.launcher import SimAdapter
+from engine_adapters.vllm import VLLMAdapter
+from fleetcore.fleet_config import parse_fleet
+
+
+def pd_fleet(adapter: str, options: dict[str, Any] | None = None) -> Any:
+    return parse_fleet({
+        "sites": [{"name": "s1", "region": "r", "jurisdiction": "j",
+                   "interconnect": {"bandwidth_gb_s": 25, "latency_ms": 0.5}}],
+        "models": [{"name": "tiny", "engine": {"spec": "llama-3.1-8b", "max_model_len": 1024, "block_size": 32}}],
+        "deployments": [{"site": "s1", "model": "tiny", "adapter": adapter, "instances": 3, "gpu": "H100",
+                         "roles": {"prefill": 1, "decode": 2},
+                         "options": options if options is not None else {"model": "/models/tiny"}}],
+    })
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    return dict(zip(argv, argv[1:], strict=False))
+
+
+def test_vllm_roles_get_nixl_kv_transfer_config_and_own_side_channel():
+    (a,) = build_adapters(pd_fleet("vllm"))
+    assert isinstance(a, VLLMAdapter)
+    assert [a.role_of(i) for i in range(3)] == ["prefill", "decode", "decode"]
+    pre, dec = flags(a.engine_argv(8001, None, 0)), flags(a.engine_argv(8002, None, 1))
+    assert json.loads(pre["--kv-transfer-config"]) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert json.loads(dec["--kv-transfer-config"]) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert a.instance_env(0)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert a.instance_env(2)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5602"
+    inst = a._instance(0, "http://127.0.0.1:8001")
+    assert (inst.role, inst.pd_protocol) == ("prefill", "vllm")
+
+
+def test_vllm_without_roles_is_unchanged():
+    fleet = pd_fleet("vllm")
+    raw = fleet.model_dump()
+    raw["deployments"][0]["roles"] = None
+    (a,) = build_adapters(parse_fleet(raw))
+    argv = a.engine_argv(8001, None, 0)
+    assert "--kv-transfer-config" not in argv and a.instance_env(0) == {}
+    inst = a._instance(0, "http://127.0.0.1:8001")
+    assert (inst.role, inst.pd_protocol, inst.bootstrap_port) == ("mixed", None, None)
+
+
+def test_sglang_roles_get_disaggregation_mode_and_bootstrap_port():
+    (a,) = build_adapters(pd_fleet("sglang", {"model": "/models/tiny", "bootstrap_port_base": 9100,
+                                              "transfer_backend": "nixl"}))
+    assert isinstance(a, SGLangAdapter)
+    pre, dec = flags(a.engine_argv(9000, None, 0)), flags(a.engine_argv(9001, None, 1))
+    assert pre["--disaggregation-mode"] == "prefill" and pre["--disaggregation-bootstrap-port"] == "9100"
+    assert pre["--disaggregation-transfer-backend"] == "nixl"
+    assert dec["--disaggregation-mode"] == "decode" and "--disaggregation-bootstrap-port" not in dec
+    inst = a._instance(0, "http://127.0.0.1:9000")
+    assert (inst.role, inst.pd_protocol, inst.bootstrap_port) == ("prefill", "sglang", 9100)
+    assert a._instance(1, "http://127.0.0.1:9001").bootstrap_port is None
+
+
+def test_sim_workers_get_their_role_and_the_sites_link():
+    (a,) = build_adapters(pd_fleet("sim", {"pd_protocol": "vllm"}))
+    assert isinstance(a, SimAdapter)
+    f = flags(a._args)
+    assert f["--kv-link-gb-s"] == "25.0" and f["--kv-link-latency-ms"] == "0.5"
+    assert [a.role_of(f"s1/tiny/{i}") for i in range(4)] == ["prefill", "decode", "decode", "mixed"]
+    inst = a._instance("s1/tiny/0", "http://127.0.0.1:7001")
+    assert (inst.role, inst.pd_protocol, inst.bootstrap_port) == ("prefill", "vllm", 7001)
