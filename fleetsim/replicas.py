@@ -123,7 +123,7 @@ class ReplicatedRouter(InstanceRouter):
             for j in others:
                 u = self._unheard[j]
                 u[iid] -= 1
-                self.routers[j].route(profile, [snap], t)
+                self.routers[j].note_dispatch(profile, snap, t)
             self.remote_dispatches += 1
 
         self._later(now, deliver)
@@ -150,7 +150,7 @@ class ReplicatedRouter(InstanceRouter):
         def deliver(t: float) -> None:
             for j in others:
                 self._unheard[j][iid] += 1
-                self.routers[j].observe(outcome)
+                self.routers[j].note_release(rid, t)
 
         self._later(now, deliver)
 

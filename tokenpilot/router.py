@@ -544,6 +544,23 @@ class TokenPilot(InstanceRouter):
             self._tpot.update(outcome.mean_tpot_s, max(rec.predicted_tpot_s, 1e-4))
             m[s.TPOT_FACTOR, : len(s.ids)] = self._tpot.value
 
+    def note_dispatch(self, profile: RequestProfile, instance: InstanceSnapshot, now: float) -> None:
+        """Another replica's dispatch: booked exactly as `route` books its own pick (backlog,
+        outstanding prefill, duty, streams and context, the prefix it will cache), priced by this
+        replica's model with the instance as the only candidate; no decision is logged."""
+        ids, slots, terms = self._terms(profile, [instance], now)
+        self._commit(profile, int(slots[0]), ids[0], float(terms[10][0]), float(terms[2][0]), float(terms[3][0]),
+                     float(terms[8][0]), float(terms[11][0]), terms[12][:, 0].copy(), now)
+
+    def note_release(self, request_id: str, now: float) -> None:
+        """Another replica's dispatch ended: released as `observe` releases one, learning nothing."""
+        rec = self._inflight.pop(request_id, None)
+        if rec is None:
+            return
+        self._memo.clear()
+        self._release(rec, request_id, now)
+        self._s.refresh_context(rec.slot)
+
     def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
         if self._s.slot(instance_id) is not None:  # a known instance (exact ones keep following their events)
             self._memo.clear()
