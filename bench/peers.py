@@ -1,9 +1,10 @@
-"""Live benchmark: TokenFleet vs the real SGLang router, on the same simulated workers.
+"""Live benchmark: TokenFleet vs the real SGLang router (and, for overhead, the vLLM router and LiteLLM), on the same simulated workers.
 
     .venv/bin/python bench/peers.py [--trace FILE] [--window S] [--start S] [--rate-scale X]
         [--workers N] [--spec M --gpu G --tp T] [--time-scale S]
         [--ours tokenpilot,round_robin] [--sglang-policy cache_aware] [--admission fcfs|slomax]
-        [--parts routing,overhead,fidelity] [--overhead-rate 200]
+        [--parts routing,overhead,fidelity] [--overhead-rate 200,500,1000]
+        [--overhead-peers sglang,vllm-router,litellm]
         [--overhead-stacks auto,h11+asyncio,httptools+uvloop] [--json OUT.json]
 
 Three measurements, each printed as a table:
@@ -19,7 +20,8 @@ Three measurements, each printed as a table:
 2. overhead — one very fast worker (time_scale 0.001: a step of the model's
    physics takes microseconds, so the worker's own latency is its HTTP and
    tokenizer work) reached directly, through our gateway and through the SGLang
-   router, each at a fixed open-loop rate (200 req/s) of small streaming
+   router (and the vLLM router and the LiteLLM proxy: `--overhead-peers`), each
+   at fixed open-loop rates (200, 500, 1000 req/s) of small streaming
    requests (64 prompt tokens, 4 output tokens). Added latency per path is the
    path's TTFT (and end-to-end) percentile minus the direct path's, median and p99.
    `--overhead-stacks` runs one gateway per uvicorn stack (HTTP parser + event
@@ -65,6 +67,7 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -90,8 +93,31 @@ from workloads import TraceRequest, Workload, scale_rate
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO / "traces" / "conversation_trace.jsonl.gz"
-PEERS_VENV = Path(os.environ.get("TOKENFLEET_PEERS_VENV", Path.home() / ".cache" / "tokenfleet" / "peers-venv"))
+CACHE = Path.home() / ".cache" / "tokenfleet"
+PEERS_VENV = Path(os.environ.get("TOKENFLEET_PEERS_VENV", CACHE / "peers-venv"))
 SGLANG_ROUTER_PIN = "sglang-router==0.3.2"  # the version whose launch facts are in shared/notes
+
+
+@dataclass(frozen=True)
+class PeerKind:
+    """A peer router of the overhead benchmark: installed on first use into its own venv, never
+    into the project's."""
+
+    name: str
+    venv: Path
+    pin: str
+    probe: tuple[str, ...]  # run with the venv's python: exits 0 once installed
+
+
+PEER_KINDS = {
+    "sglang": PeerKind("sglang", PEERS_VENV, SGLANG_ROUTER_PIN, ("-c", "import sglang_router")),
+    "vllm-router": PeerKind("vllm-router", Path(os.environ.get("TOKENFLEET_VLLM_ROUTER_VENV", CACHE / "vllm-router-venv")),
+                            "vllm-router==0.1.17", ("-c", "import vllm_router")),
+    # 1.106.12: the newest whose `proxy` extra resolves from the package index here (1.108+ pin
+    # litellm-proxy-extras builds it does not have); 1.107.0 was the compromised release.
+    "litellm": PeerKind("litellm", Path(os.environ.get("TOKENFLEET_LITELLM_VENV", CACHE / "litellm-venv")),
+                        "litellm[proxy]==1.106.12", ("-c", "import litellm.proxy.proxy_server")),
+}
 MODEL = "bench-model"
 API_KEY = "sk-bench-local"
 START_TIMEOUT_S = 60.0
@@ -307,19 +333,79 @@ async def start_gateway(procs: Processes, shape: FleetShape, urls: Sequence[str]
     return proc
 
 
-def ensure_sglang_router(install: bool) -> Path:
-    """The peers venv's python with sglang-router importable; installs it there on first use."""
-    py = PEERS_VENV / "bin" / "python"
-    probe = [str(py), "-c", "import sglang_router"]
-    if py.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+def ensure_peer(kind: PeerKind, install: bool) -> Path:
+    """The peer's venv python with the peer importable; installs it there on first use."""
+    py = kind.venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), *kind.probe], capture_output=True, check=False).returncode == 0:
         return py
     if not install:
-        raise RuntimeError(f"sglang-router is not installed in {PEERS_VENV} (run without --no-install)")
-    print(f"installing {SGLANG_ROUTER_PIN} into {PEERS_VENV} (a benchmark-only venv)...", flush=True)
+        raise RuntimeError(f"{kind.pin} is not installed in {kind.venv} (run without --no-install)")
+    print(f"installing {kind.pin} into {kind.venv} (a benchmark-only venv)...", flush=True)
     if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", SGLANG_ROUTER_PIN], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(kind.venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", kind.pin], check=True)
     return py
+
+
+def ensure_sglang_router(install: bool) -> Path:
+    """The peers venv's python with sglang-router importable; installs it there on first use."""
+    return ensure_peer(PEER_KINDS["sglang"], install)
+
+
+def ensure_peers(names: Sequence[str], install: bool) -> dict[str, Path]:
+    """Each named peer's venv python; a peer that does not install on this machine is left out
+    with a message saying so (the benchmark reports the others)."""
+    out: dict[str, Path] = {}
+    for name in names:
+        try:
+            out[name] = ensure_peer(PEER_KINDS[name], install)
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+            print(f"peer      {name}: not available on this machine ({e}); left out", flush=True)
+    return out
+
+
+async def start_vllm_router(procs: Processes, py: Path, urls: Sequence[str], policy: str = "cache_aware") -> Proc:
+    """vLLM's router (Rust, PyPI `vllm-router`) in front of `urls`."""
+    port, prom = free_port(), free_port()
+    exe = py.parent / "vllm-router"
+    argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--log-level", "warning"]
+    proc = procs.spawn("vllm-router", argv)
+    proc.url = f"http://127.0.0.1:{port}/v1"
+    await _wait_http(f"http://127.0.0.1:{port}/v1/models", lambda j: bool(j.get("data")))
+    await asyncio.sleep(1.0)
+    return proc
+
+
+LITELLM_CONFIG = """model_list:
+  - model_name: {model}
+    litellm_params:
+      model: hosted_vllm/{model}
+      api_base: {url}/v1
+      api_key: none
+litellm_settings:
+  telemetry: false
+general_settings:
+  master_key: {key}
+"""
+
+
+async def start_litellm(procs: Processes, py: Path, url: str) -> Proc:
+    """LiteLLM's proxy server (one process, no database) with the worker as its one deployment."""
+    port = free_port()
+    cfg = procs.workdir / "litellm.yaml"
+    # it refuses to start without a master key (every request would be accepted): one per run
+    key = "sk-" + secrets.token_hex(32)
+    cfg.write_text(LITELLM_CONFIG.format(model=MODEL, url=url, key=key))
+    # no network here: the model cost map from the package, no telemetry
+    env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR"}
+    argv = [str(py.parent / "litellm"), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
+            "--num_workers", "1"]
+    proc = procs.spawn("litellm", argv, env=env)
+    proc.url = f"http://127.0.0.1:{port}/v1"
+    proc.extra["key"] = key
+    await _wait_http(f"http://127.0.0.1:{port}/health/liveliness", timeout_s=180.0)
+    return proc
 
 
 async def start_sglang(procs: Processes, py: Path, urls: Sequence[str], policy: str,
@@ -359,6 +445,27 @@ def _cpu_seconds(procs: Sequence[Proc], include_self: bool = True) -> float:
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds of `pid` and every live process below it (a peer may run its
+    work in children: LiteLLM's uvicorn, a launcher's router)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                f = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry)] = (int(f[1]), (int(f[11]) + int(f[12])) / tick)
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen or p not in stats:
+            continue
+        seen.add(p)
+        total += stats[p][1]
+        todo.extend(c for c, (ppid, _) in stats.items() if ppid == p)
     return total
 
 
@@ -478,10 +585,11 @@ class _Path:
     proc: Proc  # the process whose CPU the path adds (the worker itself for `direct`)
 
 
-async def run_overhead(procs: Processes, sglang_py: Path | None, sglang_policy: str, rate: float, n: int,
+async def run_overhead(procs: Processes, peers: dict[str, Path], sglang_policy: str, rates: Sequence[float], n: int,
                        rounds: int, router: str, modes: Sequence[str], max_busy: float = 0.5,
                        quiet_wait_s: float = 120.0, stacks: Sequence[str] = ("auto",),
                        baseline: tuple[str, Path] | None = None) -> list[dict[str, Any]]:
+    """One table per (connection mode, rate); every path measured in the same interleaved rounds."""
     shape = FleetShape(workers=1, time_scale=0.001)
     worker = await start_worker(procs, shape, 99)
     paths = [_Path("direct", worker.url, None, worker)]
@@ -498,46 +606,66 @@ async def run_overhead(procs: Processes, sglang_py: Path | None, sglang_policy: 
         label = f"tokenfleet/{router} {gw.extra['stack']}" + (" (auto)" if stack == "auto" else "")
         paths.append(_Path(label, gw.url, API_KEY, gw))
         print(f"gateway   {stack}: {gw.extra['stack']} at {gw.url}", flush=True)
-    sg: Proc | None = None
-    if sglang_py:
-        sg = await start_sglang(procs, sglang_py, [worker.url], sglang_policy, name="sglang-overhead")
+    if "sglang" in peers:
+        sg = await start_sglang(procs, peers["sglang"], [worker.url], sglang_policy, name="sglang-overhead")
+        gateways.append(sg)
         paths.append(_Path(f"sglang-router/{sglang_policy}", sg.url, None, sg))
-    wl = fixed_rate_workload(rate, n)
-    warm = fixed_rate_workload(rate, max(50, n // 10))
+    if "vllm-router" in peers:
+        vr = await start_vllm_router(procs, peers["vllm-router"], [worker.url])
+        gateways.append(vr)
+        paths.append(_Path("vllm-router/cache_aware", vr.url, None, vr))
+    if "litellm" in peers:
+        ll = await start_litellm(procs, peers["litellm"], worker.url)
+        gateways.append(ll)
+        paths.append(_Path("litellm-proxy", ll.url, ll.extra["key"], ll))
     tables = []
     for mode in modes:
-        out: dict[str, list[dict[str, Any]]] = {p.name: [] for p in paths}
-        async with new_session(256, fresh_connections=mode == "fresh") as session:
+        async with new_session(1024, fresh_connections=mode == "fresh") as session:
+            warm = fixed_rate_workload(min(rates), max(50, n // 10))
             for p in paths:  # warm-up: connections, caches, lazy imports of every path
                 await replay(warm, Target(p.url.removesuffix("/v1"), MODEL, p.key), session=session, timeout_s=30)
-            for r in range(rounds):  # rounds interleave the paths, so drift hits all of them alike
-                for p in paths:
-                    quiet = await wait_quiet(max_busy, quiet_wait_s)
-                    run = await _overhead_run(p, wl, session, mode, r)
-                    run["idle_busy_cores"] = quiet
-                    out[p.name].append(run)
-        tables.append(_overhead_table(out, rate, n, mode))
-    for proc in (sg, *gateways, worker):
-        if proc is not None:
-            procs.stop(proc)
+            collapsed: set[str] = set()
+            for rate in rates:
+                wl = fixed_rate_workload(rate, n)
+                running = [p for p in paths if p.name not in collapsed]
+                out: dict[str, list[dict[str, Any]]] = {p.name: [] for p in running}
+                for r in range(rounds):  # rounds interleave the paths, so drift hits all of them alike
+                    for p in running:
+                        quiet = await wait_quiet(max_busy, quiet_wait_s)
+                        run = await _overhead_run(p, wl, session, mode, r, rate)
+                        run["idle_busy_cores"] = quiet
+                        out[p.name].append(run)
+                table = _overhead_table(out, rate, n, mode)
+                # A path that failed requests or queued for seconds at this rate cannot sustain a higher
+                # one: it is not run there (a collapsed proxy would take minutes per round to time out).
+                for name, a in table["paths"].items():
+                    added = a["added_ms"]["ttft_p50"]
+                    if name != "direct" and (a["completed"] < a["requests"] or (added or 0) > COLLAPSED_ADDED_P50_MS):
+                        collapsed.add(name)
+                table["not_run"] = sorted(p.name for p in paths if p.name not in out)
+                tables.append(table)
+    for proc in (*reversed(gateways), worker):
+        procs.stop(proc)
     return tables
 
 
 async def _overhead_run(p: _Path, wl: Workload, session: aiohttp.ClientSession, mode: str,
-                        r: int) -> dict[str, Any]:
+                        r: int, rate: float) -> dict[str, Any]:
     """One fixed-rate run through one path, with the CPU its proxy (or the worker) spent per
     request — a figure contention cannot distort, unlike the latencies beside it."""
     target = Target(p.url.removesuffix("/v1"), MODEL, p.key)
-    cpu0, busy0 = _cpu_seconds([p.proc], include_self=False), _system_busy_s()
+    cpu0, busy0 = _tree_cpu_seconds(p.proc.popen.pid), _system_busy_s()
     run = await replay(wl, target, session=session, timeout_s=30)
-    cpu, busy = _cpu_seconds([p.proc], include_self=False) - cpu0, _system_busy_s() - busy0
+    cpu, busy = _tree_cpu_seconds(p.proc.popen.pid) - cpu0, _system_busy_s() - busy0
     s = summarize_all(run.records, DEFAULT_SLOS)  # the bench fleets define no classes of their own
     s["cpu_ms_per_req"] = 1e3 * cpu / max(1, len(run.records))
     s["machine_busy_cores"] = busy / max(run.wall_s, 1e-9)
-    print(f"overhead  {mode:<9} round {r + 1} {p.name:<46} {s['completed']}/{s['requests']} ok  "
+    s["load_avg_1m"] = os.getloadavg()[0]
+    print(f"overhead  {mode:<9} {rate:5g}/s round {r + 1} {p.name:<46} {s['completed']}/{s['requests']} ok  "
           f"TTFT p50 {s['ttft_ms']['p50'] or 0:.2f} p99 {s['ttft_ms']['p99'] or 0:.2f} ms  "
           f"cpu {s['cpu_ms_per_req']:.2f} ms/req  machine busy {s['machine_busy_cores']:.2f} cores  "
-          f"send lag p99 {run.live_block(target)['send_lag_ms']['p99'] or 0:.2f} ms", flush=True)
+          f"load {s['load_avg_1m']:.1f}  send lag p99 {run.live_block(target)['send_lag_ms']['p99'] or 0:.2f} ms",
+          flush=True)
     return s
 
 
@@ -553,7 +681,8 @@ def _overhead_table(out: dict[str, list[dict[str, Any]]], rate: float, n: int, m
     agg = {name: {m: {q: med(runs, m, q) for q in ("p50", "p99")} for m in ("ttft_ms", "e2e_ms")}
            | {"completed": sum(r["completed"] for r in runs), "requests": sum(r["requests"] for r in runs),
               "cpu_ms_per_req": med(runs, "cpu_ms_per_req"), "machine_busy_cores": med(runs, "machine_busy_cores"),
-              "idle_busy_cores": med(runs, "idle_busy_cores")}
+              "idle_busy_cores": med(runs, "idle_busy_cores"), "load_avg_1m": med(runs, "load_avg_1m"),
+              "cpu_ms_per_req_rounds": [r["cpu_ms_per_req"] for r in runs]}
            for name, runs in out.items()}
     direct = agg["direct"]
     for a in agg.values():
@@ -563,22 +692,67 @@ def _overhead_table(out: dict[str, list[dict[str, Any]]], rate: float, n: int, m
             "connections": mode, "paths": agg}
 
 
+SUSTAIN_ADDED_P99_MS = 50.0  # issue 14: a rate is sustained with added TTFT p99 below this and no errors
+COLLAPSED_ADDED_P50_MS = 5000.0  # past this added median (or with errors) a path is not run at higher rates
+
+
+def sustained(tables: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per connection mode and path (direct left out): the highest rate whose table has the path's
+    added TTFT p99 < SUSTAIN_ADDED_P99_MS and every request completed (None: not even the lowest)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for t in sorted(tables, key=lambda t: t["rate_rps"]):
+        for name, a in t["paths"].items():
+            if name == "direct":
+                continue
+            best = out.setdefault(t["connections"], {}).setdefault(name, None)
+            p99 = a["added_ms"]["ttft_p99"]
+            ok = a["completed"] == a["requests"] and p99 is not None and p99 < SUSTAIN_ADDED_P99_MS
+            if ok and (best is None or t["rate_rps"] > best):
+                out[t["connections"]][name] = t["rate_rps"]
+    return out
+
+
+def cpu_ratios(t: dict[str, Any], reference: str) -> dict[str, float | None]:
+    """Each path's median CPU per request divided by `reference`'s (a path name prefix), same table."""
+    ref = next((a["cpu_ms_per_req"] for name, a in t["paths"].items() if name.startswith(reference)), None)
+    return {name: (a["cpu_ms_per_req"] / ref if ref and a["cpu_ms_per_req"] is not None else None)
+            for name, a in t["paths"].items()}
+
+
+def format_sustained(tables: Sequence[dict[str, Any]]) -> str:
+    lines = [f"highest rate sustained (added TTFT p99 < {SUSTAIN_ADDED_P99_MS:g} ms, no errors) of the rates run "
+             f"({', '.join(f'{r:g}' for r in sorted({t['rate_rps'] for t in tables}))} req/s):"]
+    for mode, by_path in sustained(tables).items():
+        for name, rate in by_path.items():
+            lines.append(f"  {mode:<9} {name:<46} {'none' if rate is None else f'{rate:g} req/s'}")
+    return "\n".join(lines)
+
+
 def format_overhead(o: dict[str, Any]) -> str:
     conn = "a new connection per request" if o["connections"] == "fresh" else "keep-alive connections"
+    vs_sglang, vs_base = cpu_ratios(o, "sglang-router"), cpu_ratios(o, "tokenfleet/")
+    base = next((name for name in o["paths"] if name.startswith("tokenfleet/")), "")
     lines = [(f"gateway overhead at {o['rate_rps']:g} req/s streaming, {conn} ({o['requests_per_round']} "
               f"requests x {o['rounds']} rounds; 64 prompt + 4 output tokens; medians over rounds)"),
              (f"{'path':<46} {'ok':>11}  {'TTFT p50':>9} {'TTFT p99':>9}  {'e2e p50':>8} {'e2e p99':>8}  "
-              f"{'added p50':>9} {'added p99':>9}  {'cpu/req':>8} {'busy':>5} {'idle':>5}"),
-             "-" * 144]
+              f"{'added p50':>9} {'added p99':>9}  {'cpu/req':>8} {'/sglang':>7} {'/first':>7} "
+              f"{'busy':>5} {'idle':>5} {'load':>5}"),
+             "-" * 168]
     for name, a in o["paths"].items():
         add = a["added_ms"]
         lines.append(f"{name:<46} {a['completed']:>5}/{a['requests']:<5}  {_f(a['ttft_ms']['p50'])} "
                      f"{_f(a['ttft_ms']['p99'])}  {_f(a['e2e_ms']['p50'], 8)} {_f(a['e2e_ms']['p99'], 8)}  "
                      f"{_f(add['ttft_p50'])} {_f(add['ttft_p99'])}  {_f(a['cpu_ms_per_req'], 8)} "
-                     f"{_f(a['machine_busy_cores'], 5)} {_f(a['idle_busy_cores'], 5)}")
+                     f"{_f(vs_sglang.get(name), 7)} {_f(vs_base.get(name), 7)} "
+                     f"{_f(a['machine_busy_cores'], 5)} {_f(a['idle_busy_cores'], 5)} {_f(a.get('load_avg_1m'), 5)}")
+    if o.get("not_run"):
+        lines.append(f"not run at this rate (errors or added p50 > {COLLAPSED_ADDED_P50_MS / 1e3:g} s at a lower "
+                     f"one): {', '.join(o['not_run'])}")
     lines.append("(ms; added = the path's TTFT percentile minus the direct path's; cpu/req = CPU ms per request "
-                 "of the router process (of the worker for direct); busy = CPU cores busy machine-wide during "
-                 "the run, idle = the same just before it, with this benchmark idle: other users' load)")
+                 "of the router process and its children (of the worker for direct); /sglang, /first = cpu/req "
+                 f"divided by the SGLang router's and by the first tokenfleet row's ({base}), same rounds; "
+                 "busy = CPU cores busy machine-wide during the run, idle = the same just before it, with this "
+                 "benchmark idle: other users' load; load = 1-minute load average at the run's end)")
     return "\n".join(lines)
 
 
@@ -673,7 +847,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", default="routing,overhead,fidelity", help="which measurements to run")
     p.add_argument("--concurrency", type=int, default=512)
     p.add_argument("--timeout", type=float, default=300.0, help="client timeout per request (s)")
-    p.add_argument("--overhead-rate", type=float, default=200.0)
+    p.add_argument("--overhead-rate", default="200,500,1000",
+                   help="overhead runs' open-loop rates, req/s, comma-separated (default %(default)s)")
+    p.add_argument("--overhead-peers", default="sglang,vllm-router,litellm",
+                   help="peer routers of the overhead runs, comma-separated, each installed on first use "
+                        "into its own venv under ~/.cache/tokenfleet/ (sglang, vllm-router, litellm; '' for "
+                        "none; sglang also needs --sglang-policy)")
     p.add_argument("--overhead-requests", type=int, default=1000)
     p.add_argument("--overhead-rounds", type=int, default=5)
     p.add_argument("--overhead-max-busy", type=float, default=0.5,
@@ -689,7 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our gateway's uvicorn stacks in the overhead runs, comma-separated, one gateway each: "
                         "'auto' (what `tokenfleet up` picks) or HTTP+LOOP, HTTP in auto/h11/httptools, LOOP in "
                         "auto/asyncio/uvloop (e.g. auto,h11+asyncio,httptools+uvloop)")
-    p.add_argument("--no-install", action="store_true", help="do not pip-install sglang-router into the peers venv")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install the peer routers into their venvs")
     p.add_argument("--json", metavar="OUT.json", help="write every table's data as JSON")
     return p
 
@@ -726,7 +905,20 @@ async def amain(args: argparse.Namespace) -> int:
     await asyncio.sleep(2.0)
     print(f"machine   busy {(_system_busy_s() - busy0) / (time.monotonic() - t0):.2f} of {os.cpu_count()} cores "
           f"before starting (other users' work shares these cores)", flush=True)
-    sglang_py = ensure_sglang_router(not args.no_install) if args.sglang_policy else None
+    try:
+        rates = sorted({float(r) for r in args.overhead_rate.split(",") if r.strip()})
+    except ValueError:
+        print(f"--overhead-rate: expected numbers, got {args.overhead_rate!r}", file=sys.stderr)
+        return 2
+    peer_names = [x.strip() for x in args.overhead_peers.split(",") if x.strip()]
+    if bad := set(peer_names) - set(PEER_KINDS):
+        print(f"--overhead-peers: unknown {sorted(bad)} (known: {', '.join(PEER_KINDS)})", file=sys.stderr)
+        return 2
+    if not args.sglang_policy:
+        peer_names = [x for x in peer_names if x != "sglang"]
+    needs_routing = bool(parts & {"routing", "fidelity"})
+    sglang_py = ensure_sglang_router(not args.no_install) if args.sglang_policy and needs_routing else None
+    peers = ensure_peers(peer_names, not args.no_install) if "overhead" in parts else {}
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}, "workload": d,
                               "fleet": gateway_fleet(shape, ["(worker)"] * shape.workers)}
     ours = [r.strip() for r in args.ours.split(",") if r.strip()]
@@ -749,14 +941,17 @@ async def amain(args: argparse.Namespace) -> int:
                 baseline = None
                 if args.baseline_ref:
                     baseline = (args.baseline_ref, _tree_at(args.baseline_ref, Path(tmp) / "baseline-tree"))
-                tables = await run_overhead(procs, sglang_py, args.sglang_policy or "cache_aware",
-                                            args.overhead_rate, args.overhead_requests, args.overhead_rounds,
+                tables = await run_overhead(procs, peers, args.sglang_policy or "cache_aware",
+                                            rates, args.overhead_requests, args.overhead_rounds,
                                             router, modes, args.overhead_max_busy, stacks=stacks,
                                             baseline=baseline)
                 report["overhead"] = tables
+                report["overhead_sustained"] = sustained(tables)
                 for o in tables:
                     print()
                     print(format_overhead(o))
+                print()
+                print(format_sustained(tables))
         finally:
             procs.stop_all()
     if args.json:

@@ -109,6 +109,55 @@ def parse_sse_event(raw: bytes) -> SSEEvent:
     return _data_event(b"\n".join(data).decode("utf-8", errors="replace"))
 
 
+# What a plain token chunk may not contain for `plain_token_text` to read it without json.loads:
+# anything the relay accounts or a continuation must rebuild differently.
+_NOT_PLAIN = (b'"error"', b'"reasoning', b'"tool_calls"', b'"function_call"', b'"token_ids"', b"\\")
+_TEXT_KEYS = (b'"content":"', b'"content": "', b'"text":"', b'"text": "')
+
+
+def plain_token_text(raw: bytes) -> str | None:
+    """The text of a plain token event, read from its bytes; None when it is anything else (the
+    caller then parses it: `parse_sse_event`).
+
+    Plain: one LF-terminated `data: {...}` line holding one choice (index 0) whose `content`
+    (chat) or `text` (completions) is a non-empty string without escapes, `finish_reason` and
+    `usage` null or absent, and no error, reasoning, tool call or token ids. That is what nearly
+    every event of a generation looks like (vLLM, SGLang, the simulated worker), and for it this
+    gives what parse + `StreamStats.account` + the continuation's record of sent text would
+    learn (a token, its text, nothing else) at a fraction of json.loads' cost; every other
+    event, and any doubt, goes the full way. Inside a JSON string a quote is always escaped, so
+    a quoted key found in the bytes is a key, and a value without a backslash ends at its next
+    quote."""
+    if not (raw.startswith(b"data: {") and raw.endswith(b"}\n\n")) or raw.count(b"\n") != 2:
+        return None
+    for bad in _NOT_PLAIN:
+        if bad in raw:
+            return None
+    n_fin = raw.count(b'"finish_reason"')
+    if n_fin and n_fin != raw.count(b'"finish_reason":null') + raw.count(b'"finish_reason": null'):
+        return None
+    n_usage = raw.count(b'"usage"')
+    if n_usage and n_usage != raw.count(b'"usage":null') + raw.count(b'"usage": null'):
+        return None
+    if raw.count(b'"index"') != 1 or (b'"index":0,' not in raw and b'"index": 0,' not in raw
+                                      and b'"index":0}' not in raw and b'"index": 0}' not in raw):
+        return None
+    if raw.count(b'"content"') + raw.count(b'"text"') != 1:
+        return None
+    for key in _TEXT_KEYS:
+        i = raw.find(key)
+        if i >= 0:
+            start = i + len(key)
+            end = raw.find(b'"', start)
+            if end <= start:  # empty (a role-only chunk's ""): not a token
+                return None
+            try:
+                return raw[start:end].decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+    return None  # content null, or a list: not this path
+
+
 def _data_event(text: str) -> SSEEvent:
     if text.strip() == "[DONE]":
         return SSEEvent(text, done=True)
@@ -211,6 +260,13 @@ class StreamStats:
                 self.token_events += 1
             return False
         return isinstance(usage, dict)
+
+    def token(self, now: float) -> None:
+        """Account a plain token event (`plain_token_text`): what `observe` would have done."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.token_events += 1
 
     def account(self, ev: SSEEvent, now: float) -> bool:
         """Account one parsed event ([DONE] or a chunk); True when it is the usage-only chunk."""

@@ -10,8 +10,11 @@ The rule, each cycle:
 - pressure: among requests that ended in the window, the share that missed their TTFT
   bound and the share that missed their TPOT bound (class SLOs). TTFT pressure asks for
   one more prefill instance, TPOT pressure one more decode instance — unless prefilled
-  requests had to wait for KV room on the decode side (`decode_blocked`): then the TTFT
-  misses are the decode pool's, and that share counts as decode pressure instead;
+  requests had to wait for KV room on the decode side (`decode_blocked`), or the decode
+  pool's mean KV usage is above `decode_kv_high`: then the decode pool's memory is the
+  bound and that is decode pressure. TTFT pressure takes a decode instance only while the
+  decode pool's KV is `kv_band` below that mark (decode instances prefill locally too: one
+  taken for prefill only pays if its streams' KV is not missed);
 - hysteresis: the two shares must differ by `margin`, in the same direction for `streak`
   cycles running, and `cooldown_s` must have passed since the last flip finished;
 - step: the share of requests the pressure is about, times the pool that gives instances
@@ -19,14 +22,22 @@ The rule, each cycle:
   cycles, a small imbalance moves one instance);
 - memory: a pool whose mean KV usage is above `max_source_kv` gives no instance up (its
   streams would have nowhere to go: decode KV fills before decode compute does);
-- drain first: the instances to flip (the least loaded of their role) take no new work and
-  are switched only when idle (nothing running, nothing held in transfer); those not idle
-  within `drain_timeout_s` return to their role (and if none was idle, the flip is given
-  up). A rollback is never given up: it waits for its instances however long they drain;
+- gradual (`gradual`, the default): the instances to flip (the least loaded of their role)
+  take their new role at once and finish their in-flight work where they are (a decode
+  instance turned prefill decodes its streams to the end while it takes new prefills), so
+  a flip, and its rollback, cost no drain (the drain-first flip's rollback took 105 s on
+  Mooncake, bench/DISAGG.md);
+- drain first (`gradual=False`, for executors that cannot mix roles on one instance): the
+  instances take no new work and are switched only when idle (nothing running, nothing
+  held in transfer); those not idle within `drain_timeout_s` return to their role (and if
+  none was idle, the flip is given up). A rollback is never given up: it waits for its
+  instances however long they drain;
 - rollback: the goodput (requests that met their SLO per second) over `watch_s` after a flip
   is compared with the `watch_s` before it (each side judged only once `min_samples`
   requests ended in it: a quiet spell proves nothing); a drop of more than `rollback_drop`
-  flips the instance back, and that direction is blocked for `block_s`.
+  flips the instance back, and that direction is blocked for `block_s` — unless the
+  pressure that made the move still points the same way (then the drop is the load
+  rising, not the move: undoing it took the right direction back on Mooncake).
 Each role keeps at least `min_per_role` instances.
 """
 
@@ -53,8 +64,17 @@ class PDRolesConfig:
     rollback_drop: float = 0.1
     block_s: float = 600.0
     min_per_role: int = 1
-    max_step: int = 2
+    max_step: int = 4
     max_source_kv: float = 0.8
+    # Decode KV, not decode compute, bounds the decode pool on long contexts (bench/DISAGG.md):
+    # a decode pool whose mean KV usage is above this asks for an instance (decode pressure),
+    # and TTFT pressure moves none out of it unless its usage is `kv_band` below the mark.
+    decode_kv_high: float = 0.5
+    kv_band: float = 0.1
+    # Gradual flips: the instance takes its new role at once and finishes its in-flight work
+    # where it is (a decode instance turned prefill keeps decoding its streams; a prefill
+    # instance turned decode still sends the KV it holds). Off: drain first, switch once idle.
+    gradual: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +148,7 @@ class PDRoleController:
         if self._pending is not None:
             return self._advance(now, by_id)
         if self._watch is not None:
-            return self._judge(now)
+            return self._judge(now, instances, window)
         return self._maybe_flip(now, instances, window)
 
     # -- a flip under way: drain, then switch -------------------------------------------
@@ -158,18 +178,24 @@ class PDRoleController:
         return out
 
     # -- after a flip: keep it or roll it back --------------------------------------------
-    def _judge(self, now: float) -> list[RoleCommand]:
+    def _judge(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
         w = self._watch
         assert w is not None
         if now - w.since < self.config.watch_s or self._ended(w.since, now) < self.config.min_samples:
             return []
         self._watch = None
         after = self._goodput(w.since, now)
-        if after < w.goodput_before * (1 - self.config.rollback_drop):
+        # A drop while the pressure that made the move still points the same way is the load
+        # rising, not the move (rolling it back would undo the right direction: bench/DISAGG.md).
+        still = self._pressure(window, instances) == w.to_role
+        if after < w.goodput_before * (1 - self.config.rollback_drop) and not still:
             self._blocked[(w.from_role, w.to_role)] = now + self.config.block_s
-            self._pending = _Flip(w.instance_ids, w.to_role, w.from_role, now, True, after)
             self._event(now, "rollback", ",".join(w.instance_ids), w.from_role,
                         f"goodput {after:.2f} req/s after, {w.goodput_before:.2f} before")
+            if self.config.gradual:
+                self._calm_until = now + self.config.cooldown_s
+                return [RoleCommand("set_role", i, w.from_role) for i in w.instance_ids]
+            self._pending = _Flip(w.instance_ids, w.to_role, w.from_role, now, True, after)
             return [RoleCommand("drain", i) for i in w.instance_ids]
         self._calm_until = now + self.config.cooldown_s
         self._event(now, "keep", ",".join(w.instance_ids), w.to_role,
@@ -179,7 +205,7 @@ class PDRoleController:
     # -- a new flip -------------------------------------------------------------------------
     def _maybe_flip(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
         cfg = self.config
-        want = self._pressure(window)
+        want = self._pressure(window, instances)
         if want is None or want != self._streak_dir:
             self._streak_dir, self._streak_n = want, 1 if want is not None else 0
         else:
@@ -194,27 +220,39 @@ class PDRoleController:
             return []
         share_t, share_p = window.ttft_missed / window.ended, window.tpot_missed / window.ended
         share_b = window.decode_blocked / window.ended
-        size = share_b if share_b > cfg.margin else abs(share_t - share_p)
+        kv_over = _decode_kv(instances) - cfg.decode_kv_high
+        size = share_b if share_b > cfg.margin else max(kv_over, 0.0) if want == "decode" and kv_over > 0 \
+            else abs(share_t - share_p)
         step = max(1, min(cfg.max_step, len(pool) - cfg.min_per_role, round(size * len(pool))))
         picks = tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))[:step])
         before = self._goodput(now - cfg.watch_s, now)
-        self._pending = _Flip(picks, src, want, now, False, before)
         self._streak_dir, self._streak_n = None, 0
-        why = "TTFT" if want == "prefill" else "decode KV" if share_b > cfg.margin else "TPOT"
-        self._event(now, "drain", ",".join(picks), want,
-                    f"{why} pressure: TTFT missed {share_t:.0%}, TPOT missed {share_p:.0%}, "
-                    f"waited for decode KV {share_b:.0%} of {window.ended}")
+        why = "TTFT" if want == "prefill" else "decode KV" if share_b > cfg.margin or kv_over > 0 else "TPOT"
+        reason = (f"{why} pressure: TTFT missed {share_t:.0%}, TPOT missed {share_p:.0%}, "
+                  f"waited for decode KV {share_b:.0%} of {window.ended}, decode KV {_decode_kv(instances):.0%}")
+        if cfg.gradual:  # no drain: switched now, watched from now
+            self._event(now, "flip", ",".join(picks), want, f"gradual; {reason}")
+            self._watch = _Flip(picks, src, want, now, False, before)
+            return [RoleCommand("set_role", i, want) for i in picks]
+        self._pending = _Flip(picks, src, want, now, False, before)
+        self._event(now, "drain", ",".join(picks), want, reason)
         return [RoleCommand("drain", i) for i in picks]
 
-    def _pressure(self, w: SLOWindow) -> Direction | None:
-        if w.ended < self.config.min_samples:
+    def _pressure(self, w: SLOWindow, instances: Sequence[RoleInstance]) -> Direction | None:
+        cfg = self.config
+        if w.ended < cfg.min_samples:
             return None
-        if w.decode_blocked / w.ended > self.config.margin:  # prefill is waiting on decode
+        if w.decode_blocked / w.ended > cfg.margin:  # prefill is waiting on decode
+            return "decode"
+        kv = _decode_kv(instances)
+        if kv > cfg.decode_kv_high:  # the decode pool's memory is the bound: more of it
             return "decode"
         diff = (w.ttft_missed - w.tpot_missed) / w.ended
-        if diff > self.config.margin:
-            return "prefill"
-        if -diff > self.config.margin:
+        if diff > cfg.margin:
+            # Decode instances prefill too (locally): taking one for prefill only pays while
+            # the decode pool has KV to spare for the streams it would have held.
+            return "prefill" if kv < cfg.decode_kv_high - cfg.kv_band else None
+        if -diff > cfg.margin:
             return "decode"
         return None
 
@@ -231,3 +269,9 @@ class PDRoleController:
         self.log.append(RoleEvent(now, kind, iid, role, reason))
         if len(self.log) > 1024:
             del self.log[:256]
+
+
+def _decode_kv(instances: Sequence[RoleInstance]) -> float:
+    """Mean KV usage of the decode pool (0 when it has no instance)."""
+    pool = [i.kv_usage for i in instances if i.role == "decode"]
+    return sum(pool) / len(pool) if pool else 0.0

@@ -106,7 +106,7 @@ async def _up(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format or config.gateway.log_format)
     ops_port = args.ops_port if args.ops_port is not None else config.gateway.ops_port
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port, reuse_port=args.worker_index is not None)
     except OSError as e:
         _say(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
         return 2
@@ -142,6 +142,8 @@ async def _up(args: argparse.Namespace) -> int:
         app = create_app(config, adapters, router=build_router(args.router, instances), policy_store=store,
                          planner=args.planner)
         app.state.tokenfleet.metrics.registry.register(ListenerCollector(listeners))
+        if args.worker_index is not None:  # one of `--workers N`: answers say which one served them
+            app.state.tokenfleet.relay.worker = f"worker{args.worker_index}"
         shutdown = app.state.tokenfleet.relay.shutdown
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                         timeout_graceful_shutdown=math.ceil(shutdown.grace_s + SHUTDOWN_MARGIN_S),
@@ -216,17 +218,27 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="with --replicas: write an HAProxy config for the replicas here")
     up.add_argument("--haproxy-bind", default="*:8000", metavar="ADDR:PORT",
                     help="where that HAProxy listens (default: %(default)s)")
-    up.add_argument("--attach-instances", metavar="PATH", help=argparse.SUPPRESS)  # set by --replicas
+    up.add_argument("--workers", type=int, default=1,
+                    help="run N gateway processes on the one --port (SO_REUSEPORT: the kernel spreads "
+                         "connections over them), in front of the fleet's workers launched once; they "
+                         "share budgets, ledger and load as replicas do, through --redis-url, else a "
+                         "private redis-server (default: %(default)s)")
+    up.add_argument("--attach-instances", metavar="PATH", help=argparse.SUPPRESS)  # set by --replicas/--workers
+    up.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by --workers
     up.set_defaults(func=run_up)
     return up
 
 
 def run_up(args: argparse.Namespace) -> int:
-    if args.replicas < 1:
-        _say("--replicas must be at least 1")
+    if args.replicas < 1 or args.workers < 1:
+        _say("--replicas and --workers must be at least 1")
+        return 2
+    if args.replicas > 1 and args.workers > 1:
+        _say("--replicas and --workers do not combine: each replica is one process on its own port; "
+             "--workers puts N processes on one port (run one `up --workers N` per host instead)")
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        if args.replicas > 1:
+        if args.replicas > 1 or args.workers > 1:
             from gateway.replicas import up_replicas
             config, adapters = _load(args.fleet)
             return runner.run(up_replicas(args, config, adapters))

@@ -65,6 +65,10 @@ class KVEventFeed:
                     failures = 0
                     self.batches += 1
                     self.sink.observe_kv_events(instance_id, batch.seq, batch.events, self.clock())
+                    # Batches the stream has buffered come without a suspension point, so a
+                    # burst of them (thousands of blocks each) would hold the loop for all of
+                    # them in one step: each batch is one step instead (issue 14).
+                    await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
             except Exception as e:

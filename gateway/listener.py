@@ -81,14 +81,18 @@ class ListenerLimits:
                    gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes, OPS_PATHS)
 
 
-def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A non-blocking listening TCP socket (IPv6 when `host` is an IPv6 address)."""
+def bind_socket(host: str, port: int, backlog: int = 2048, reuse_port: bool = False) -> socket.socket:
+    """A non-blocking listening TCP socket (IPv6 when `host` is an IPv6 address). `reuse_port`:
+    SO_REUSEPORT, so that several worker processes listen on one port and the kernel spreads
+    connections over them (`tokenfleet up --workers`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
     # without it Nagle holds each small SSE event behind the client's delayed ACK (~40 ms).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(backlog)
     except OSError:

@@ -58,7 +58,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.first_byte import ATTEMPTS_BEFORE_FIRST_BYTE
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
-from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, usage_of_body
+from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, plain_token_text, usage_of_body
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
@@ -151,44 +151,79 @@ def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded:
 
 # --- client disconnects ---
 
+# How long a wait on the client's behalf (admission queue, response head, first event, the stream)
+# may last before a task starts watching the receive channel. Most answers are over sooner, and
+# then no watcher task exists at all: a task per request was ~5% of a relayed stream's CPU
+# (bench/README.md, "Where the time goes"). It is also the longest a disconnect may go unnoticed.
+LAZY_WATCH_S = 0.05
+
+
 class DisconnectWatch:
-    """Watches the ASGI receive channel for `http.disconnect` while the gateway waits upstream."""
+    """Notices the client's `http.disconnect` while the gateway works for it, at the cost of a
+    task only when that work lasts. `race(aw)` awaits `aw` in the caller's own task; a wait
+    still pending after LAZY_WATCH_S starts the watcher (at most one per request), which reads
+    the receive channel and, when the client leaves, cancels the waiting task: `race` raises
+    ClientGone. (uvicorn's `send` returns silently on a closed connection, so a failing send
+    cannot be the signal.) One per request, from `handle` to the end of the response."""
+
+    __slots__ = ("_receive", "_loop", "_watcher", "_timer", "_waiting", "_cancelling", "_cancelled", "left")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
-        self.gone = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._watcher: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting: asyncio.Task[Any] | None = None  # the task inside `race`, if any
+        self._cancelling = 0
+        self._cancelled = False  # this watch cancelled the waiting task
+        self.left = False  # the client disconnected
 
-    async def __aenter__(self) -> DisconnectWatch:
-        self._task = asyncio.create_task(self._watch())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
+    async def aclose(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watcher is not None:
+            self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await self._watcher
+            self._watcher = None
+
+    async def race(self, aw: Awaitable[T]) -> T:
+        """`aw`'s result, or ClientGone (and `aw` cancelled) when the client leaves first."""
+        if self.left:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise ClientGone()
+        task = asyncio.current_task()
+        if task is None or self._waiting is task:  # nested: the outer race covers it
+            return await aw
+        self._waiting, self._cancelling, self._cancelled = task, task.cancelling(), False
+        if self._watcher is None:
+            self._timer = self._loop.call_later(LAZY_WATCH_S, self._start)
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            if self._cancelled and task.uncancel() <= self._cancelling:
+                raise ClientGone() from None
+            raise
+        finally:
+            self._waiting = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _start(self) -> None:
+        self._timer = None
+        if self._waiting is not None and self._watcher is None and not self.left:
+            self._watcher = self._loop.create_task(self._watch())
 
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
-        self.gone.set()
-
-    async def race(self, aw: Awaitable[T]) -> T:
-        """`aw`'s result, or ClientGone (and `aw` cancelled) when the client leaves first."""
-        work = asyncio.ensure_future(aw)
-        gone = asyncio.ensure_future(self.gone.wait())
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await work
-        if work.cancelled():
-            raise ClientGone()
-        return work.result()  # a result that raced the disconnect still wins: it owns resources
+        self.left = True
+        if self._waiting is not None and not self._cancelled:
+            self._cancelled = True
+            self._waiting.cancel()
 
 
 # --- one dispatch to one instance ---
@@ -287,6 +322,8 @@ class Dispatch:
     def headers(self) -> dict[str, str]:
         h = {"x-tokenfleet-instance": self.iid, "x-tokenfleet-site": self.target.site,
              "x-request-id": self.parsed.profile.request_id, SERVED_MODEL_HEADER: self.parsed.profile.model}
+        if self.relay.worker is not None:
+            h["x-tokenfleet-worker"] = self.relay.worker
         route = self.target.route
         if route is not None:
             # The router's prediction, so operators can compare it with what they saw.
@@ -350,11 +387,23 @@ class RelayStream:
         first_seen = stats.first_token_at is not None
         rename = self.d.parsed.requested_model
         cont = self.cont
+        now = self.d.relay.clock()  # one read's events arrived together
+        # Plain token events pass on as bytes, unparsed (`plain_token_text`), where nothing needs
+        # the object: no rename, not a continuation leg, no engine ids to strip, and the
+        # continuation's record already holds the first chunk's id.
+        plain_ok = rename is None and not self.splicing and (
+            cont is None or (not cont.engine_ids and cont.sent.id is not None))
         for raw in events:
             if stats.done:
                 break
+            if plain_ok and (text := plain_token_text(raw)) is not None:
+                stats.token(now)
+                if cont is not None:
+                    cont.sent.add(text, None)
+                out.append(raw)
+                continue
             ev = parse_sse_event(raw)
-            usage = stats.account(ev, self.d.relay.clock())
+            usage = stats.account(ev, now)
             if self.splicing:
                 assert cont is not None
                 if usage:  # the continuation's own usage: how much of its re-prefill was a cache hit
@@ -513,8 +562,10 @@ class RelayStreamingResponse(StreamingResponse):
     """Streams a RelayStream and stops the moment the client disconnects, whatever the ASGI server.
 
     Starlette only watches for disconnects on servers below ASGI spec 2.4 and otherwise
-    notices at the next send; an engine in a long prefill sends nothing for seconds, so
-    the gateway watches the receive channel itself and always cleans up in `finally`.
+    notices at the next send (uvicorn's send does not even fail: it drops the bytes); an engine
+    in a long prefill sends nothing for seconds. So the stream runs inside the request's
+    `DisconnectWatch` (in this task: no sender task, and a watcher task only for a stream that
+    lasts) and always cleans up in `finally`.
     """
 
     def __init__(self, stream: RelayStream, headers: Mapping[str, str]) -> None:
@@ -522,18 +573,16 @@ class RelayStreamingResponse(StreamingResponse):
                          headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
         self._relay_stream = stream
         self.on_done: Callable[[], None] | None = None  # after the stream is over, whichever way
+        self.watch: DisconnectWatch | None = None  # the request's, handed over by `Relay.handle`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sender = asyncio.create_task(self.stream_response(send))
-        watcher = asyncio.create_task(self.listen_for_disconnect(receive))
+        watch = self.watch if self.watch is not None else DisconnectWatch(receive)
         try:
-            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await watch.race(self.stream_response(send))
+        except (ClientGone, OSError):
+            pass  # the client left: nobody to tell; `close` below aborts the upstream
         finally:
-            for t in (sender, watcher):
-                t.cancel()
-            for t in (sender, watcher):
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await t
+            await watch.aclose()
             await self._relay_stream.close()
             if self.on_done is not None:
                 self.on_done()
@@ -574,6 +623,7 @@ class Relay:
         self.clock = clock
         self.retry_after_s = retry_after_s
         self.session: aiohttp.ClientSession | None = None  # set by the app's lifespan
+        self.worker: str | None = None  # "workerN" when one of `tokenfleet up --workers` (a response header)
         self.deadlines = Deadlines.from_settings(config.gateway)
         self.shutdown = Shutdown(config.gateway.shutdown_grace_s)  # SIGTERM: drain, then end what is left
         # Others that learn from traffic (FleetMind's placement loop): `arrived(profile)` for
@@ -638,15 +688,23 @@ class Relay:
                 listener.arrived(parsed.profile)
             except Exception:
                 log.exception("%s.arrived failed", type(listener).__name__)
+        watch = DisconnectWatch(request.receive)
+        resp: Response | None = None
         try:
-            async with DisconnectWatch(request.receive) as watch:
-                if self.admission is None:
-                    return await self._attempts(watch, parsed, path)
-                return await self._admitted(watch, parsed, path, self.admission)
+            if self.admission is None:
+                resp = await self._attempts(watch, parsed, path)
+            else:
+                resp = await self._admitted(watch, parsed, path, self.admission)
+            return resp
         except GatewayError as e:
             e.headers.setdefault("x-request-id", rid)
             self.metrics.answered(parsed.profile.model, "", "", str(e.status))
             raise
+        finally:
+            if isinstance(resp, RelayStreamingResponse):
+                resp.watch = watch  # the stream goes on after this returns: the response closes it
+            else:
+                await watch.aclose()
 
     async def _admitted(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
                         gate: AdmissionGate) -> Response:

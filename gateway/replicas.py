@@ -1,4 +1,10 @@
-"""`tokenfleet up --replicas N`: the fleet's workers once, N gateway replicas in front of them.
+"""`tokenfleet up --replicas N` / `--workers N`: the fleet's workers once, N gateway processes in front.
+
+`--replicas`: each process on its own port (a load balancer in front: `--haproxy-config`).
+`--workers`: every process on the one `--port`, bound with SO_REUSEPORT, so the kernel spreads
+connections over them — one host's several cores without a balancer. Both share state the same
+way (each process is a replica to Redis: budgets, ledger, load, policies) and are run, restarted
+and stopped the same way, below.
 
 This process launches (and supervises) the simulated workers, then starts each replica as
 `tokenfleet up --attach-instances FILE` on its own port: the file gives every sim deployment its
@@ -115,6 +121,7 @@ class Replica:
     index: int
     port: int
     argv: list[str]
+    kind: str = "replica"  # or "worker" (`--workers`): how messages name it
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_KEEP_LINES))
@@ -131,11 +138,11 @@ class Replica:
             try:
                 raw = await asyncio.wait_for(self.proc.stdout.readline(), max(left, 0.001))
             except asyncio.TimeoutError:
-                raise AdapterError(f"replica {self.index} did not start in {READY_TIMEOUT_S:.0f} s") from None
+                raise AdapterError(f"{self.kind} {self.index} did not start in {READY_TIMEOUT_S:.0f} s") from None
             if not raw:
                 code = await self.proc.wait()
                 tail = "; ".join(list(self.lines)[-3:])
-                raise AdapterError(f"replica {self.index} exited with code {code} while starting: {tail}")
+                raise AdapterError(f"{self.kind} {self.index} exited with code {code} while starting: {tail}")
             line = raw.decode(errors="replace").rstrip()
             self.lines.append(line)
             if line.startswith("tokenfleet: gateway "):
@@ -150,10 +157,13 @@ class Replica:
 
 
 def replica_argv(args: argparse.Namespace, port: int, ops_port: int | None, redis_url: str,
-                 attach_file: str) -> list[str]:
+                 attach_file: str, worker_index: int | None = None) -> list[str]:
+    """`worker_index`: one of `--workers` (binds `port` with SO_REUSEPORT, says which worker it is)."""
     argv = [sys.executable, "-m", "tokenfleet.cli", "up", "--host", args.host, "--port", str(port),
             "--redis-url", redis_url, "--attach-instances", attach_file, "--router", args.router,
             "--log-level", args.log_level]
+    if worker_index is not None:
+        argv += ["--worker-index", str(worker_index)]
     if args.fleet:
         argv += ["--fleet", str(Path(args.fleet).resolve())]
     if ops_port is not None:
@@ -165,22 +175,36 @@ def replica_argv(args: argparse.Namespace, port: int, ops_port: int | None, redi
     return argv
 
 
+def workers_mode(args: argparse.Namespace) -> bool:
+    """`--workers N`: N processes on one port (else `--replicas N`: a port each)."""
+    return getattr(args, "workers", 1) > 1
+
+
 async def up_replicas(args: argparse.Namespace, config: FleetConfig, adapters: list[EngineAdapter]) -> int:
-    n = args.replicas
+    workers = workers_mode(args)
+    n, flag, what = (args.workers, "--workers", "workers") if workers else (args.replicas, "--replicas", "replicas")
     if bad := unattachable(config):
-        _say(f"--replicas {n}: these deployments launch engines a replica cannot share: {', '.join(bad)}; "
+        _say(f"{flag} {n}: these deployments launch engines a gateway process cannot share: {', '.join(bad)}; "
              "run the engines yourself and attach them with `options: {urls: [...]}`")
         return 2
     if not args.redis_url and shutil.which("redis-server") is None:
-        _say(f"--replicas {n} needs a Redis the replicas share region policies through: give --redis-url "
-             "(or $TOKENFLEET_REDIS_URL), or install redis-server to have a private one started")
+        _say(f"{flag} {n} needs a Redis the {what} share budgets, ledger, load and region policies through: "
+             "give --redis-url (or $TOKENFLEET_REDIS_URL), or install redis-server to have a private one started")
+        return 2
+    if workers and args.haproxy_config:
+        _say("--haproxy-config is for --replicas (a port each); --workers share one port: no balancer needed")
         return 2
     base_ops = args.ops_port if args.ops_port is not None else config.gateway.ops_port
     # Consecutive ports from --port (0: free ones); each checked now, before anything is launched.
-    ports = [_free_port(args.host) for _ in range(n)] if args.port == 0 else [args.port + i for i in range(n)]
+    # Workers: all on the one port (SO_REUSEPORT); their ops listeners still a port each, so that
+    # /metrics and /health answer for one known process.
+    if workers:
+        ports = [_free_port(args.host) if args.port == 0 else args.port] * n
+    else:
+        ports = [_free_port(args.host) for _ in range(n)] if args.port == 0 else [args.port + i for i in range(n)]
     ops_ports: list[int | None] = [None] * n if base_ops is None else (
         [_free_port(args.ops_host or args.host) for _ in range(n)] if base_ops == 0 else [base_ops + i for i in range(n)])
-    for p in [*ports, *(q for q in ops_ports if q is not None)]:
+    for p in sorted({*ports, *(q for q in ops_ports if q is not None)}):
         try:
             with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
                 s.bind((args.host, p))
@@ -225,7 +249,9 @@ async def _run(args: argparse.Namespace, config: FleetConfig, adapters: list[Eng
             redis_url = await stack.enter_async_context(private_redis())
             _say(f"redis    {redis_url} (private: stopped with the fleet)")
         total = sum(d.instance_count for d in config.deployments)
-        _say(f"launching {total} instance(s) in {len(config.sites)} site(s), once for {n} replicas...")
+        workers = workers_mode(args)
+        what = "workers" if workers else "replicas"
+        _say(f"launching {total} instance(s) in {len(config.sites)} site(s), once for {n} {what}...")
         stack.push_async_callback(_stop_workers, adapters)
         launch = asyncio.ensure_future(launch_all(adapters))
         waiter = asyncio.ensure_future(stop.wait())
@@ -243,19 +269,20 @@ async def _run(args: argparse.Namespace, config: FleetConfig, adapters: list[Eng
             return 1
         attach_file = str(Path(tmp) / "attach.json")
         Path(attach_file).write_text(json.dumps(attach_view(config, adapters)), encoding="utf-8")
-        replicas.extend(Replica(i, ports[i], replica_argv(args, ports[i], ops_ports[i], redis_url, attach_file))
+        replicas.extend(Replica(i, ports[i], replica_argv(args, ports[i], ops_ports[i], redis_url, attach_file,
+                                                          i if workers else None), "worker" if workers else "replica")
                         for i in range(n))
         stack.push_async_callback(_stop_replicas, replicas, grace_s + SHUTDOWN_MARGIN_S + STOP_EXTRA_S)
         try:
             urls = await asyncio.gather(*(r.start() for r in replicas))
         except AdapterError as e:
-            _say(f"replica failed: {e}")
+            _say(f"{what[:-1]} failed: {e}")
             return 1
         sites = sorted({i.site for i in instances})
         _say(f"{len(instances)} instance(s) ready in {len(sites)} site(s): {', '.join(sites)}")
         for r, url in zip(replicas, urls, strict=True):
             assert r.proc is not None
-            _say(f"gateway  replica {r.index} (pid {r.proc.pid})  {url}")
+            _say(f"gateway  {r.kind} {r.index} (pid {r.proc.pid})  {url}")
         if args.haproxy_config:
             from gateway.haproxy_config import render
             Path(args.haproxy_config).write_text(
@@ -270,7 +297,7 @@ async def _run(args: argparse.Namespace, config: FleetConfig, adapters: list[Eng
         for w in watchers:
             w.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
-        _say("stopping replicas...")
+        _say(f"stopping {what}...")
         # The exit stack unwinds in reverse: replicas (graceful), then workers, then the private Redis.
     _say("stopped")
     return 0
@@ -288,7 +315,7 @@ async def _watch(r: Replica, config: FleetConfig, stop: asyncio.Event) -> None:
             return
         if time.monotonic() - started > backoff_max:
             backoff = config.gateway.engine_restart_backoff_s
-        _say(f"replica {r.index} (port {r.port}) exited with code {code}; restarting in {backoff:g} s")
+        _say(f"{r.kind} {r.index} (port {r.port}) exited with code {code}; restarting in {backoff:g} s")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), backoff)
         if stop.is_set():
@@ -297,11 +324,11 @@ async def _watch(r: Replica, config: FleetConfig, stop: asyncio.Event) -> None:
         try:
             url = await r.start()
         except AdapterError as e:
-            _say(f"replica {r.index} restart failed: {e}")
+            _say(f"{r.kind} {r.index} restart failed: {e}")
             continue
         r.restarts += 1
         assert r.proc is not None
-        _say(f"gateway  replica {r.index} (pid {r.proc.pid})  {url} (restart {r.restarts})")
+        _say(f"gateway  {r.kind} {r.index} (pid {r.proc.pid})  {url} (restart {r.restarts})")
 
 
 async def _stop_replicas(replicas: list[Replica], timeout_s: float) -> None:

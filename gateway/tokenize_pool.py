@@ -23,6 +23,8 @@ from gateway.errors import overloaded
 
 T = TypeVar("T")
 
+START_TIMEOUT_S = 5.0  # for the worker threads to start (at start-up, once)
+
 
 class TokenizePool:
     def __init__(self, workers: int, queue: int, timeout_s: float) -> None:
@@ -31,6 +33,13 @@ class TokenizePool:
         self._pending = 0  # bodies accepted and not finished (running or waiting)
         self._lock = threading.Lock()  # work ends on pool threads
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize")
+        # Start the threads now: the executor starts one inside `submit`, on the loop, and
+        # `Thread.start` waits for it to run, which behind a busy tokenizer thread holding
+        # the GIL held the loop for milliseconds at the first long prompts of a burst. (Each
+        # start-up task waits for the others, so none is idle and every submit starts a thread.)
+        started = threading.Barrier(workers)
+        for work in [self._executor.submit(started.wait, START_TIMEOUT_S) for _ in range(workers)]:
+            work.result(START_TIMEOUT_S)
 
     @property
     def pending(self) -> int:

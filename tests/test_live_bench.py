@@ -237,3 +237,25 @@ def test_peers_fleet_files_and_fidelity_simulation() -> None:
     assert not set(wl.requests[0].hash_ids) & set(wl.requests[1].hash_ids)  # no shared prefix
     sims = peers.simulate_rows(shape, wl, ["tokenpilot", "sglang_cache_aware"])
     assert sims["tokenpilot"]["completed"] == 20 and sims["tokenpilot"]["ttft_ms"]["p50"] > 0
+
+
+def test_peers_sustained_rate_and_cpu_ratios() -> None:
+    peers: Any = _peers_module()
+
+    def table(rate: float, mode: str, paths: dict[str, tuple[int, float | None, float]]) -> dict[str, Any]:
+        return {"rate_rps": rate, "connections": mode,
+                "paths": {name: {"completed": done, "requests": 10, "cpu_ms_per_req": cpu,
+                                 "added_ms": {"ttft_p99": p99}} for name, (done, p99, cpu) in paths.items()}}
+
+    tables = [table(200, "keepalive", {"direct": (10, 0.0, 1.0), "tokenfleet/x": (10, 12.0, 1.5),
+                                       "sglang-router/c": (10, 3.0, 0.5), "litellm-proxy": (9, 10.0, 40.0)}),
+              table(500, "keepalive", {"direct": (10, 0.0, 1.0), "tokenfleet/x": (10, 80.0, 1.4),
+                                       "sglang-router/c": (10, 4.0, 0.5)}),
+              table(1000, "keepalive", {"direct": (10, 0.0, 1.0), "tokenfleet/x": (10, 49.0, 1.3),
+                                        "sglang-router/c": (10, None, 0.5)})]
+    got = peers.sustained(tables)["keepalive"]
+    # highest passing rate, even above a failing one; errors or no figure never pass; direct is no path
+    assert got == {"tokenfleet/x": 1000, "sglang-router/c": 500, "litellm-proxy": None}
+    ratios = peers.cpu_ratios(tables[0], "sglang-router")
+    assert ratios["tokenfleet/x"] == pytest.approx(3.0) and ratios["sglang-router/c"] == pytest.approx(1.0)
+    assert peers.cpu_ratios(tables[0], "nobody")["tokenfleet/x"] is None

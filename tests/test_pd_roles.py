@@ -5,7 +5,8 @@ from __future__ import annotations
 from fleetmind.pd_roles import PDRoleController, PDRolesConfig, RoleCommand, RoleInstance, SLOWindow
 
 CFG = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, drain_timeout_s=100, watch_s=60,
-                    rollback_drop=0.1, block_s=600, min_per_role=1, max_step=4)
+                    rollback_drop=0.1, block_s=600, min_per_role=1, max_step=4,
+                    gradual=False)  # the drain path; gradual flips: the tests at the end
 
 
 def fleet(roles: dict[str, str], busy: set[str] = frozenset(), draining: set[str] = frozenset()) -> list[RoleInstance]:
@@ -65,7 +66,7 @@ def test_goodput_drop_after_a_flip_rolls_it_back_and_blocks_that_direction() -> 
     c.cycle(30, fleet(ROLES), good)  # drain d0 (all idle: the smallest id)
     assert c.cycle(60, fleet(ROLES, draining={"d0"}), good) == [RoleCommand("set_role", "d0", "prefill")]
     flipped = {**ROLES, "d0": "prefill"}
-    worse = SLOWindow(ended=100, met=20, ttft_missed=70, tpot_missed=10)
+    worse = SLOWindow(ended=100, met=20, ttft_missed=10, tpot_missed=70)  # overshot: TPOT pressure now
     assert c.cycle(90, fleet(flipped), worse) == []  # watching
     assert c.cycle(120, fleet(flipped), worse) == [RoleCommand("drain", "d0")]
     assert c.log[-1].kind == "rollback"
@@ -137,10 +138,69 @@ def test_a_pool_nearly_out_of_kv_gives_no_instance_up_and_a_rollback_waits_for_i
     c.cycle(30, fleet(ROLES), good)
     c.cycle(60, fleet(ROLES, draining={"d0"}), good)
     flipped = {**ROLES, "d0": "prefill"}
-    worse = SLOWindow(ended=100, met=20, ttft_missed=70, tpot_missed=10)
+    worse = SLOWindow(ended=100, met=20, ttft_missed=10, tpot_missed=70)  # overshot: TPOT pressure now
     c.cycle(90, fleet(flipped), worse)
     assert c.cycle(120, fleet(flipped), worse) == [RoleCommand("drain", "d0")]  # rollback
     stuck = fleet(flipped, busy={"d0"}, draining={"d0"})
     for t in range(150, 600, 30):  # far past drain_timeout_s: a rollback is not given up
         assert c.cycle(t, stuck, worse) == []
     assert c.cycle(600, fleet(flipped, draining={"d0"}), worse) == [RoleCommand("set_role", "d0", "decode")]
+
+
+GRADUAL = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
+                        block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1)
+
+
+def kv_fleet(roles: dict[str, str], decode_kv: float, busy: set[str] = frozenset()) -> list[RoleInstance]:
+    return [RoleInstance(i, r, False, i not in busy, 3 if i in busy else 0,  # type: ignore[arg-type]
+                         decode_kv if r == "decode" else 0.1) for i, r in sorted(roles.items())]
+
+
+def test_a_gradual_flip_switches_at_once_even_with_work_in_flight() -> None:
+    c = PDRoleController(GRADUAL)
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
+    busy = kv_fleet(roles, 0.2, busy={"p0", "p1"})  # both prefill instances still busy
+    assert c.cycle(0, busy, TPOT) == []
+    assert c.cycle(30, busy, TPOT) == [RoleCommand("set_role", "p0", "decode")]  # no drain, no wait
+    assert c.log[-1].kind == "flip" and "gradual" in c.log[-1].reason
+
+
+def test_decode_kv_above_the_mark_asks_for_decode_and_holds_ttft_moves_back() -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "d0": "decode", "d1": "decode"}
+    c = PDRoleController(GRADUAL)
+    # TTFT misses dominate, but the decode pool's KV is 75% used: its memory is the bound
+    c.cycle(0, kv_fleet(roles, 0.75), TTFT)
+    cmds = c.cycle(30, kv_fleet(roles, 0.75), TTFT)
+    assert cmds and all(x.role == "decode" and x.instance_id.startswith("p") for x in cmds)
+    assert "decode KV pressure" in c.log[-1].reason
+    # TTFT pressure with decode KV inside the band (0.4-0.5): no move either way
+    c = PDRoleController(GRADUAL)
+    for t in range(0, 300, 30):
+        assert c.cycle(t, kv_fleet(roles, 0.45), TTFT) == []
+    # ... and below it: a decode instance goes to prefill
+    c = PDRoleController(GRADUAL)
+    c.cycle(0, kv_fleet(roles, 0.2), TTFT)
+    assert [x.role for x in c.cycle(30, kv_fleet(roles, 0.2), TTFT)] == ["prefill"]
+
+
+def test_a_goodput_drop_while_the_same_pressure_persists_keeps_the_move() -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "d0": "decode", "d1": "decode"}
+    c = PDRoleController(GRADUAL)
+    good = SLOWindow(ended=100, met=60, ttft_missed=30, tpot_missed=10)
+    c.cycle(0, kv_fleet(roles, 0.7), good)
+    moved = c.cycle(30, kv_fleet(roles, 0.7), good)
+    assert moved
+    worse = SLOWindow(ended=100, met=20, ttft_missed=60, tpot_missed=20)
+    flipped = {**roles, **{x.instance_id: "decode" for x in moved}}
+    assert c.cycle(60, kv_fleet(flipped, 0.7), worse) == []
+    assert c.cycle(90, kv_fleet(flipped, 0.7), worse) == []  # decode KV still high: the load, kept
+    assert c.log[-1].kind == "keep"
+    # the same drop once the decode pool has KV to spare (the move overshot): rolled back at once
+    c = PDRoleController(GRADUAL)
+    c.cycle(0, kv_fleet(roles, 0.7), good)
+    moved = c.cycle(30, kv_fleet(roles, 0.7), good)
+    flipped = {**roles, **{x.instance_id: "decode" for x in moved}}
+    c.cycle(60, kv_fleet(flipped, 0.2), worse)
+    back = c.cycle(90, kv_fleet(flipped, 0.2), worse)
+    assert back == [RoleCommand("set_role", x.instance_id, "prefill") for x in moved]
+    assert c.log[-1].kind == "rollback"

@@ -13,7 +13,12 @@ the last bit differently on another CPU, and that is not a decision change.
 
 History: recorded at 09d9070 (before score-once; the replay through score-once matched it bit
 for bit), re-recorded at c04d9d5 when the i19 backlog model and TPOT calibration changed
-TokenPilot's decisions on purpose.
+TokenPilot's decisions on purpose; re-recorded on top of 53c9644 when the reported TTFT became
+the scheduler-forward model's (tokenpilot/forward.py): every recorded TTFT changed, and since
+the replay draws each outcome's TTFT around the reported prediction, the learned speeds and so
+261 of the 1,500 choices (from the 93rd on) changed with them. With the reported TTFT held at
+the previous model's, that branch's replay matched the previous fixture bit for bit: the cost
+the choices rank by is unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from tests.bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "place_replay.jsonl.gz"
-RECORDED_AT = "c04d9d5"
+RECORDED_AT = "53c9644+"  # this fixture was recorded by the commit after 53c9644
 RECORDED_DECISIONS = 1500  # what the fixture was recorded with (seed 0, 64 instances)
 
 

@@ -212,6 +212,22 @@ def test_split_books_prefill_on_one_instance_and_the_stream_on_the_other() -> No
     assert tp.explain(d.decode)["backlog_s"] == 0 and tp.explain(d.decode)["streams"] == 1
 
 
+def test_kv_promised_to_splits_still_prefilling_counts_on_their_decode_instance() -> None:
+    # Both decode instances report the same KV use (a split's blocks are reserved there only
+    # once its prefill is done), but d0 has been promised eleven 30k-token prompts (~85% of its
+    # KV): the next long prompt decodes on d1. Before, a prompt arriving prefilled was priced ~0 KV pressure and
+    # 49 splits once queued for room on one full decode instance (bench/DISAGG.md).
+    tp = pilot()
+    pd = TokenPilotDisagg(tp)
+    # (d1 runs two streams more: without the promised KV, d0 would be the cheaper to decode on)
+    fleet = [snap("p0", "prefill"), snap("p1", "prefill"), snap("d0", "decode", 12, 0.3), snap("d1", "decode", 14, 0.3)]
+    for n in range(11):
+        tp.book(profile(f"w{n}", 30000), tp.price(profile(f"w{n}", 30000), fleet, 0.0), "p0", "d0", 0.0, 1.0)
+    assert tp.committed_kv(profile("x", 30000), tp.price(profile("x", 30000), fleet, 0.0))[2] > 0.8
+    d = pd.decide(profile("a", 30000), fleet, FakeLinks(), 0.0)
+    assert d.decode == "d1"
+
+
 def test_no_decode_capable_instance_is_an_answer_with_a_reason() -> None:
     d = TokenPilotDisagg(pilot()).decide(profile("a", 100), FLEET[:2], FakeLinks(), 0.0)
     assert d == PDDecision(None, "no ready decode or mixed instance")

@@ -14,6 +14,7 @@ from fleetcore.sse import (
     carries_token,
     error_message,
     parse_sse_event,
+    plain_token_text,
     usage_counts,
     usage_of_body,
 )
@@ -231,3 +232,67 @@ def test_observe_flags_the_usage_only_chunk() -> None:
     assert not st.observe({"choices": [{"delta": {"content": "a"}}], "usage": USAGE}, 0.0)
     assert not st.observe({"choices": [{"delta": {"content": "a"}}]}, 0.0)
     assert st.usage == USAGE
+
+
+# --- plain token events read from their bytes (the relay's fast path) ---------------------
+
+HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+
+def _compact(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {**HEAD, "choices": [{"index": 0, "delta": delta if delta is not None else {"content": " tok"},
+                                 "logprobs": None, "finish_reason": finish}], **extra}
+
+
+PLAIN = [  # (event, its text): the shapes nearly every event of a generation has
+    (_compact(_chunk()), " tok"),  # vLLM
+    (ev(_chunk()), " tok"),  # json.dumps' default separators (SGLang, the simulated worker)
+    (_compact(_chunk(usage=None)), " tok"),  # vLLM with continuous usage off but the key present
+    (_compact({"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "ab", "logprobs": None,
+                                                                      "finish_reason": None}]}), "ab"),
+    (_compact(_chunk({"role": "assistant", "content": "Hi"})), "Hi"),
+]
+NOT_PLAIN = [  # everything the relay accounts or a continuation rebuilds differently, or any doubt
+    _compact(_chunk({"role": "assistant", "content": ""})),  # role only: no token
+    _compact(_chunk({"content": None})),
+    _compact(_chunk(finish="stop")),
+    _compact({**HEAD, "choices": [], "usage": USAGE}),
+    _compact(_chunk(usage=USAGE)),
+    _compact({"error": {"message": "boom"}}),
+    _compact(_chunk({"content": "", "tool_calls": [{"index": 0, "function": {"name": "f"}}]})),
+    _compact(_chunk({"content": "x", "reasoning_content": "think"})),
+    _compact(_chunk({"content": "line\nbreak"})),  # escaped: json.loads decodes it
+    ev(_chunk({"content": "caf\u00e9"})),  # non-ASCII as json.dumps escapes it
+    _compact({**HEAD, "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
+                                  {"index": 1, "delta": {"content": "b"}, "finish_reason": None}]}),  # n = 2
+    _compact({**HEAD, "choices": [{"index": 1, "delta": {"content": "b"}, "finish_reason": None}]}),
+    _compact(_chunk(logprobs_extra={"content": [{"token": "x"}]})),
+    _compact({**HEAD, "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [5], "finish_reason": None}]}),
+    b"data: [DONE]\n\n",
+    b": keep-alive\n\n",
+    b"data: " + json.dumps(_chunk()).encode() + b"\r\n\r\n",  # CRLF: the full way
+    b"event: message\ndata: " + json.dumps(_chunk()).encode() + b"\n\n",
+]
+
+
+@pytest.mark.parametrize("raw,text", PLAIN)
+def test_plain_token_event_read_without_json_agrees_with_the_full_parse(raw: bytes, text: str) -> None:
+    assert plain_token_text(raw) == text
+    ev_ = parse_sse_event(raw)
+    assert ev_.obj is not None
+    full, fast = StreamStats(), StreamStats()
+    assert full.account(ev_, 1.0) is False  # not a usage chunk
+    fast.token(1.0)
+    assert (full.first_token_at, full.last_token_at, full.token_events, full.usage, full.error,
+            full.finish_reason) == (fast.first_token_at, fast.last_token_at, fast.token_events, None, None, None)
+    choice = ev_.obj["choices"][0]
+    assert (choice.get("text") or choice["delta"]["content"]) == text
+
+
+@pytest.mark.parametrize("raw", NOT_PLAIN)
+def test_anything_but_a_plain_token_event_takes_the_full_parse(raw: bytes) -> None:
+    assert plain_token_text(raw) is None

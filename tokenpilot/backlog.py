@@ -30,9 +30,10 @@ import numpy as np
 
 
 def reconcile(clock: np.ndarray, untracked: np.ndarray, outstanding: np.ndarray,
-              head: np.ndarray) -> np.ndarray:
-    """The clock-drained backlog per instance, held within what the first tokens allow."""
-    return np.minimum(np.maximum(clock, outstanding - head), outstanding + untracked)
+              head: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The clock-drained backlog per instance, held within what the first tokens allow
+    (written into `out` when given: it may be `clock` itself)."""
+    return np.minimum(np.maximum(clock, outstanding - head), outstanding + untracked, out=out)
 
 
 class Outstanding:

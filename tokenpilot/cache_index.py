@@ -27,6 +27,7 @@ to a prefill's cost. Callers pass and receive ordinary block counts.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from itertools import repeat
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,6 +37,9 @@ from typing import Any
 import numpy as np
 
 MAX_LATER = 1024  # deferred route records kept before they are applied anyway (a bound on memory)
+# Pool membership vectors of match groups kept (`match_blocks`): a few MB at 64-256 instances.
+MAX_MEMBER_VECTORS = 4096
+STALE_SLACK = 1024  # batches are rebuilt when their references exceed 4x the entries plus this
 
 
 @dataclass(slots=True)
@@ -73,7 +77,14 @@ class PrefixCacheIndex:
         self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
         self._tick = 0
-        self._want_cache: dict[tuple[str, ...], tuple[int, np.ndarray, int]] = {}
+        self._want_cache: dict[tuple[str, ...], tuple[int, np.ndarray, int, int]] = {}
+        # (pool serial, group bitmask) -> 0/1 per pool member: a decision's groups repeat (the
+        # instances holding a shared system prompt, the one holding a conversation), so the
+        # bit unpacking runs once per group, not once per decision. A pool whose bits change
+        # gets a new serial (`_pool_bits`), so no stale vector is ever read; clearing them
+        # with `_want_cache` only frees their memory.
+        self._members: dict[tuple[int, int], np.ndarray] = {}
+        self._pool_serial = 0
         # Routes recorded after the decision (`record_route_later`), applied in order before any
         # other read or write of the index: every answer is what it would have been had they
         # been applied at once.
@@ -101,7 +112,7 @@ class PrefixCacheIndex:
             e = _InstanceBlocks(bit=bit, capacity=max(1, self.default_capacity // self.stride))
             self._inst[instance] = e
             self._by_bit[bit] = instance
-            self._want_cache.clear()
+            self._clear_pool_caches()
         return e
 
     def set_capacity(self, instance: str, capacity_blocks: int) -> None:
@@ -121,7 +132,12 @@ class PrefixCacheIndex:
         self._clear(e)
         del self._by_bit[e.bit]
         self._free_bits.append(e.bit)
+        self._clear_pool_caches()
+
+    def _clear_pool_caches(self) -> None:
+        """Instances came or went: pool bits, hence membership vectors, are stale."""
         self._want_cache.clear()
+        self._members.clear()
 
     def is_exact(self, instance: str, now: float) -> bool:
         if self._later:
@@ -190,11 +206,11 @@ class PrefixCacheIndex:
         last = e.last
         new = set(keys).difference(last)
         last.update(dict.fromkeys(keys, self._tick))
-        e.batches.append((self._tick, keys))
+        e.batches.append((self._tick, _packed(keys)))
         e.batch_refs += len(keys)
         if new:
             self._set_bit(new, e.bit)
-        if e.batch_refs > 4 * len(last) + 1024:
+        if e.batch_refs > 4 * len(last) + STALE_SLACK:
             self._compact(e)
 
     def _compact(self, e: _InstanceBlocks) -> None:
@@ -202,7 +218,7 @@ class PrefixCacheIndex:
         by_tick: dict[int, list[int]] = {}
         for h, t in e.last.items():
             by_tick.setdefault(t, []).append(h)
-        e.batches = deque(sorted(by_tick.items()))
+        e.batches = deque([(t, _packed(keys)) for t, keys in sorted(by_tick.items())])
         e.batch_refs = len(e.last)
 
     def _remove(self, e: _InstanceBlocks, hashes: Iterable[int]) -> None:
@@ -280,10 +296,11 @@ class PrefixCacheIndex:
         """Bits of `instances` (cached, see `_pool_bits`)."""
         return self._pool_bits(instances)[0]
 
-    def _pool_bits(self, instances: tuple[str, ...]) -> tuple[int, np.ndarray, int]:
-        """(bitmask of `instances`, each one's bit index, bytes that hold every bit); pools
-        repeat, so the answer is cached until membership changes. An instance the index does
-        not know gets a spare bit index that no instance holds, so it matches nothing."""
+    def _pool_bits(self, instances: tuple[str, ...]) -> tuple[int, np.ndarray, int, int]:
+        """(bitmask of `instances`, each one's bit index, bytes that hold every bit, a serial
+        naming this pool in `_members`); pools repeat, so the answer is cached until membership
+        changes. An instance the index does not know gets a spare bit index that no instance
+        holds, so it matches nothing."""
         cached = self._want_cache.get(instances)
         if cached is None:
             spare = max(self._by_bit, default=-1) + 1
@@ -294,8 +311,10 @@ class PrefixCacheIndex:
                 if e is not None:
                     want |= 1 << e.bit
             if len(self._want_cache) > 1024:
-                self._want_cache.clear()
-            cached = self._want_cache[instances] = (want, np.array(bits, dtype=np.intp), spare // 8 + 1)
+                self._clear_pool_caches()
+            self._pool_serial += 1
+            cached = self._want_cache[instances] = (want, np.array(bits, dtype=np.intp), spare // 8 + 1,
+                                                    self._pool_serial)
         return cached
 
     def _levels(self, keys: Sequence[int], want: int) -> list[tuple[int, int]]:
@@ -339,21 +358,41 @@ class PrefixCacheIndex:
         """`match` as a float array aligned with `instances`, for the router's vector scoring.
 
         Instead of walking the bits of every instance (one Python step per candidate), each
-        group's bitmask is unpacked to a 0/1 vector by bit and the groups' key counts summed:
-        the groups are nested, so the sum telescopes to the last group's count.
+        group's bitmask becomes a 0/1 vector over the pool (cached: groups repeat) and the
+        vectors are summed, weighted by the blocks each group adds over the previous one: the
+        groups are nested, so the sum telescopes to the last group's count. (Sums of whole
+        numbers: exact in floating point.)
         """
         if self._later:
             self.flush()
-        want, bits, nbytes = self._pool_bits(instances)
+        want, bits, nbytes, serial = self._pool_bits(instances)
         levels = self._levels(self._keys(block_hashes), want)
         if not levels:
             return np.zeros(len(instances))
-        # One row of 0/1 per group (by bit), weighted by the blocks the group adds over the
-        # previous one: the product sums, per bit, the blocks its instance holds. (Sums of
-        # whole numbers: exact in floating point.)
-        member = np.unpackbits(np.frombuffer(b"".join([m.to_bytes(nbytes, "little") for m, _ in levels]),
-                                             dtype=np.uint8), bitorder="little").reshape(len(levels), -1)
-        stride = self.stride
-        added = np.array([(held - below) * stride for (_, held), (_, below)
-                          in zip(levels, [(0, 0), *levels[:-1]])], dtype=float)
-        return (added @ member)[bits]
+        members, stride = self._members, self.stride
+        matched: np.ndarray | None = None
+        below = 0
+        for mask, held in levels:
+            member = members.get((serial, mask))
+            if member is None:
+                if len(members) >= MAX_MEMBER_VECTORS:
+                    members.clear()
+                member = members[(serial, mask)] = np.unpackbits(
+                    np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")[bits] \
+                    .astype(float)
+            added = member * float((held - below) * stride)
+            matched = added if matched is None else matched + added
+            below = held
+        assert matched is not None
+        return matched
+
+
+def _packed(keys: Sequence[int]) -> Sequence[int]:
+    """A batch's keys as one flat array of unsigned 64-bit ints (the block hashes'
+    range), which the garbage collector does not track: kept as tuples or lists, every
+    collection walked each key of every batch held (a young collection during a decision
+    took 3-10 ms). Keys outside that range (another hash function's) stay a tuple."""
+    try:
+        return array("Q", keys)
+    except (OverflowError, TypeError):
+        return tuple(keys)

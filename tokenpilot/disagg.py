@@ -13,13 +13,17 @@ send the KV to a `decode` or `mixed` instance over the interconnect. For each re
 (`TokenPilot.price`, the very terms `route` minimises) and takes the cheapest:
 
     local(L)    = cost(L)                        TTFT + interference with L's streams
-                                                 + own decode + KV pressure - locality
+                                                 + own decode + KV pressure (on the KV promised
+                                                 there, as for D below) - locality
     split(P, D) = cost(P) - decode(P) - interference(P)   TTFT on P (its cache reuse counts)
                 + transfer(P -> D)               the link's queue + latency + bytes / bandwidth
                                                  of the prompt less what D already caches
-                + decode(D) + kv(D)              TPOT on D with this stream added, and the KV
-                                                 pressure of its blocks there (priced as arriving
-                                                 prefilled: no prefill duty on D)
+                + decode(D) + kv(D)              TPOT on D with this stream added (priced as
+                                                 arriving prefilled: no prefill duty on D), and
+                                                 the KV pressure of its blocks on the KV promised
+                                                 there (`TokenPilot.committed_kv`: split requests
+                                                 still prefilling for D count), priced at the
+                                                 prompt's prefill on D (what a preemption redoes)
                 + split_overhead_s               the second hop (two schedulers, a handshake)
 
 so a short uncached prompt stays local (its prefill barely disturbs decoding there), a long
@@ -129,6 +133,18 @@ class _Placer:
         whole, prefill = _roles(priced)
         return priced, whole, prefill
 
+    def _kv(self, profile: RequestProfile, priced: Priced) -> np.ndarray:
+        """Decode-side KV pressure per candidate, from the KV promised there (`committed_kv`:
+        split requests still prefilling elsewhere count on their decode instance), priced at
+        the prompt's prefill there (what a preemption redoes; what a wait for room costs)."""
+        return self.router.kv_pressure_of(profile, priced, self.router.committed_kv(profile, priced),
+                                          priced.prefill)
+
+    def _local_cost(self, profile: RequestProfile, priced: Priced, kv: np.ndarray) -> np.ndarray:
+        """Running the request whole on each candidate: the router's cost with its KV pressure
+        (the engine's figure alone) replaced by the promised-KV one."""
+        return priced.cost - priced.kv_pressure + kv
+
     def _local(self, profile: RequestProfile, priced: Priced, j: int, now: float, reason: str) -> PDDecision:
         iid = priced.ids[j]
         ttft = float(priced.ttft[j])
@@ -156,17 +172,19 @@ class TokenPilotDisagg(_Placer):
         priced, whole, prefill = self._price(profile, pool, now)
         if not whole:
             return _nowhere(pool)
-        cost = priced.cost
+        kv = self._kv(profile, priced)
+        cost = self._local_cost(profile, priced, kv)
         best_local = min(whole, key=lambda j: (cost[j], j))
         if not prefill or (profile.max_tokens or 2) < 2:
             return self._local(profile, priced, best_local, now, "local: no prefill instance" if not prefill
                                else "local: one output token, nothing to decode elsewhere")
         cfg = self.config
         pre = _prefill_cost(priced)
-        # A decode instance that receives the KV does not prefill: price its stream as such.
+        # A decode instance that receives the KV does not prefill: price its stream as such
+        # (its KV pressure is the promised-KV one: the engine's figure, and a pressure priced
+        # at the near-zero prefill of a prompt that arrives whole, would see no pressure at all).
         streams = self.router.price(profile, [priced.pool[j] for j in whole], now, arrives_prefilled=True)
-        dec = {j: float(streams.decode[k] + streams.kv_pressure[k])
-               for j in whole for k in (streams.index(priced.ids[j]),)}
+        dec = {j: float(streams.decode[streams.index(priced.ids[j])] + kv[j]) for j in whole}
         ps = sorted(prefill, key=lambda j: (pre[j], j))[: cfg.max_prefill_options]
         ds = sorted(whole, key=lambda j: (dec[j], j))[: cfg.max_decode_options]
         best: tuple[float, int, int, float] | None = None
@@ -198,7 +216,8 @@ class RuleDisagg(_Placer):
         priced, whole, prefill = self._price(profile, pool, now)
         if not whole:
             return _nowhere(pool)
-        d = min(whole, key=lambda j: (priced.cost[j], j))
+        cost = self._local_cost(profile, priced, self._kv(profile, priced))
+        d = min(whole, key=lambda j: (cost[j], j))
         uncached = _uncached_at(profile, priced, d)
         if not prefill or (profile.max_tokens or 2) < 2 or not self.remote(uncached, profile.prompt_tokens):
             return self._local(profile, priced, d, now, f"local: {uncached} uncached tokens on the decode instance")

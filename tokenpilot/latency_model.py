@@ -18,9 +18,11 @@ moment of the decision, with scikit-learn's ridge regression, so that:
 * the correction is bounded (`max_ratio` of the prior either way), so a bad fit cannot
   make a decision absurd, and the buffer is bounded (`capacity` most recent outcomes).
 
-Features (`FEATURES`): prior queue seconds, prior prefill seconds, uncached prompt
+Features (`FEATURES`): the cost model's queue and prefill seconds, uncached prompt
 tokens, decode streams and their context there, KV usage, engine-reported waiting
-requests, the prefill batch budget. Pure: no clock, no I/O.
+requests, the prefill batch budget, and the scheduler-forward prior's own terms (its
+TTFT, its log and its inverse: a fixed cost outside the engine, such as the relay's, is
+log(1 + c / TTFT) in the residual; the prefill tokens ahead, the streams decoding). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FEATURES = ("queue_s", "prefill_s", "uncached_ktok", "streams", "context_mtok", "kv_usage", "waiting",
-            "budget_ktok")
+            "budget_ktok", "forward_s", "ahead_ktok", "decoding", "log_forward", "inv_forward")
 N_FEATURES = len(FEATURES)
 MIN_GAIN = 0.95  # a fit is installed only if it cuts the prior's held-out error by 5% or more
 

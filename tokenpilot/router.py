@@ -27,6 +27,7 @@ cost), which keeps learned speeds of rarely chosen instances fresh.
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import numpy as np
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot.backlog import Outstanding, reconcile
 from tokenpilot.cache_index import PrefixCacheIndex
+from tokenpilot.forward import drain_rate, forward_ttft
 from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
@@ -76,6 +78,8 @@ class _Inflight:
     predicted_queue_s: float
     predicted_tpot_s: float
     features: np.ndarray  # the learned latency model's inputs at the decision
+    forward_ttft_s: float  # the scheduler-forward TTFT (`tokenpilot.forward`): the learned model's prior
+    held_s: float  # time between the request's arrival and this dispatch (admission hold): in its TTFT
 
 
 _SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split request: learn no prefill from it
@@ -88,7 +92,9 @@ class _Learned:
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
-          "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s")
+          "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s", "forward_ttft_s",
+          "ahead_tokens")
+_FWD, _AHEAD, _FEATURES = 12, 13, 14  # positions in `_score`'s terms (the features: not explained)
 
 
 class _Explained(Sequence[Candidate]):
@@ -126,13 +132,18 @@ class _Slots:
     """
 
     # State. Backlog, untracked backlog and duty decay on the same clock, so one "decayed
-    # at" serves them all. OUT_S / HEAD_S: predicted prefill of the streamed requests sent
-    # there whose first token has not been seen (all of them / the oldest one).
+    # at" serves them all; the four rows are adjacent so that a decision writes them back in
+    # one store (`TokenPilot._score`). OUT_S / HEAD_S: predicted prefill of the streamed
+    # requests sent there whose first token has not been seen (all of them / the oldest one).
     TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
-        BACKLOG, DUTY, DECAYED_AT, CONTEXT, STREAMS, BACKLOG_UNTRACKED, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
+        BACKLOG, BACKLOG_UNTRACKED, DUTY, DECAYED_AT, CONTEXT, STREAMS, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
+    DECAYING = slice(BACKLOG, DECAYED_AT + 1)  # the rows a decision drains to its clock and stores
     # Derived by `refresh`.
     TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
-    ROWS = 22
+    # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
+    # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
+    BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
+    ROWS = 27
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -203,11 +214,12 @@ class TokenPilot(InstanceRouter):
         # for the pool, since it corrects the model's shape (instances' speeds are `_learned`).
         self._tpot = SpeedFactor(lo=1 / 16)
         self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
+        self._outstanding_tok = Outstanding()  # ... the same, in uncached prompt tokens
         self.latency = latency or LearnedLatency()  # residual over the prior; fitted when the caller says
         self._rng = random.Random(seed)
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
-        self.decisions: list[tuple[str, RouteDecision]] = []
+        self.decisions: deque[tuple[str, RouteDecision]] = deque(maxlen=self.config.max_decisions_kept)
         self._memo: ScoreMemo[tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]] = ScoreMemo()
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
@@ -286,7 +298,7 @@ class TokenPilot(InstanceRouter):
         if not pool:
             return None
         _, _, terms = self._terms(profile, pool, now)
-        best = int(np.argmin(terms[0]))
+        best = int(terms[0].argmin())  # (the method: no dispatch through np.argmin's wrapper)
         return float(terms[1][best]), int(terms[6][best])
 
     def prefix_match(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
@@ -307,7 +319,7 @@ class TokenPilot(InstanceRouter):
             return RouteDecision(None, why)
         ids, slots, terms = self._terms(profile, pool, now)
         cost = terms[0]
-        best = int(np.argmin(cost))  # pool order is instance-id order: ties go to the smallest id
+        best = int(cost.argmin())  # pool order is instance-id order: ties go to the smallest id
         chosen, reason = best, "lowest predicted cost"
         if cfg.explore > 0 and len(pool) > 1 and self._rng.random() < cfg.explore:
             near = [k for k in np.flatnonzero(cost <= cost[best] * cfg.explore_slack + 0.01) if k != best]
@@ -316,12 +328,11 @@ class TokenPilot(InstanceRouter):
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
         self._commit(profile, int(slots[chosen]), ids[chosen], float(terms[10][chosen]), float(terms[2][chosen]),
                      float(terms[3][chosen]), float(terms[8][chosen]), float(terms[11][chosen]),
-                     terms[12][:, chosen].copy(), now)
+                     terms[_FEATURES][:, chosen].copy(), now, float(terms[_FWD][chosen]),
+                     float(profile.prompt_tokens - terms[6][chosen]))
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
-        self.decisions.append((profile.request_id, decision))
-        if len(self.decisions) > cfg.max_decisions_kept:
-            del self.decisions[: len(self.decisions) - cfg.max_decisions_kept]
+        self.decisions.append((profile.request_id, decision))  # (bounded: the oldest falls out)
         return decision
 
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
@@ -331,13 +342,18 @@ class TokenPilot(InstanceRouter):
 
         Each expression keeps the operation order it has always had (the floating-point
         results, hence the decisions, are exactly those of earlier versions); what changed is
-        only where the operands come from.
+        only where the operands come from. Why it is written this way: a decision's cost is
+        the count of numpy calls (~0.3-0.5 us each on 64 candidates, whatever the length), so
+        the snapshot fields are read once each, the clock-drained rows are worked in place on
+        the gathered copy `g` and stored back in one assignment, and nothing is computed twice.
         """
         cfg = self.config
         s = self._s
-        g = s.m.take(k, axis=1)  # every state row of every candidate, one gather
-        running = np.fromiter([c.num_running for c in pool], dtype=float, count=len(pool))
-        waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=len(pool))
+        n = len(pool)
+        g = s.m.take(k, axis=1)  # every state row of every candidate, one gather (a copy: worked in place)
+        running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
+        waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)
+        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=n)
         prompt = profile.prompt_tokens
         cached = np.minimum(matched_blocks * profile.block_size, max(prompt - 1, 0))
         uncached = prompt - cached
@@ -355,10 +371,13 @@ class TokenPilot(InstanceRouter):
         step_s = context_kv + overhead
         prefill = compute + uncached / budget * step_s + overhead
         # Prefill work routed here and not yet done (seconds): drained by the clock, held
-        # within what the first tokens seen so far allow (`tokenpilot.backlog`).
+        # within what the first tokens seen so far allow (`tokenpilot.backlog`). Backlog and
+        # untracked backlog drain together (rows BACKLOG, BACKLOG_UNTRACKED of `g`).
         elapsed = np.maximum(0.0, now - g[s.DECAYED_AT])
-        untracked = np.maximum(0.0, g[s.BACKLOG_UNTRACKED] - elapsed)
-        backlog = reconcile(np.maximum(0.0, g[s.BACKLOG] - elapsed), untracked, g[s.OUT_S], g[s.HEAD_S])
+        drained = g[s.BACKLOG:s.BACKLOG_UNTRACKED + 1]
+        np.maximum(0.0, np.subtract(drained, elapsed, out=drained), out=drained)
+        untracked = g[s.BACKLOG_UNTRACKED]
+        backlog = reconcile(g[s.BACKLOG], untracked, g[s.OUT_S], g[s.HEAD_S], out=g[s.BACKLOG])
         # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
         per_token = compute / (uncached if prompt >= 1 else np.maximum(uncached, 1)) + step_s / budget
         waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
@@ -368,8 +387,26 @@ class TokenPilot(InstanceRouter):
         # taking lately (EWMA). Every prefill step stalls all decoding streams, so a stream's
         # time per token is its decode step stretched by 1 / (1 - duty).
         window = self._duty_window()
-        duty = g[s.DUTY] * np.exp(elapsed / -window)  # (x / -w is -x / w, bit for bit)
-        self._store_decay(k, backlog, untracked, duty, g[s.DECAYED_AT], now)
+        duty = g[s.DUTY]
+        np.multiply(duty, np.exp(elapsed / -window), out=duty)  # (x / -w is -x / w, bit for bit)
+        # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
+        # drained at the engine's prefill rate, and timed by how the engine batches it. It is
+        # what the decision reports and the learned residual corrects; the cost ranks by the
+        # physics above unless `learned_cost`.
+        decoding = np.maximum(streams - g[s.OUT_N], 0.0)
+        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
+        untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
+        # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
+        backlog_tok = reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
+                                g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
+        ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
+        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
+                               overhead)
+        # Keep the clock-drained backlogs and duty: the next decision decays from here.
+        np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
+        s.m[s.DECAYING, k] = g[s.DECAYING]
+        s.m[s.BACKLOG_TOK, k] = backlog_tok
+        s.m[s.UNTRACKED_TOK, k] = untracked_tok
         duty_after = np.minimum(cfg.max_duty, duty + compute / window)
         decode_step = g[s.OVERHEAD_DF] + context_kv
         tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
@@ -378,7 +415,7 @@ class TokenPilot(InstanceRouter):
         remaining = self._remaining_tokens()
         slack = (cfg.tpot_slo_s - tpot_now) * remaining
         interference = _weighted(cfg.interference_weight, streams) * np.maximum(0.0, compute - np.maximum(slack, 0.0))
-        kv_cost = self._kv_cost(profile, pool, g[s.CAPACITY_BLOCKS], prefill)
+        kv_cost = self._kv_cost(profile, kv_usage, g[s.CAPACITY_BLOCKS], prefill)
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
         locality = _weighted(cfg.locality_weight, cached) * token_s
@@ -388,13 +425,14 @@ class TokenPilot(InstanceRouter):
         # all tie on TTFT and pile onto one instance.
         own_step = g[s.TPOT_FACTOR] * (decode_step + prompt * kv_s) / (1 - duty_after)
         # The learned residual over these physics predictions (`tokenpilot.latency_model`):
-        # zero until the caller has fitted it on enough outcomes.
-        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
-        features = np.vstack((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
-                              budget / 1e3))
+        # zero until the caller has fitted it on enough outcomes. (np.array stacks the rows
+        # as np.vstack would, without its per-row reshaping.)
+        positive = np.maximum(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
+        features = np.array((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
+                             budget / 1e3, forward, ahead / 1e3, decoding, np.log(positive), 0.01 / positive))
         lat = self.latency
         prior_ttft, prior_tpot = ttft, own_step
-        ttft_pred = lat.correct(lat.ttft, ttft, features)
+        ttft_pred = lat.correct(lat.ttft, forward, features)
         tpot_pred = lat.correct(lat.tpot, own_step, features)
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
             ttft, own_step = ttft_pred, tpot_pred
@@ -405,31 +443,28 @@ class TokenPilot(InstanceRouter):
         if kv_cost is not None:
             cost = cost + kv_cost
         else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
-            kv_cost = np.zeros(len(k))
+            kv_cost = np.zeros(n)
         cost = cost + decode - locality
         return (cost, ttft_pred, queue, prefill, interference, kv_cost, cached, decode, compute, tpot_pred,
-                prior_ttft, prior_tpot, features)
+                prior_ttft, prior_tpot, forward, ahead, features)
 
-    def _store_decay(self, k: np.ndarray, backlog: np.ndarray, untracked: np.ndarray, duty: np.ndarray,
-                     decayed_at: np.ndarray, now: float) -> None:
-        """Keep the clock-drained backlog and duty: the next decision decays from here."""
-        s, m = self._s, self._s.m
-        m[s.BACKLOG][k] = backlog
-        m[s.BACKLOG_UNTRACKED][k] = untracked
-        m[s.DUTY][k] = duty
-        m[s.DECAYED_AT][k] = np.maximum(decayed_at, now)
-
-    def _kv_cost(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], capacity: np.ndarray,
+    def _kv_cost(self, profile: RequestProfile, kv_usage: np.ndarray, capacity: np.ndarray,
                  prefill: np.ndarray) -> np.ndarray | None:
-        """KV pressure per candidate, or None where no candidate would pass the soft mark.
+        """KV pressure per candidate (`kv_usage`: theirs now), or None where no candidate
+        would pass the soft mark.
 
         The whole request holds KV once running (cached blocks become referenced too), and
         streams grow as they decode; past the soft mark it risks evicting hot prefixes,
         past full it will be preempted and recomputed (its TTFT doubles).
         """
         cfg = self.config
-        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=len(pool))
-        need = (profile.prompt_tokens + self._mean_output) / (profile.block_size * capacity)
+        demand = profile.prompt_tokens + self._mean_output
+        # Most decisions see no pressure anywhere: rule that out from two maxima first. The
+        # bound is >= every candidate's new usage in floating point too (rounding is monotonic:
+        # a smaller capacity gives a larger need, and x <= X, y <= Y give fl(x + y) <= fl(X + Y)).
+        if kv_usage.max() + demand / (profile.block_size * capacity.min()) <= cfg.kv_soft_mark:
+            return None
+        need = demand / (profile.block_size * capacity)
         new_usage = kv_usage + need
         if not new_usage.max() > cfg.kv_soft_mark:  # (written so that NaN still takes the full path)
             return None
@@ -449,25 +484,31 @@ class TokenPilot(InstanceRouter):
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
-                now: float) -> None:
-        """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual)."""
+                now: float, forward_s: float, uncached: float) -> None:
+        """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual;
+        `forward_s`: the scheduler-forward TTFT; `uncached`: the prompt tokens it prefills there)."""
         self._memo.clear()
         s, m = self._s, self._s.m
         rid = profile.request_id
         if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
             self._release(self._inflight.pop(rid), rid, now)
         m[s.BACKLOG, k] += prefill_s
+        m[s.BACKLOG_TOK, k] += uncached
         if profile.stream:  # its first token will say when this prefill is through
             m[s.OUT_S, k], m[s.HEAD_S, k] = self._outstanding.add(k, rid, prefill_s)
+            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] = self._outstanding_tok.add(k, rid, uncached)
+            m[s.OUT_N, k] = self._outstanding.count(k)
         else:
             m[s.BACKLOG_UNTRACKED, k] += prefill_s
+            m[s.UNTRACKED_TOK, k] += uncached
         m[s.DUTY, k] += compute_s / self._duty_window()
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         m[s.CONTEXT, k] += profile.prompt_tokens
         m[s.STREAMS, k] += 1
         s.refresh_context(k)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
-        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features)
+        self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
+                                        _held(profile, now))
 
     def _settle(self, k: int, now: float) -> None:
         """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
@@ -478,6 +519,13 @@ class TokenPilot(InstanceRouter):
         m[s.DUTY, k] *= np.exp(elapsed / -self._duty_window())
         m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
         m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
+        # (the drain rate from the slot's own streams: the engine's count is not at hand here)
+        decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
+        drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k],
+                                             m[s.BUDGET, k], m[s.TOKEN_EFF, k], m[s.KV_EFF, k], m[s.OVERHEAD_S, k]))
+        m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
+        m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
+                                        m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
 
     def _through(self, k: int, request_id: str, now: float) -> None:
         """The request's prefill is through (first token), or it ended: it leaves the outstanding set."""
@@ -486,6 +534,8 @@ class TokenPilot(InstanceRouter):
             self._memo.clear()
             s, m = self._s, self._s.m
             m[s.OUT_S, k], m[s.HEAD_S, k] = totals
+            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] = self._outstanding_tok.remove(k, request_id) or (0.0, 0.0)
+            m[s.OUT_N, k] = self._outstanding.count(k)
             self._settle(k, now)
 
     def _release(self, rec: _Inflight, request_id: str, now: float) -> None:
@@ -520,7 +570,8 @@ class TokenPilot(InstanceRouter):
         self._release(rec, outcome.request_id, float(s.m[s.DECAYED_AT, k]))
         if outcome.ok and not outcome.cancelled:
             if rec.predicted_queue_s != _SPLIT:  # a split P/D request's TTFT is no one instance's
-                self.latency.record(rec.features, rec.predicted_ttft_s, rec.predicted_tpot_s, outcome.ttft_s,
+                self.latency.record(rec.features, rec.forward_ttft_s, rec.predicted_tpot_s,
+                                    _after_dispatch(outcome.ttft_s, rec.held_s),
                                     outcome.mean_tpot_s if outcome.output_tokens > 1 else None)
             self._learn(k, rec, outcome)
             s.refresh(k)
@@ -534,8 +585,10 @@ class TokenPilot(InstanceRouter):
         learned = self._learned[k]
         # Learn prefill speed only from requests predicted to start at once: otherwise an error
         # in the queue model would be taken for a slow (or fast) GPU and feed back on itself.
-        if outcome.ttft_s is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
-            learned.prefill.update(outcome.ttft_s, rec.predicted_ttft_s)
+        # The TTFT since dispatch: time the request was held before it (admission) is no GPU's speed.
+        ttft = _after_dispatch(outcome.ttft_s, rec.held_s)
+        if ttft is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
+            learned.prefill.update(ttft, rec.predicted_ttft_s)
             m[s.PREFILL_FACTOR, k] = learned.prefill.value
         if outcome.mean_tpot_s is not None and outcome.output_tokens > 1:
             predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
@@ -612,17 +665,42 @@ class TokenPilot(InstanceRouter):
         whole = np.full(len(pool), -(-profile.prompt_tokens // max(profile.block_size, 1)), dtype=float)
         return Priced(ids, tuple(pool), self._score(profile, pool, self._pool_slots(ids), whole, now))
 
+    def committed_kv(self, profile: RequestProfile, priced: Priced) -> np.ndarray:
+        """Each candidate's KV in use or promised, as a share of its capacity: the larger of what
+        its engine reports and what was sent there and has not ended (prompts, plus the half of a
+        mean answer each has still to grow). A split request's blocks are reserved on its decode
+        instance only once its prefill is done elsewhere, so the engine's own figure misses every
+        request still prefilling for it (the P/D decision's decode-side KV, `tokenpilot.disagg`)."""
+        s = self._s
+        k = self._pool_slots(priced.ids)
+        booked = s.m[s.CONTEXT].take(k) + s.m[s.STREAMS].take(k) * self._remaining_tokens()
+        capacity = np.maximum(s.m[s.CAPACITY_BLOCKS].take(k) * max(profile.block_size, 1), 1.0)
+        usage = np.fromiter([c.kv_usage for c in priced.pool], dtype=float, count=len(priced.pool))
+        return np.maximum(usage, booked / capacity)
+
+    def kv_pressure_of(self, profile: RequestProfile, priced: Priced, usage: np.ndarray,
+                       recompute_s: np.ndarray) -> np.ndarray:
+        """The KV pressure term of `_kv_cost` for a request of this profile added at `usage`
+        (shares of capacity), priced in `recompute_s` seconds: what losing its KV (a preemption)
+        or waiting for room would cost it."""
+        cfg, s = self.config, self._s
+        capacity = s.m[s.CAPACITY_BLOCKS].take(self._pool_slots(priced.ids))
+        new_usage = usage + (profile.prompt_tokens + self._mean_output) / (profile.block_size * capacity)
+        return recompute_s * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
+                              / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
+
     def book(self, profile: RequestProfile, priced: Priced, prefill_on: str, decode_on: str, now: float,
              predicted_ttft_s: float) -> None:
         """Account a request placed by the P/D decision: all of it on one instance as `route`
         would, or its prefill (backlog, duty, the prefix it caches) on `prefill_on` and its
         stream (context, the prefix that arrives with the KV) on `decode_on`."""
         j = priced.index(prefill_on)
-        tpot, features = float(priced.terms[11][j]), priced.terms[12][:, j].copy()
+        tpot, features = float(priced.terms[11][j]), priced.terms[_FEATURES][:, j].copy()
+        uncached = float(profile.prompt_tokens - priced.cached[j])
         if prefill_on == decode_on:
             self._commit(profile, self._slot(prefill_on), prefill_on, float(priced.terms[10][j]),
                          float(priced.queue[j]), float(priced.prefill[j]), float(priced.compute[j]), tpot,
-                         features, now)
+                         features, now, float(priced.terms[_FWD][j]), uncached)
             return
         self._memo.clear()
         s, m = self._s, self._s.m
@@ -633,6 +711,8 @@ class TokenPilot(InstanceRouter):
         # The first token leaves the decode instance, so it cannot bound the prefill side's
         # backlog: that prefill drains by the clock alone (as a non-streamed request's does).
         m[s.BACKLOG_UNTRACKED, kp] += prefill
+        m[s.BACKLOG_TOK, kp] += uncached
+        m[s.UNTRACKED_TOK, kp] += uncached
         m[s.DUTY, kp] += compute / self._duty_window()
         self._mean_compute += 0.02 * (compute - self._mean_compute)
         m[s.CONTEXT, kd] += profile.prompt_tokens
@@ -642,7 +722,7 @@ class TokenPilot(InstanceRouter):
         self.index.record_route(decode_on, profile.block_hashes, now)
         # Its TTFT spans two instances and a link: not evidence of either one's prefill speed.
         self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, _SPLIT,
-                                                       tpot, features)
+                                                       tpot, features, predicted_ttft_s, _held(profile, now))
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,6 +774,16 @@ class Priced:
     def compute(self) -> np.ndarray:
         return self.terms[8]
 
+
+
+def _held(profile: RequestProfile, now: float) -> float:
+    """Seconds between the request's arrival and its dispatch now (0 where the arrival is not known)."""
+    return max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
+
+
+def _after_dispatch(ttft_s: float | None, held_s: float) -> float | None:
+    """An observed TTFT (from arrival) from the dispatch on: what the router's predictions are of."""
+    return None if ttft_s is None else max(ttft_s - held_s, 1e-6)
 
 
 def _weighted(weight: float, x: np.ndarray) -> np.ndarray:

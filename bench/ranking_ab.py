@@ -1,0 +1,77 @@
+"""TokenPilot ranking by its physics cost vs by its learned latency model, on the routing table's rows.
+
+    .venv/bin/python bench/ranking_ab.py GEN_DIR [--rows "azure-conv-60 chat-80"] [--max 2000]
+
+The rows (trace, rate scale) are read from bench/routing_tables.sh, so both benchmarks run
+the same loads; GEN_DIR holds the generators' chat.jsonl and agent.jsonl that script writes
+(the same bytes every time). For each row TokenPilot runs twice on the same prepared
+requests, `learned_cost` off (the default) and on, and one line per run gives goodput, SLO
+attainment and TTFT percentiles, then the ratio on/off. The learned model ranks only where it
+is fitted: until its first fit both runs decide alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
+
+from fleetcore.fleet_config import load_fleet_file  # noqa: E402
+from fleetsim.cli import DEFAULT_SIM_FLEET, make_policy  # noqa: E402
+from fleetsim.metrics import summarize_all  # noqa: E402
+from fleetsim.simulator import FleetSimulator, HashCache, prepare  # noqa: E402
+from tokenpilot.router import TokenPilot  # noqa: E402
+
+
+def table_rows(gen_dir: str, traces: str = "traces") -> list[tuple[str, str, float, int | None]]:
+    """(name, trace path, rate scale, max requests) of every `run` line of routing_tables.sh."""
+    out = []
+    for line in (REPO / "bench" / "routing_tables.sh").read_text().splitlines():
+        if not re.match(r"run [a-z]", line):
+            continue
+        w = shlex.split(line.replace("$TRACES", traces).replace("$OUT", gen_dir))
+        out.append((w[1], w[2], float(w[3]), int(w[4]) if len(w) > 4 else None))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from workloads import head, load_trace, scale_rate
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("gen_dir")
+    p.add_argument("--rows", default="")
+    p.add_argument("--max", type=int, default=2000)
+    p.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
+    a = p.parse_args(argv)
+    fleet = load_fleet_file(Path(a.fleet))
+    slos = fleet.admission.slos()
+    want = set(a.rows.split())
+    print("| row | ranking | goodput tok/s | SLO % | TTFT p50 ms | TTFT p95 ms | goodput on/off |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, trace, scale, _ in table_rows(a.gen_dir, str(REPO / "traces")):
+        if want and name not in want:
+            continue
+        inputs = prepare(scale_rate(head(load_trace(trace), a.max), scale).requests, fleet, hash_cache=HashCache())
+        got = []
+        for learned in (False, True):
+            router = make_policy("tokenpilot", 0, fleet)
+            assert isinstance(router, TokenPilot)
+            router.config = replace(router.config, learned_cost=learned)
+            s = summarize_all(FleetSimulator(fleet, router).run(inputs).records, slos)
+            got.append(s)
+            ratio = f"{s['goodput_tok_s'] / got[0]['goodput_tok_s']:.3f}x" if learned else ""
+            print(f"| {name} | {'learned' if learned else 'physics'} | {s['goodput_tok_s']:.0f} "
+                  f"| {100 * s['slo_attainment']:.1f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p95']:.0f} "
+                  f"| {ratio} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""TTFT by running the engine's scheduler forward over the prefill tokens known to be ahead.
+
+Why not the cost model's own TTFT (queue seconds + this prefill's seconds): its queue is a
+sum of per-request prefill estimates, and each of those carries a whole step's fixed cost
+and the decode streams' KV reads, as if every prompt had its own steps. A chunked-prefill
+engine (vLLM V1) packs the prompts ahead into shared steps of `max_num_batched_tokens`, so
+that sum ran ~4x above the queue the simulated engine actually had (bench/ROUTING.md,
+"Prediction error"). Here the queue is kept in *tokens* (uncached prompt tokens routed to
+the instance and not through), and time comes from how the engine schedules them:
+
+    every step: the decoding streams take one token each, prefill chunks the rest of the budget
+    steps    = ceil((tokens ahead + ours) / (budget - decoding streams))
+    TTFT     = the rest of the step under way + (steps - 1) full steps + the last, partial, step
+               + our own attention over the context (quadratic in long prompts)
+
+Step time is the roofline's shape over the prior's figures (`step_s`), with the instance's
+learned speed factors. The future (prompts
+arriving after this one) is left out: in FCFS order they queue behind it and only lengthen
+its last step, which the learned residual (`tokenpilot.latency_model`) can pick up.
+Pure: arrays in, arrays out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def step_s(tokens: np.ndarray | float, context: np.ndarray, token_s: np.ndarray, kv_s: np.ndarray,
+           overhead_s: np.ndarray, budget: np.ndarray) -> np.ndarray:
+    """One engine step computing `tokens` new tokens while reading `context` tokens of KV: the
+    roofline's max of memory (weights and fixed cost, the decode KV) and compute (per token, as in
+    a full batch), which meets the prior at both of its anchors (a 1-token step, a full chunk).
+    The sum of the two, as the cost model has it, ran 20-50% high on mixed steps (8B on H100)."""
+    return np.maximum(overhead_s + context * kv_s, tokens * (token_s + overhead_s / budget))
+
+
+def drain_rate(decoding: np.ndarray, context: np.ndarray, budget: np.ndarray, token_s: np.ndarray,
+               kv_s: np.ndarray, overhead_s: np.ndarray) -> np.ndarray:
+    """Prefill tokens per second an instance gets through while its queue is non-empty."""
+    chunk = np.maximum(budget - decoding, 1.0)
+    return chunk / step_s(budget, context, token_s, kv_s, overhead_s, budget)
+
+
+def forward_ttft(ahead_tokens: np.ndarray, uncached: np.ndarray, cached: np.ndarray, decoding: np.ndarray,
+                 context: np.ndarray, budget: np.ndarray, token_s: np.ndarray, attn_s: np.ndarray,
+                 kv_s: np.ndarray, overhead_s: np.ndarray) -> np.ndarray:
+    """Seconds from dispatch to first token, per candidate (all arguments one value per candidate).
+
+    ahead_tokens: prefill tokens queued there before this request; decoding: streams past
+    their prefill; context: KV tokens the decoding streams read every step."""
+    chunk = np.maximum(budget - decoding, 1.0)
+    work = ahead_tokens + uncached
+    steps = np.maximum(np.ceil(work / chunk), 1.0)
+    full = step_s(budget, context, token_s, kv_s, overhead_s, budget)
+    last = step_s(work - (steps - 1.0) * chunk + decoding, context, token_s, kv_s, overhead_s, budget)
+    # The step under way when the request lands: half of one on average, of what is ahead (the
+    # queue, the streams), nothing on an idle instance.
+    now_tokens = np.minimum(ahead_tokens + decoding, budget)
+    busy = np.where(now_tokens > 0, step_s(now_tokens, context, token_s, kv_s, overhead_s, budget), 0.0)
+    own_attention = attn_s * uncached * (cached + uncached / 2)
+    return 0.5 * busy + (steps - 1.0) * full + last + own_attention
