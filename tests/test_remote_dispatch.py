@@ -33,8 +33,9 @@ def test_tokenpilot_books_a_remote_dispatch_exactly_as_its_own_route_there() -> 
         assert own.route(p, [SNAP], 1.0).instance_id == "i0"
         heard.note_dispatch(p, SNAP, 1.0)
         assert heard.explain("i0") == own.explain("i0")
+        assert (heard._s.m == own._s.m).all()  # every state row, the forward model's token rows included
     assert heard.cache_blocks("i0") == own.cache_blocks("i0") > 0  # history mode: the prefix it will cache
-    assert heard.decisions == []  # not a decision of this replica
+    assert len(heard.decisions) == 0  # not a decision of this replica
 
 
 def test_its_first_token_and_its_release_undo_the_booking_and_teach_nothing() -> None:
