@@ -77,8 +77,9 @@ class InstanceRouter(ABC):
         return False
 
     def on_first_token(self, request_id: str, now: float) -> None:
-        """A routed, streamed request's first token arrived: its prefill is through (a load model
-        reconciles its backlog with it). Default: ignored."""
+        """A routed, streamed request's first token arrived (or, late, that of another replica's
+        dispatch heard through `note_dispatch`): its prefill is through (a load model reconciles
+        its backlog with it). Default: ignored."""
 
     def register_instance(self, instance_id: str, prior: EnginePrior) -> None:
         """An instance joined the fleet (or restarted cold). Default: the router keeps no per-instance beliefs."""
@@ -108,6 +109,20 @@ class InstanceRouter(ABC):
         """Another gateway replica sent a prompt with these leading prefix blocks to the instance
         (its blocks will be cached there): a history-mode index learns it as its own route.
         Default: ignored (the router keeps no prefix index)."""
+
+    def note_dispatch(self, profile: RequestProfile, instance: InstanceSnapshot, now: float) -> None:
+        """Another gateway replica dispatched `profile` to `instance` (this replica's snapshot of
+        it), heard a sync period late: a router that books its own dispatches (load in flight,
+        history-mode prefix index) books this one the same way, so that `on_first_token` and
+        `note_release` of the same request id later release it. The gateway (`gateway.route_share`)
+        and the simulator (`fleetsim.replicas`) both deliver through here. Default: the prompt's
+        prefix is learned (`note_route`); the load is the others' count in `InstanceSnapshot.inflight`."""
+        self.note_route(instance.instance_id, profile.block_hashes, now)
+
+    def note_release(self, request_id: str, now: float) -> None:
+        """Another replica's dispatch heard through `note_dispatch` ended: release what was booked
+        for it (nothing is learned: its outcome was the other replica's to learn from). Default:
+        nothing was booked."""
 
     def cache_blocks(self, instance_id: str) -> int | None:
         """Prefix blocks the router's cache index holds for the instance (operators' fleet view).

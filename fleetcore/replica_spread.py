@@ -119,6 +119,21 @@ class SpreadRouter(InstanceRouter):
     def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
         self.inner.note_route(instance_id, block_hashes, now)
 
+    def note_dispatch(self, profile: RequestProfile, instance: InstanceSnapshot, now: float) -> None:
+        self.inner.note_dispatch(profile, instance, now)
+
+    def note_release(self, request_id: str, now: float) -> None:
+        self.inner.note_release(request_id, now)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        self.inner.on_first_token(request_id, now)  # (was not forwarded: TokenPilot's backlog never reconciled)
+
+    def refit_due(self) -> bool:
+        return self.inner.refit_due()
+
+    def refit(self) -> bool:
+        return self.inner.refit()
+
     def cache_blocks(self, instance_id: str) -> int | None:
         return self.inner.cache_blocks(instance_id)
 

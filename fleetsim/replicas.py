@@ -18,20 +18,23 @@ engines, the same for every replica.
 * the replica's router routes it with candidates whose `inflight` is the replica's view:
   the gateway's true count less the other replicas' dispatches it has not heard of yet,
   plus their releases it has not heard of yet;
-* the other replicas hear of the dispatch `sync_s` later: their router is asked to route
-  the same request with the chosen instance as its only candidate (that records it the
-  way the router records its own dispatches: prefix-index insert, active/backlog
-  bookkeeping), and of its end `sync_s` after it ended (`observe` with the outcome: what
-  releases what they recorded). The owner observes at once.
+* the other replicas hear of the dispatch `sync_s` later, through the policy contract's
+  remote-dispatch hooks, the very calls the live gateway makes from its route-share records
+  (`gateway.route_share`): `note_dispatch` with the snapshot the owner saw (TokenPilot books it
+  as its own route: backlog, outstanding prefill, streams, prefix index; a peer learns the
+  prefix, `note_route`), `on_first_token` `sync_s` after the first token, and `note_release`
+  `sync_s` after it ended (nothing is learned from another replica's outcome, as live). The
+  owner observes at once.
 
 Deliveries are events in the simulator's virtual time (`attach` gives the router the
 simulator's scheduler); with `sync_s` 0 they run right after the event that caused them.
 One replica (`replicas == 1`) is never wrapped: the CLI passes the plain router, so
 one replica is today's run exactly.
 
-Approximations: the other replicas also learn from the remote outcome (TokenPilot's
-online correction, Dynamo's TTFT EWMA), as a shared goodput ledger would let them; the
-remote replay happens at delivery time with the snapshot the owner saw.
+Approximations: the remote dispatch is priced at delivery time against the snapshot the
+owner saw at its decision (live: the receiving replica's snapshot at delivery); the live
+records carry only the leading `route_share.MAX_BLOCKS` block hashes, the simulator's the whole
+prompt's.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ class ReplicatedRouter(InstanceRouter):
             for j in others:
                 u = self._unheard[j]
                 u[iid] -= 1
-                self.routers[j].route(profile, [snap], t)
+                self.routers[j].note_dispatch(profile, snap, t)
             self.remote_dispatches += 1
 
         self._later(now, deliver)
@@ -150,7 +153,7 @@ class ReplicatedRouter(InstanceRouter):
         def deliver(t: float) -> None:
             for j in others:
                 self._unheard[j][iid] += 1
-                self.routers[j].observe(outcome)
+                self.routers[j].note_release(rid, t)
 
         self._later(now, deliver)
 

@@ -451,6 +451,11 @@ class FleetState:
     def states(self) -> list[InstanceState]:
         return list(self._states.values())
 
+    def snapshot(self, instance_id: str) -> InstanceSnapshot | None:
+        """One instance as the policies see it (None: not in this fleet)."""
+        st = self._states.get(instance_id)
+        return instance_snapshot(st) if st is not None else None
+
     def view(self) -> FleetView:
         return build_view(self.config, self._states.values())
 

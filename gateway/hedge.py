@@ -121,5 +121,5 @@ def _hedge(host: HedgeHost, parsed: ParsedRequest, first: Dispatch) -> Dispatch 
     host.hedge_metrics.outcomes.labels("sent").inc()
     host.hedge_metrics.prefill.labels(parsed.profile.model).inc(parsed.profile.prompt_tokens)
     if host.route_share is not None:
-        host.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
+        host.route_share.dispatched(parsed.profile, target.instance.instance_id)
     return host.new_dispatch(parsed, target)

@@ -6,8 +6,10 @@ A replica knows exactly what it sent to each engine instance and not yet finishe
 Redis (one key per replica, expiring after a few periods, so a dead replica's streams stop
 counting) and reads the others' in the same round trip (one script). The sum of the others'
 lands in `InstanceState.remote_inflight`, which the routing snapshot adds to the replica's own
-count: the policies see one fleet-wide in-flight figure, at most one period plus a round trip
-stale. Engine metrics (running, waiting, KV use), polled by every replica, stay the ground
+count: the policies that weigh in-flight counts (the peers) see one fleet-wide figure, at most
+one period plus a round trip stale. TokenPilot does not read the count: it books each of the
+others' dispatches itself, as it books its own, from the route-share records
+(`gateway.route_share`, `InstanceRouter.note_dispatch`). Engine metrics (running, waiting, KV use), polled by every replica, stay the ground
 truth for what the engines are doing; this only closes the gap between two polls.
 
 The same round trip tells each replica its place in the roster (index among the live replicas'

@@ -656,6 +656,8 @@ class Relay:
                 policy.observe(outcome)
             except Exception:
                 log.exception("%s.observe failed", type(policy).__name__)
+        if self.route_share is not None:  # the other replicas' routers release what they booked for it
+            self.route_share.ended(outcome.request_id)
 
     def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int,
                avoid: Collection[str] = (), leg: tuple[int, str] | None = None) -> Target | None:
@@ -675,6 +677,8 @@ class Relay:
             self.router.on_first_token(request_id, self.clock())
         except Exception:
             log.exception("%s.on_first_token failed", type(self.router).__name__)
+        if self.route_share is not None:
+            self.route_share.first_token(request_id)
         if self.admission is not None:
             self.admission.first_token(request_id)
 
@@ -747,7 +751,7 @@ class Relay:
             if self.admission is not None:
                 self.admission.routed(parsed.profile.request_id, target.instance.instance_id)
             if self.route_share is not None:
-                self.route_share.routed(target.instance.instance_id, parsed.profile.block_hashes)
+                self.route_share.dispatched(parsed.profile, target.instance.instance_id)
             try:
                 if target.prefill is not None and self.pd is not None:  # split: both legs, its own retry
                     return await self.pd.run(watch, parsed, path, target)

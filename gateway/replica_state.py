@@ -102,7 +102,8 @@ class Replicas:
             if state is not None:
                 self.load = LoadSync(self.shared, state, g.load_sync_s, spread)
             if relay is not None:
-                self.routes = relay.route_share = RouteShare(self.shared, relay.router, clock, g.route_share_s)
+                self.routes = relay.route_share = RouteShare(self.shared, relay.router, clock, g.route_share_s,
+                                                              relay.state.snapshot)
             if g.shared_budgets and isinstance(gate.policy, SLOMax):  # the policy that keeps budgets
                 self.budgets = SharedBudgets(self.shared, gate.policy, clock)
                 gate.shared_budgets = self.budgets

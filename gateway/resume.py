@@ -139,7 +139,7 @@ async def resume(host: ResumeHost, s: RelayStream, f: LegFailure) -> bytes | Non
         if host.admission is not None:
             host.admission.routed(rid, iid)
         if host.route_share is not None:
-            host.route_share.routed(iid, leg.profile.block_hashes)
+            host.route_share.dispatched(leg.profile, iid)
         log.info("request %s: continuing on %s after %s on %s (%d tokens sent, %d to re-prefill)",
                  rid, iid, reason, s.d.iid, leg.generated_tokens, leg.prompt_tokens)
         d = host.new_dispatch(replace(c.parsed, profile=leg.profile), target)

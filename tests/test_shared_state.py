@@ -359,3 +359,54 @@ async def test_routes_reach_the_other_replicas_history_index(gateways: Gateways,
     assert took < 1.0, f"replica B learned A's route only after {took:.2f} s"
     assert apps[1].state.replicas.routes.heard == 1
     assert apps[0].state.replicas.routes.heard == 0  # a replica does not hear itself
+
+
+async def test_a_dispatch_through_one_replica_is_booked_in_the_others_tokenpilot(
+        gateways: Gateways, stub_upstream: Any, fake_adapter: Any, instance_factory: Any, tmp_path: Path,
+        redis_proc: RedisProc) -> None:
+    """A streamed request through replica A: replica B's TokenPilot books it as A's did (a stream, its
+    predicted prefill outstanding) within two route-share periods (0.1 s each, plus slack for a loaded
+    machine), lets its prefill go at A's first token and releases it at A's end; with Redis gone what
+    B booked is released."""
+    up = await stub_upstream(chunks=1, first_delay_s=1.5, delay_s=1.0)
+    apps, urls = [], []
+    for i in range(2):
+        app = create_app(fleet(tmp_path / f"state{i}", redis_proc.url),
+                         [fake_adapter([instance_factory("i0", up.url)])], poll_interval_s=60)
+        urls.append(await gateways.start(app))
+        apps.append(app)
+    ra, rb = (x.state.tokenfleet.relay.router for x in apps)
+    prompt = " ".join(f"word{i}" for i in range(600))
+    body = {**BODY, "stream": True, "messages": [{"role": "user", "content": prompt}]}
+
+    async def send(s: aiohttp.ClientSession) -> str:
+        async with s.post(urls[0] + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY_A}"}) as r:
+            assert r.status == 200
+            return await r.text()
+
+    def b_has(streams: float, outstanding: float) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            e = rb.explain("i0")
+            return e["streams"] == streams and e["outstanding"] == outstanding
+        return check
+
+    assert rb.explain("i0")["streams"] == 0
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(send(s))
+        await until(lambda: _is(lambda: int(ra.explain("i0")["outstanding"]), 1), 2)  # A dispatched it
+        took = await until(b_has(1, 1), 2)
+        assert took < 0.5, f"replica B booked A's dispatch only after {took:.2f} s"
+        a, b = ra.explain("i0"), rb.explain("i0")
+        assert b["backlog_s"] > 0
+        # Priced by B's own model on the same prompt and the same (idle) instance: A's figure.
+        assert b["outstanding_prefill_s"] == pytest.approx(a["outstanding_prefill_s"], rel=1e-6)
+        await until(b_has(1, 0), 3)  # A's first token: its prefill is through, on B too
+        assert "[DONE]" in await task
+        await until(b_has(0, 0), 2)  # A's end: released on B
+        assert apps[1].state.replicas.routes.booked == {}
+        task = asyncio.create_task(send(s))
+        await until(b_has(1, 1), 2)
+        redis_proc.stop()  # nothing more can be heard: what B booked for A goes
+        await until(b_has(0, 0), 5)
+        assert "[DONE]" in await task  # A serves on

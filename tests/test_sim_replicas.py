@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fleetcore.policies import InstanceRouter
 from fleetcore.types import RouteDecision
 from fleetsim.cli import main, make_policy
@@ -86,3 +88,42 @@ def test_other_replicas_dispatches_count_in_flight_only_after_the_lag() -> None:
     assert own[0] == 0 and own[1] == 1
     # b at request 3 (t = 1 s): its own 1, and 0 and 2 heard by then (0.5 s lag)
     assert b.seen[-1] == 3
+
+
+class _Heard(InstanceRouter):
+    """Routes to the first candidate; records what it hears of the other replicas' dispatches."""
+
+    def __init__(self) -> None:
+        self.routed: list[str] = []
+        self.heard: list[tuple[str, str, float]] = []
+
+    def route(self, profile, candidates, now):
+        self.routed.append(profile.request_id)
+        return RouteDecision(candidates[0].instance_id, "first")
+
+    def note_dispatch(self, profile, instance, now):
+        self.heard.append(("dispatch", profile.request_id, now))
+
+    def on_first_token(self, request_id, now):
+        self.heard.append(("first", request_id, now))
+
+    def note_release(self, request_id, now):
+        self.heard.append(("release", request_id, now))
+
+
+def test_the_others_hear_a_dispatch_its_first_token_and_its_end_through_the_hooks_one_lag_late() -> None:
+    fleet = small_fleet(instances=2)
+    a, b = _Heard(), _Heard()
+    router = ReplicatedRouter([a, b], sync_s=0.5, spread=False)
+    sim = FleetSimulator(fleet, router)
+    res = sim.run(prepare([req(0, 500, 20), req(3000, 500, 20)], fleet))
+    first, second = sorted(res.records, key=lambda r: r.arrival_s)
+    assert a.routed == [first.request_id] and b.routed == [second.request_id]  # never routed twice
+    of_first = [(k, t) for k, rid, t in b.heard if rid == first.request_id]  # (b hears its own first token too)
+    assert [k for k, _ in of_first] == ["dispatch", "first", "release"]
+    t_dispatch, t_first, t_end = (t for _, t in of_first)
+    assert t_dispatch == pytest.approx(first.arrival_s + 0.5)
+    (own_first,) = [t for k, rid, t in a.heard if k == "first" and rid == first.request_id]  # the owner's, at once
+    assert t_first == pytest.approx(own_first + 0.5)
+    assert t_end == pytest.approx(first.arrival_s + first.e2e_s + 0.5)
+    assert [k for k, rid, _ in a.heard if rid == second.request_id] == ["dispatch", "first", "release"]

@@ -265,6 +265,12 @@ class _HistoryIndexed(InstanceRouter):
                      now: float) -> list[int] | None:
         return self.index.match_many([c.instance_id for c in candidates], profile.block_hashes)
 
+    def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
+        """Another replica's route, inserted as the rule inserts its own pick (`route`): replicas
+        share their routing history (`gateway.route_share`, `fleetsim.replicas`). Their load they
+        take from the in-flight counts (`InstanceSnapshot.inflight`), as the originals do."""
+        self.index.insert(instance_id, block_hashes, now)
+
 
 class SGLangCacheAware(_HistoryIndexed):
     """SGLang router cache-aware policy: approximate radix tree per worker + balance switch.

@@ -326,10 +326,7 @@ class TokenPilot(InstanceRouter):
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
         ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
-        self._commit(profile, int(slots[chosen]), ids[chosen], float(terms[10][chosen]), float(terms[2][chosen]),
-                     float(terms[3][chosen]), float(terms[8][chosen]), float(terms[11][chosen]),
-                     terms[_FEATURES][:, chosen].copy(), now, float(terms[_FWD][chosen]),
-                     float(profile.prompt_tokens - terms[6][chosen]))
+        self._commit_at(profile, ids, slots, terms, chosen, now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))  # (bounded: the oldest falls out)
@@ -482,6 +479,14 @@ class TokenPilot(InstanceRouter):
     def _explain(self, ids: Sequence[str], terms: tuple[np.ndarray, ...]) -> _Explained:
         return _Explained(ids, terms, self.config.max_candidates_explained)
 
+    def _commit_at(self, profile: RequestProfile, ids: Sequence[str], slots: np.ndarray,
+                   terms: tuple[np.ndarray, ...], j: int, now: float) -> None:
+        """Book the request on candidate `j` of a scored pool (`route`'s pick, or another replica's)."""
+        self._commit(profile, int(slots[j]), ids[j], float(terms[10][j]), float(terms[2][j]),
+                     float(terms[3][j]), float(terms[8][j]), float(terms[11][j]),
+                     terms[_FEATURES][:, j].copy(), now, float(terms[_FWD][j]),
+                     float(profile.prompt_tokens - terms[6][j]))
+
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
                 now: float, forward_s: float, uncached: float) -> None:
@@ -596,6 +601,22 @@ class TokenPilot(InstanceRouter):
             m[s.DECODE_FACTOR, k] = learned.decode.value
             self._tpot.update(outcome.mean_tpot_s, max(rec.predicted_tpot_s, 1e-4))
             m[s.TPOT_FACTOR, : len(s.ids)] = self._tpot.value
+
+    def note_dispatch(self, profile: RequestProfile, instance: InstanceSnapshot, now: float) -> None:
+        """Another replica's dispatch: booked exactly as `route` books its own pick (backlog,
+        outstanding prefill, duty, streams and context, the prefix it will cache), priced by this
+        replica's model with the instance as the only candidate; no decision is logged."""
+        ids, slots, terms = self._terms(profile, [instance], now)
+        self._commit_at(profile, ids, slots, terms, 0, now)
+
+    def note_release(self, request_id: str, now: float) -> None:
+        """Another replica's dispatch ended: released as `observe` releases one, learning nothing."""
+        rec = self._inflight.pop(request_id, None)
+        if rec is None:
+            return
+        self._memo.clear()
+        self._release(rec, request_id, now)
+        self._s.refresh_context(rec.slot)
 
     def note_route(self, instance_id: str, block_hashes: Sequence[int], now: float) -> None:
         if self._s.slot(instance_id) is not None:  # a known instance (exact ones keep following their events)
