@@ -333,10 +333,15 @@ class PDFlow:
         relay = self.relay
         model = parsed.profile.model
         kv_missing = "KV transfer" in f.detail
-        if not prefill.done():
+        cut_short = not prefill.done()
+        if cut_short:
             await _cancel(prefill)
         prefill_failed = prefill.cancelled() or prefill.exception() is not None
-        if isinstance(prefill, asyncio.Task):
+        if kv_missing and cut_short:
+            # The decode side could not read the KV (the prefill server died or broke off) before
+            # our own prefill leg noticed: that leg failed, it was not aborted on the client's behalf.
+            self.metrics.legs.labels(model, protocol, "prefill", "failed").inc()
+        elif isinstance(prefill, asyncio.Task):
             self._count_prefill(model, protocol, prefill)
         self.metrics.legs.labels(model, protocol, "decode", "failed").inc()
         relay.metrics.upstream_errors.labels(dec.instance.instance_id, f.kind).inc()

@@ -152,3 +152,35 @@ async def test_one_token_answer_comes_from_the_prefill(pair: Any) -> None:
     assert db["usage"]["completion_tokens"] == 1 and db["choices"][0]["finish_reason"] == "length"
     assert (await state(s, up))["transfers"] == 1
     assert empty(await state(s, up)) and empty(await state(s, ud))
+
+
+@pytest.mark.slow
+async def test_a_room_whose_decode_side_left_mid_prefill_is_freed_when_prefilled() -> None:
+    """The decode side (a room's only reader) hangs up while the prefill runs: the KV is freed the
+    moment it is made, not held for the hold timeout (30 s here) for a pull that will never come."""
+    common = dict(served_model_name="m", time_scale=20.0, kv_link_gb_s=GB_S, kv_link_latency_ms=1.0,
+                  pd_wait_timeout_s=60.0, pd_hold_timeout_s=30.0)
+    rp, up = await start_worker(pd_role="prefill", **common)
+    rd, ud = await start_worker(pd_role="decode", **common)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = sglang_body(up, prompt(1500))
+
+            async def leg(url: str) -> int:
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+            prefill = asyncio.create_task(leg(up))
+            decode = asyncio.create_task(leg(ud))
+            await wait_until(lambda: state(s, ud), 10, "the decode side reserving for the room",
+                             ok=lambda st: st["engine_receiving"] == 1)
+            assert not prefill.done()  # still prefilling when the decode side leaves
+            decode.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await decode
+            assert await asyncio.wait_for(prefill, 30) == 200
+            await wait_until(lambda: state(s, up), 5, "the prefill side freeing the unread KV", ok=empty)
+            await wait_until(lambda: state(s, ud), 5, "the decode side holding nothing", ok=empty)
+    finally:
+        await rp.cleanup()
+        await rd.cleanup()

@@ -120,6 +120,7 @@ class _Room:
     state: Literal["waiting", "prefilling", "held", "ended"] = "waiting"
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     hold_timer: asyncio.TimerHandle | None = None
+    abandoned: bool = False  # its one reader (the decode side's pull) gave up while it prefilled
 
     def set(self, state: Literal["waiting", "prefilling", "held", "ended"]) -> None:
         self.state = state
@@ -189,11 +190,13 @@ class PDPeer:
         self._by_rid[stream.request_id] = key
         room.set("prefilling")
 
-    def prefill_ended(self, key: str) -> None:
+    def prefill_ended(self, key: str, aborted: bool = False) -> None:
         """The prefill leg's handler is over: if it never got to hold its KV (aborted, the engine
-        stopped), the room is over too and a decode waiting on it hears so at once."""
+        stopped), the room is over too and a decode waiting on it hears so at once. So is a room
+        whose leg was aborted after its KV was made (the client left between the prefill and the
+        answer): aborting the request freed its blocks, and a pull must hear "gone", not read them."""
         room = self._rooms.get(key)
-        if room is not None and room.state == "prefilling":
+        if room is not None and (room.state == "prefilling" or (aborted and room.state == "held")):
             self._end(key)
 
     def _prefilled(self, rid: str, cached: int) -> None:
@@ -203,6 +206,9 @@ class PDPeer:
             self.driver.release_kv(rid)
             return
         room.cached = cached
+        if room.abandoned:  # nobody will pull it any more: free it now, not at the hold timeout
+            self._end(key)
+            return
         room.set("held")
         # vLLM frees a prefilled request nobody read after a timeout; so does this side.
         room.hold_timer = asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire, key)
@@ -254,6 +260,8 @@ class PDPeer:
             # leaves nothing behind; a prefill that comes later is freed by its hold timeout.
             if room.state == "waiting" and self._rooms.get(key) is room:
                 del self._rooms[key]
+            elif room.state == "prefilling":
+                room.abandoned = True  # (the decode side left or timed out: its KV has no reader)
         if room.state != "held":
             raise ApiError(410, f"P/D room {key!r} is over (aborted, expired or already sent)", param="key")
         if room.hold_timer is not None:

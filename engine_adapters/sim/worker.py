@@ -349,7 +349,7 @@ class SimWorker:
                 extra = (lambda: self.pd.transfer_params(rid)) if pd.protocol == "vllm" else None
                 return await self._serve_full(req, [stream], headers, extra)
         finally:
-            self.pd.prefill_ended(key)
+            self.pd.prefill_ended(key, aborted=stream.aborted)
 
     async def pd_pull(self, request: web.Request) -> web.Response:
         body = parse_json_object(await request.read())
