@@ -215,6 +215,7 @@ class PlannerSettings(_Strict):
     max_batch: int | None = Field(default=None, ge=1)
     demand_tolerance: float | None = Field(default=None, gt=0)
     min_speed_ratio: float | None = Field(default=None, ge=0)
+    settled_met_share: float | None = Field(default=None, gt=0, le=1)
 
     def tuning(self) -> dict[str, float | int]:
         """The planner tuning fields the file sets (for `PlannerConfig(**...)`)."""

@@ -12,6 +12,8 @@ What it is fed:
   model's mean observed output, capped by the request's `max_tokens` (`booked_output`);
 - `ended(site, model, prompt, output, ok)`: served load, the work a finished attempt did
   at the site that ran it (and, when it completed, the output length learnt);
+- `judged(site, model, met, now)`: the ledger's verdict on each request that ran at a site
+  (the planner's `settled_met_share`: a site meeting its SLO for what it serves is not short);
 - `goodput(ended, met)`: the cumulative count of requests that ended and of those that met
   their own class SLO, from admission's goodput ledger (rejections, cancellations and
   failures are ended-but-not-met, so refusing work cannot look like success). The planner
@@ -178,6 +180,12 @@ class PlacementCycle:
         if ok:
             mean = self._mean_output.get(model, DEFAULT_OUTPUT_TOKENS)
             self._mean_output[model] = mean + _OUTPUT_EWMA * (output_tokens - mean)
+
+    def judged(self, site: str, model: str, met: bool, now: float) -> None:
+        """A request that ran at `site` ended; `met`: admission's ledger verdict (its own class SLO).
+        The planner does not move replicas to a site that meets its SLO for what it serves
+        (`PlannerConfig.settled_met_share`)."""
+        self.planner.record_verdict(site, model, met, now)
 
     def goodput(self, ended: int, met: int) -> None:
         """Cumulative requests ended / met their SLO (the ledger's totals); the planner gets the

@@ -33,6 +33,7 @@ Every plan, apply and rollback is logged (`log`), for the admin API.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -41,6 +42,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetmind.demand import DemandModel
 
 Key = tuple[str, str]  # (site, model)
+MAX_VERDICTS = 4096  # served-request verdicts kept per (site, model): the window's, within a bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,13 @@ class PlannerConfig:
     # A replica is not moved to a site where it would run slower than this fraction of its
     # speed where it is: the capacity it takes away is worth more than what it adds.
     min_speed_ratio: float = 0.8
+    # No replicas are moved to (or started at) a site while at least this share of the
+    # requests it served in the last `window_s` met their own class SLO (None: off; demand
+    # alone decides). Under admission control demand counts requests admission will turn
+    # away whatever the site's size (SLOMax's valve lets long prompts in about one at a time
+    # per model pool, deploy/scenarios/README.md): a site that serves what it admits within
+    # its SLO is not short, and the replicas taken for it are missing where they were.
+    settled_met_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +152,7 @@ class Planner:
         self._last_change = -math.inf
         self._watch: _Watch | None = None
         self._blocked: dict[Move, float] = {}  # rolled-back move -> until when
+        self._verdicts: dict[Key, deque[tuple[float, bool]]] = {}  # (end time, met SLO) of served requests
         self.log: list[LogEntry] = []
 
     # -- observations ---------------------------------------------------------------
@@ -153,6 +163,27 @@ class Planner:
     def record_served(self, site: str, model: str, work_s: float) -> None:
         """Work of a request that ran at `site` (its home or not)."""
         self._served.setdefault((site, model), _Rate()).add(work_s)
+
+    def record_verdict(self, site: str, model: str, met: bool, now: float) -> None:
+        """A request `site` served ended at `now`; `met`: within its own class SLO."""
+        q = self._verdicts.get((site, model))
+        if q is None:
+            q = self._verdicts[(site, model)] = deque(maxlen=MAX_VERDICTS)
+        q.append((now, met))
+
+    def met_share(self, key: Key, now: float) -> float | None:
+        """Share of the requests served at `key` in the last `window_s` that met their SLO (None: none ended)."""
+        q = self._verdicts.get(key)
+        if q is None:
+            return None
+        while q and q[0][0] < now - self.config.window_s:
+            q.popleft()
+        return sum(m for _, m in q) / len(q) if q else None
+
+    def _settled(self, key: Key, now: float) -> bool:
+        floor = self.config.settled_met_share
+        share = self.met_share(key, now) if floor is not None else None
+        return share is not None and share >= floor
 
     def record_goodput(self, goodput_tok_s: float, now: float) -> None:
         self._goodput.append((now, goodput_tok_s))
@@ -184,7 +215,7 @@ class Planner:
         for model in sorted(models):
             keys = sorted({k for k in placement if k[1] == model} | {k for k in wanted if k[1] == model})
             gap = {k: wanted.get(k, 0) - placement.get(k, 0) for k in keys}
-            short = max(keys, key=lambda k: (gap[k], k), default=None)
+            short = max((k for k in keys if not self._settled(k, now)), key=lambda k: (gap[k], k), default=None)
             if short is None or gap[short] <= 0:
                 continue
             speed = self.replica_speed.get(short, 1.0)

@@ -4,8 +4,8 @@ cycle, so demand booking, goodput judgment, timings and make-before-break are th
 
 Every `cycle_s` the loop feeds the cycle what the gateway would know by then: each request
 that arrived (its profile: demand booked with what is known at arrival), each dispatched
-request that ended (served load at its site, output length learnt), and the admission
-ledger's ended / met-SLO counts; then it carries out the commands. `start` adds a replica
+request that ended (served load at its site, output length learnt, and admission's verdict
+on it), and the admission ledger's ended / met-SLO counts; then it carries out the commands. `start` adds a replica
 that becomes ready `startup_s` later (the deployment's `startup_s` option, else
 `DEFAULT_STARTUP_S`), and at that instant the cycle is advanced, so the source drains
 then, as it does live once the new replica passes its health check. `drain` stops routing
@@ -63,6 +63,10 @@ class PlannerLoop:
                 still.append(r)
             elif r.site is not None:  # dispatched: an attempt ended there (as the relay reports it)
                 self.core.ended(r.site, r.inp.model, r.inp.prompt_tokens, r.ntok, r.status == "completed")
+                if isinstance(sim.admission, LedgeredAdmission):  # its verdict, as the gateway's `on_released`
+                    o = sim._outcome(r, r.end, cancelled=r.status == "cancelled")
+                    self.core.judged(r.site, r.inp.model, r.status == "completed" and sim.admission.judge(r.profile, o),
+                                     r.end)
         self._open = still
 
     def _execute(self, sim: FleetSimulator, commands: list[Command], now: float) -> None:

@@ -6,6 +6,8 @@ counts as ready, which replica drains, when it stops) are made by the pure
 feeds it and carries out its commands, in wall-clock time, through the engine adapters:
 - demand: the relay's `arrived(profile)` for every request; served load and learnt
   output lengths: `observe(outcome)` for every attempt that ended;
+- verdicts: `released(profile, outcome, met)` (the admission gate's `on_released`) for every
+  admitted request that ran at a site;
 - goodput: every `cycle_s`, the goodput ledger's cumulative ended / met-SLO counts
   (rejected, cancelled and failed requests count as ended and not met);
 - replicas: the fleet state's instances (health-checked readiness, draining, in flight).
@@ -82,6 +84,11 @@ class PlacementLoop:
         self.core.ended(outcome.site, st.instance.model, outcome.prompt_tokens, outcome.output_tokens, outcome.ok)
         if st.draining:
             self._nudge.set()  # it may be idle now: time to stop it
+
+    def released(self, profile: RequestProfile, outcome: RequestOutcome, met: bool) -> None:
+        """An admitted request ended (`AdmissionGate.on_released`): the ledger's verdict at its site."""
+        if outcome.site:
+            self.core.judged(outcome.site, profile.model, met, self.clock())
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:

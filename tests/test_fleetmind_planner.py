@@ -177,3 +177,61 @@ def test_live_replica_speed_counts_the_simulated_workers_time_scale() -> None:
     fleet = load_fleet_file(Path(__file__).with_name("fleet_planner.yaml"))
     assert DemandModel(fleet).replica_speed("a", "llama-3.1-8b") == 1.0
     assert abs(DemandModel(fleet, wall_clock=True).replica_speed("a", "llama-3.1-8b") - 1 / 0.3) < 1e-9
+
+
+def test_no_replicas_move_to_a_site_that_meets_its_slo_for_what_it_serves() -> None:
+    """Under admission control the demand booked at arrival includes requests admission turns
+    away whatever the site's size (deploy/scenarios/README.md: SLOMax rejected ~1,570 long
+    prompts at east with 6 replicas and with 9). A site that serves what it gets within its SLO
+    is not short: no move, until what it serves starts missing."""
+    cfg = PlannerConfig(window_s=10, lead_s=10, target_utilisation=0.5, cooldown_s=30, watch_s=20,
+                        settled_met_share=0.9)
+    p = Planner({"m": 1.0}, config=cfg)
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    feed(p, 0, 60, {"a": 3.9, "b": 0.2})
+    for k in range(20):  # 19 of 20 served at a met their SLO: 95% >= 90%
+        p.record_verdict("a", "m", k != 0, 55 + k * 0.25)
+    assert p.met_share(("a", "m"), 60) == 0.95
+    assert p.plan(placement, 60) is None
+    for k in range(20):  # now a misses: 19/40 met
+        p.record_verdict("a", "m", False, 60 + k * 0.1)
+    assert p.met_share(("a", "m"), 62) == 19 / 40
+    move = p.plan(placement, 62)  # (demand has decayed a little since 60: fewer than 3)
+    assert move is not None and (move.from_site, move.to_site) == ("b", "a")
+
+
+def test_settled_sites_verdicts_age_out_and_the_gate_is_off_by_default() -> None:
+    cfg = PlannerConfig(window_s=10, lead_s=10, target_utilisation=0.5, cooldown_s=30, watch_s=20,
+                        settled_met_share=0.9)
+    placement = {("a", "m"): 4, ("b", "m"): 4}
+    p = Planner({"m": 1.0}, config=cfg)
+    feed(p, 0, 60, {"a": 3.9, "b": 0.2})
+    p.record_verdict("a", "m", True, 45)  # older than the window at 60: no verdict, demand decides
+    assert p.met_share(("a", "m"), 60) is None
+    assert p.plan(placement, 60) == Move("m", "b", "a", 3)
+    off = Planner({"m": 1.0}, config=CFG)  # settled_met_share None: verdicts are kept but never gate
+    feed(off, 0, 60, {"a": 3.9, "b": 0.2})
+    off.record_verdict("a", "m", True, 59)
+    assert off.plan(placement, 60) == Move("m", "b", "a", 3)
+
+
+def test_a_settled_site_does_not_hide_another_short_one() -> None:
+    """The most short site meets its SLO: the next short one still gets replicas."""
+    cfg = PlannerConfig(window_s=10, lead_s=10, target_utilisation=0.5, cooldown_s=30, watch_s=20,
+                        settled_met_share=0.9, keep_fraction=0)
+    p = Planner({"m": 1.0}, config=cfg)
+    placement = {("a", "m"): 2, ("b", "m"): 2, ("c", "m"): 6}
+    feed(p, 0, 60, {"a": 3.9, "b": 2.4, "c": 0.2})  # a needs ~8, b ~5, c ~1
+    p.record_verdict("a", "m", True, 59)
+    p.record_verdict("b", "m", False, 59)
+    move = p.plan(placement, 60)
+    assert move is not None and (move.from_site, move.to_site) == ("c", "b")
+
+
+def test_settled_met_share_is_read_from_the_planner_block() -> None:
+    fleet = load_fleet_file(Path(__file__).resolve().parent.parent / "deploy" / "scenarios" / "demand-shift.yaml")
+    assert planner_for(fleet, DemandModel(fleet)).config.settled_met_share == 0.9
+    data = fleet.model_dump(exclude_none=True)
+    data["planner"]["settled_met_share"] = 1.5
+    with pytest.raises(FleetConfigError, match="planner.settled_met_share"):
+        parse_fleet(data, "f.yaml")

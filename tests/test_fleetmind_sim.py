@@ -4,6 +4,7 @@ residency and model versions are never violated, and `simulate --placement` repo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,39 @@ def test_planner_moves_replicas_toward_a_flash_crowd(tmp_path: Path) -> None:
     placement = sim.placement()
     assert placement[("east", "llama-3.1-70b")] >= 1 and placement[("west", "llama-3.1-70b")] >= 1
     assert all(r.status == "completed" for r in res.records)
+
+
+@pytest.mark.slow
+def test_the_simulated_planner_hears_admissions_verdict_on_every_request_a_site_served(tmp_path: Path) -> None:
+    """`fleetsim.planning` books, per site, the ledger's own verdict on each request that ran
+    there (what the gateway's `on_released` hands the live loop): the planner's met share per
+    site is the report's SLO attainment per site over the same requests."""
+    from collections import Counter
+
+    from fleetsim.cli import placement_controllers
+    from fleetsim.metrics import slo_met
+    from slomax import from_fleet as slomax_config
+    from slomax import make_admission
+    from workloads import Workload, load_trace
+
+    subprocess.run([sys.executable, str(SCENARIOS / "make_workloads.py"), str(tmp_path), "--requests", "10",
+                    "--traces", str(TRACES)], check=True, capture_output=True)
+    wl = load_trace(tmp_path / "flash-crowd.jsonl")
+    wl = Workload("slice", [r for r in wl.requests if r.timestamp_ms < 120_000], wl.block_tokens)
+    fleet = load_fleet_file(SCENARIOS / "demand-shift.yaml")
+    router = make_policy("tokenpilot", 0, fleet)
+    controllers = placement_controllers("fleetmind+planner", fleet)
+    core = controllers[0][1].core
+    core.planner.config = replace(core.planner.config, window_s=1e9)  # keep every verdict for the comparison
+    sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
+                         admission=make_admission("fcfs", slomax_config(fleet)), controllers=controllers)
+    res = sim.run(prepare(wl.requests, fleet))
+    ends = max(r.end_s for r in res.records if r.end_s is not None)
+    slos = fleet.admission.slos()
+    judged = {s: (len(q), sum(m for _, m in q)) for (s, _), q in core.planner._verdicts.items()}
+    # the loop hears what ended before its last cycle: compare over those
+    last = max(t for q in core.planner._verdicts.values() for t, _ in q)
+    want: Counter[tuple[str, bool]] = Counter((r.site, slo_met(r, slos)) for r in res.records
+                                              if r.site and r.end_s is not None and r.end_s <= last)
+    assert judged and sum(n for n, _ in judged.values()) > 20 and last <= ends
+    assert judged == {s: (want[(s, True)] + want[(s, False)], want[(s, True)]) for s in judged}

@@ -62,6 +62,30 @@ def test_demand_is_booked_with_what_is_known_at_arrival_not_the_true_length() ->
                                                       + c.demand.work_s(MODEL, 1000, 0))
 
 
+def test_verdicts_reach_the_planner_per_site_and_gate_moves_toward_a_settled_site() -> None:
+    placement, reps = {("a", MODEL): 1, ("b", MODEL): 2}, [rep("a/0"), rep("b/0"), rep("b/1")]
+
+    def busy_a(gate: float | None) -> PlacementCycle:
+        cfg = PlannerConfig(window_s=10, lead_s=0, cooldown_s=0, settled_met_share=gate)
+        c = PlacementCycle(Planner({MODEL: 0.01}, config=cfg), DemandModel(CONFIG))
+        c.arrived(profile(max_tokens=256))
+        c.planner.wanted(0.0)  # a's demand rate starts its clock
+        for _ in range(40):
+            c.arrived(profile(max_tokens=256))  # home a (region r-a): a wants more than its 1
+        c.judged("a", MODEL, True, 1.0)
+        c.judged("b", MODEL, False, 1.0)
+        return c
+
+    c = busy_a(None)  # no gate: demand alone moves a replica b -> a
+    assert [(x.kind, x.site) for x in c.cycle(2.0, placement, reps)] == [("start", "a")]
+    c = busy_a(0.9)
+    assert c.planner.met_share(("a", MODEL), 1.0) == 1.0 and c.planner.met_share(("b", MODEL), 1.0) == 0.0
+    assert c.cycle(2.0, placement, reps) == []  # a serves what it gets within its SLO: not short
+    c.judged("a", MODEL, False, 3.0)
+    c.judged("a", MODEL, False, 3.0)  # 1 of 3 met
+    assert [(x.kind, x.site) for x in c.cycle(4.0, placement, reps)] == [("start", "a")]
+
+
 def test_goodput_is_the_met_share_of_requests_that_ended_since_the_last_cycle() -> None:
     c = make()
     c.goodput_from([Cell(completed=10, met_slo=10)])

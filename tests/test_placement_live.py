@@ -116,6 +116,8 @@ async def test_planner_moves_a_replica_to_demand_then_rolls_back_when_goodput_fa
             rep = await wait_for(c, url, lambda r: any(e["kind"] == "apply" for e in r["entries"]), 20)
             applied = next(e for e in rep["entries"] if e["kind"] == "apply")
             assert applied["move"] == f"{MODEL}: b -> a"
+            # the admission gate hands the loop its verdict on each request, at the site it ran in
+            assert ("a", MODEL) in ctx.placement.core.planner._verdicts
             # The move hurts (every request from now on misses its SLO): the planner must undo it.
             cls["x-tokenfleet-class"] = "tight"
             rep = await wait_for(c, url, lambda r: any(e["kind"] == "rollback" for e in r["entries"]), 20)

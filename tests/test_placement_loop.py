@@ -135,3 +135,19 @@ async def test_a_site_without_a_scalable_deployment_is_skipped(fleet) -> None:
     loop, a, b = fleet
     assert not await loop.carry_out(Move(MODEL, "b", "elsewhere"))
     assert steps(loop) == [("skipped", "elsewhere")]
+
+
+async def test_released_requests_book_the_ledgers_verdict_at_their_site(fleet) -> None:
+    """The gateway's admission gate tells the loop each admitted request's end and verdict
+    (`AdmissionGate.on_released`): booked at the site it ran in, at the loop's clock; one that
+    never reached a site books nothing."""
+    from fleetcore.types import RequestOutcome, RequestProfile
+    loop, _, _ = fleet
+    prof = RequestProfile(request_id="q", model=MODEL, prompt_tokens=10)
+    now = loop.clock()
+    loop.released(prof, RequestOutcome(request_id="q", instance_id="a/x/0", site="a", ok=True), True)
+    loop.released(prof, RequestOutcome(request_id="q", instance_id="a/x/0", site="a", ok=True), False)
+    loop.released(prof, RequestOutcome(request_id="q", instance_id="", site="", ok=False), False)
+    assert loop.core.planner.met_share(("a", MODEL), loop.clock()) == 0.5
+    assert set(loop.core.planner._verdicts) == {("a", MODEL)}
+    assert all(t >= now for t, _ in loop.core.planner._verdicts[("a", MODEL)])
