@@ -22,6 +22,7 @@ from typing import Any
 from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy
 from fleetsim.disagg import PDRuntime, make_disagg_policy, pd_controllers, pd_row
+from tokenpilot.disagg import DisaggConfig
 from fleetsim.metrics import summarize_all
 from fleetsim.simulator import FleetSimulator, HashCache, prepare
 from slomax import make_admission
@@ -142,6 +143,8 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the samples and the row here")
     p.add_argument("--tail", type=float, default=None,
                    help="also break down the requests at or above this TTFT quantile (e.g. 0.95)")
+    p.add_argument("--ttft-miss-weight", type=float, default=0.0,
+                   help="DisaggConfig.ttft_miss_weight (0: the default decision)")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
     wl = load_trace(a.trace, "auto")
@@ -152,7 +155,8 @@ def main() -> int:
     inputs = prepare(wl.requests, fleet, hash_cache=HashCache())
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
-    policy = make_disagg_policy(a.disagg, router)
+    policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
+                                                               slos=dict(fleet.admission.slos())))
     ctl = pd_controllers(a.disagg, fleet)
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
