@@ -87,6 +87,9 @@ class TailTracer(PDRuntime):
         n["split"] = self.stats.splits > splits
         n["role"] = (leg.pre.role + ">" + leg.dec.role) if n["split"] and leg is not None else \
             (r.inst.role if r.inst is not None else None)
+        if r.inst is not None:  # the decode-side state it met: KV in use, requests queued
+            n["dec_kv"] = r.inst.engine.kv.usage()
+            n["dec_waiting"] = r.inst.engine.num_waiting
 
     def _start_transfer(self, leg: Any, now: float) -> None:
         self.notes[leg.r.inp.request_id]["prefilled"] = now
@@ -118,7 +121,8 @@ def tail_report(records: list[Any], notes: dict[str, dict[str, Any]], q: float) 
         n = notes.get(r.request_id, {})
         adm = n.get("dispatch", r.arrival_s) - r.arrival_s
         stage = {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "admission": adm,
-                 "engine_queue": (r.queue_s or 0.0) - adm, "predicted_ttft": n.get("predicted_ttft") or 0.0}
+                 "engine_queue": (r.queue_s or 0.0) - adm, "predicted_ttft": n.get("predicted_ttft") or 0.0,
+                 "dec_kv": n.get("dec_kv", 0.0), "dec_waiting": n.get("dec_waiting", 0)}
         if n.get("split") and "arrived" in n:
             stage["prefill_run"] = n["prefilled"] - r.arrival_s - adm - stage["engine_queue"]
             stage["room"] = n["sent"] - n["prefilled"]
