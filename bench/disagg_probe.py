@@ -5,7 +5,8 @@ tick (virtual time: the samples do not disturb the run) and prints, every `--eve
 per role: instances, queued (engine waiting) requests, running requests, mean KV usage,
 requests holding KV for a transfer; and for the split requests: how many are prefilling,
 waiting for decode KV room, in transfer; and the busy links. Then the run's summary and,
-for `elastic`, the role flips.
+for `elastic`, the role flips. `--tail Q`: which requests make the TTFT tail (those at or
+above the Q quantile: split or local, on which role, and where their time went).
 
     .venv/bin/python bench/disagg_probe.py --trace traces/conversation_trace.jsonl.gz \
         --fleet deploy/sim/pd32.yaml --disagg static --max-requests 2000 --rate-scale 5.5
@@ -22,6 +23,7 @@ from typing import Any
 from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy
 from fleetsim.disagg import PDRuntime, make_disagg_policy, pd_controllers, pd_row
+from fleetmind.pd_roles import PDRolesConfig
 from tokenpilot.disagg import DisaggConfig
 from fleetsim.metrics import summarize_all
 from fleetsim.simulator import FleetSimulator, HashCache, prepare
@@ -149,6 +151,8 @@ def main() -> int:
                    help="also break down the requests at or above this TTFT quantile (e.g. 0.95)")
     p.add_argument("--ttft-miss-weight", type=float, default=0.0,
                    help="DisaggConfig.ttft_miss_weight (0: the default decision)")
+    p.add_argument("--decode-kv-high", type=float, default=PDRolesConfig().decode_kv_high,
+                   help="PDRolesConfig.decode_kv_high of the elastic controller")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
     wl = load_trace(a.trace, "auto")
@@ -161,7 +165,7 @@ def main() -> int:
     router = make_policy("tokenpilot", a.seed, fleet)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos())))
-    ctl = pd_controllers(a.disagg, fleet)
+    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
