@@ -5,7 +5,8 @@ tick (virtual time: the samples do not disturb the run) and prints, every `--eve
 per role: instances, queued (engine waiting) requests, running requests, mean KV usage,
 requests holding KV for a transfer; and for the split requests: how many are prefilling,
 waiting for decode KV room, in transfer; and the busy links. Then the run's summary and,
-for `elastic`, the role flips.
+for `elastic`, the role flips. `--tail Q`: which requests make the TTFT tail (those at or
+above the Q quantile: split or local, on which role, and where their time went).
 
     .venv/bin/python bench/disagg_probe.py --trace traces/conversation_trace.jsonl.gz \
         --fleet deploy/sim/pd32.yaml --disagg static --max-requests 2000 --rate-scale 5.5
@@ -22,6 +23,8 @@ from typing import Any
 from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy
 from fleetsim.disagg import PDRuntime, make_disagg_policy, pd_controllers, pd_row
+from fleetmind.pd_roles import PDRolesConfig
+from tokenpilot.disagg import DisaggConfig
 from fleetsim.metrics import summarize_all
 from fleetsim.simulator import FleetSimulator, HashCache, prepare
 from slomax import make_admission
@@ -58,6 +61,82 @@ class Sampler:
         self.rows.append(row)
 
 
+class TailTracer(PDRuntime):
+    """A `PDRuntime` that notes, per request, where its P/D decision sent it and when each stage
+    of a split request ended (prefill done, decode room reserved, KV arrived), to say which
+    requests make the TTFT tail and where their time went (`--tail`)."""
+
+    def __init__(self, sim: FleetSimulator, policy: Any) -> None:
+        super().__init__(sim, policy)
+        self.notes: dict[str, dict[str, Any]] = {}
+        decide = policy.decide
+
+        def traced(profile: Any, pool: Any, transfers: Any, now: float) -> Any:
+            d = decide(profile, pool, transfers, now)
+            n = self.notes.setdefault(profile.request_id, {})
+            n["predicted_ttft"] = d.predicted_ttft_s
+            n["reason"] = d.reason
+            return d
+
+        self.policy = type("Traced", (), {"decide": staticmethod(traced), "name": policy.name})()
+
+    def dispatch(self, r: Any, now: float, view: Any, avoid: Any) -> None:
+        n = self.notes.setdefault(r.inp.request_id, {})
+        n.setdefault("dispatch", now)
+        splits = self.stats.splits
+        super().dispatch(r, now, view, avoid)
+        leg = self.legs.get(r.inp.request_id)
+        n["split"] = self.stats.splits > splits
+        n["role"] = (leg.pre.role + ">" + leg.dec.role) if n["split"] and leg is not None else \
+            (r.inst.role if r.inst is not None else None)
+        if r.inst is not None:  # the decode-side state it met: KV in use, requests queued
+            n["dec_kv"] = r.inst.engine.kv.usage()
+            n["dec_waiting"] = r.inst.engine.num_waiting
+
+    def _start_transfer(self, leg: Any, now: float) -> None:
+        self.notes[leg.r.inp.request_id]["prefilled"] = now
+        super()._start_transfer(leg, now)
+
+    def _try_send(self, leg: Any, now: float) -> bool:
+        ok = super()._try_send(leg, now)
+        if ok:
+            self.notes[leg.r.inp.request_id]["sent"] = now
+        return ok
+
+    def _kv_arrived(self, leg: Any, now: float) -> None:
+        self.notes[leg.r.inp.request_id]["arrived"] = now
+        super()._kv_arrived(leg, now)
+
+
+def tail_report(records: list[Any], notes: dict[str, dict[str, Any]], q: float) -> dict[str, Any]:
+    """The requests at or above the TTFT `q` quantile: how many split / ran locally on which
+    role, their prompt sizes, and the mean seconds of each stage (admission wait; engine queue;
+    for split ones prefill run, wait for decode room, transfer, first decode step)."""
+    done = sorted((r for r in records if r.ttft_s is not None), key=lambda r: r.ttft_s)
+    if not done:
+        return {}
+    cut = done[min(len(done) - 1, int(q * len(done)))].ttft_s
+    groups: dict[str, list[dict[str, float]]] = {}
+    for r in done:
+        if r.ttft_s < cut:
+            continue
+        n = notes.get(r.request_id, {})
+        adm = n.get("dispatch", r.arrival_s) - r.arrival_s
+        stage = {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "admission": adm,
+                 "engine_queue": (r.queue_s or 0.0) - adm, "predicted_ttft": n.get("predicted_ttft") or 0.0,
+                 "dec_kv": n.get("dec_kv", 0.0), "dec_waiting": n.get("dec_waiting", 0)}
+        if n.get("split") and "arrived" in n:
+            stage["prefill_run"] = n["prefilled"] - r.arrival_s - adm - stage["engine_queue"]
+            stage["room"] = n["sent"] - n["prefilled"]
+            stage["transfer"] = n["arrived"] - n["sent"]
+            stage["first_decode"] = r.ttft_s - (n["arrived"] - r.arrival_s)
+        groups.setdefault(("split " if n.get("split") else "local ") + str(n.get("role")), []).append(stage)
+    out: dict[str, Any] = {"ttft_cut_s": round(cut, 3)}
+    for g, rows in sorted(groups.items()):
+        out[g] = {"n": len(rows), **{k: round(sum(x[k] for x in rows) / len(rows), 2) for k in rows[0]}}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True)
@@ -68,6 +147,12 @@ def main() -> int:
     p.add_argument("--every", type=float, default=15.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the samples and the row here")
+    p.add_argument("--tail", type=float, default=None,
+                   help="also break down the requests at or above this TTFT quantile (e.g. 0.95)")
+    p.add_argument("--ttft-miss-weight", type=float, default=0.0,
+                   help="DisaggConfig.ttft_miss_weight (0: the default decision)")
+    p.add_argument("--decode-kv-high", type=float, default=PDRolesConfig().decode_kv_high,
+                   help="PDRolesConfig.decode_kv_high of the elastic controller")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
     wl = load_trace(a.trace, "auto")
@@ -78,13 +163,15 @@ def main() -> int:
     inputs = prepare(wl.requests, fleet, hash_cache=HashCache())
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
-    policy = make_disagg_policy(a.disagg, router)
-    ctl = pd_controllers(a.disagg, fleet)
+    policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
+                                                               slos=dict(fleet.admission.slos())))
+    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
                          controllers=[*ctl, (a.every, sampler)],
-                         pd=(lambda s: PDRuntime(s, policy)) if policy is not None else None)
+                         pd=(lambda s: (TailTracer if a.tail is not None else PDRuntime)(s, policy))
+                         if policy is not None else None)
     res = sim.run(inputs)
     summary = summarize_all(res.records, fleet.admission.slos())
     last_end = max((r.end_s for r in res.records if r.end_s is not None), default=res.sim_end_s)
@@ -97,6 +184,9 @@ def main() -> int:
     print(json.dumps(row, default=str))
     for f in flips:
         print("flip", json.dumps(f))
+    if a.tail is not None:
+        notes = sim.pd.notes if isinstance(sim.pd, TailTracer) else {}
+        print("tail", json.dumps(tail_report(res.records, notes, a.tail)))
     if a.json:
         Path(a.json).write_text(json.dumps({"samples": sampler.rows, "row": row, "flips": flips}, default=str))
     return 0

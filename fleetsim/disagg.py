@@ -32,7 +32,7 @@ from fleetcore.interconnect import LinkQueue, kv_bytes, link_between
 from fleetcore.slo import ClassSLO
 from fleetcore.types import FleetView, Role
 from fleetmind.pd_roles import PDRoleController, PDRolesConfig, RoleInstance, SLOWindow
-from tokenpilot.disagg import DisaggPolicy, TokenPilotDisagg
+from tokenpilot.disagg import DisaggConfig, DisaggPolicy, TokenPilotDisagg
 from tokenpilot.disagg_baselines import DynamoConditional, LlmDDecider
 from tokenpilot.router import TokenPilot
 
@@ -45,8 +45,9 @@ DISAGG_MODES: tuple[str, ...] = ("off", "static", "elastic", "dynamo_conditional
 RECEIVE_RETRY_S = 0.02
 
 
-def make_disagg_policy(mode: str, router: object) -> DisaggPolicy | None:
-    """The per-request P/D policy of a `--disagg` mode (None for `off`)."""
+def make_disagg_policy(mode: str, router: object, config: DisaggConfig | None = None) -> DisaggPolicy | None:
+    """The per-request P/D policy of a `--disagg` mode (None for `off`); `config` tunes TokenPilot's
+    (`static`, `elastic`) and the baselines' shared placer (default: `DisaggConfig()`)."""
     if mode == "off":
         return None
     if mode not in DISAGG_MODES:
@@ -54,10 +55,10 @@ def make_disagg_policy(mode: str, router: object) -> DisaggPolicy | None:
     if not isinstance(router, TokenPilot):
         raise ValueError(f"--disagg {mode} prices options with TokenPilot's cost model: use --policy tokenpilot")
     if mode in ("static", "elastic"):
-        return TokenPilotDisagg(router)
+        return TokenPilotDisagg(router, config)
     if mode == "dynamo_conditional":
-        return DynamoConditional(router)
-    return LlmDDecider(router)
+        return DynamoConditional(router, config=config)
+    return LlmDDecider(router, config=config)
 
 
 class SimLinks:

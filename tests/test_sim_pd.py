@@ -239,6 +239,26 @@ def test_one_output_token_never_splits() -> None:
     assert not d.split
 
 
+def test_ttft_miss_weight_keeps_a_long_prompt_local_when_the_prefill_queue_passes_its_slo() -> None:
+    # Both prefill instances have two 30k-token prefills queued (~12 s of TTFT for the next
+    # one, past the long_context TTFT SLO of 8 s); a local prefill on a decode instance of 8
+    # streams meets it (~4.5 s). The default prices TTFT seconds linearly and splits (the
+    # TTFT tail of bench/DISAGG.md); a TTFT-miss weight makes the queue's lateness count.
+    def decide(weight: float) -> PDDecision:
+        tp = pilot()
+        for n in range(2):
+            for p, d in (("p0", "d0"), ("p1", "d1")):
+                q = profile(f"q{p}{n}", 30000)
+                tp.book(q, tp.price(q, FLEET, 0.0), p, d, 0.0, 1.0)
+        return TokenPilotDisagg(tp, DisaggConfig(ttft_miss_weight=weight)).decide(profile("a", 30000), FLEET,
+                                                                                 FakeLinks(), 0.0)
+
+    default, weighted = decide(0.0), decide(3.0)
+    assert default.split and default.predicted_ttft_s is not None and default.predicted_ttft_s > 8.0
+    assert not weighted.split and weighted.predicted_ttft_s is not None and weighted.predicted_ttft_s < 8.0
+    assert DisaggConfig().ttft_miss_weight == 0.0  # off by default: measured, not adopted (bench/DISAGG.md)
+
+
 # --- the published rules -----------------------------------------------------------
 
 

@@ -39,12 +39,13 @@ Pure: no I/O, no clock; the link is asked through `Transfers`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
+from fleetcore.slo import DEFAULT_SLOS, ClassSLO, class_by_length
 from fleetcore.types import InstanceSnapshot, RequestProfile
 from tokenpilot.router import Priced, TokenPilot
 
@@ -87,6 +88,13 @@ class DisaggConfig:
     split_overhead_s: float = 0.02
     max_prefill_options: int = 4  # best prefill instances (by their own cost) paired ...
     max_decode_options: int = 4  # ... with the best decode instances (by decode cost)
+    # Seconds of cost per second that an option's predicted TTFT passes the request's class
+    # TTFT SLO, on top of the router's own TTFT seconds. A prefill queue far past the SLO
+    # loses the request whole, where a local prefill on a decode instance only stretches
+    # its streams' gaps (priced by the router's interference term): without it the longest
+    # prompts queued a minute at the prefill pool in overload (the TTFT tail, bench/DISAGG.md).
+    ttft_miss_weight: float = 0.0
+    slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
 
 
 def _as_priced(pool: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
@@ -145,6 +153,15 @@ class _Placer:
         (the engine's figure alone) replaced by the promised-KV one."""
         return priced.cost - priced.kv_pressure + kv
 
+    def _late(self, profile: RequestProfile, ttft: np.ndarray | float) -> np.ndarray | float:
+        """`ttft_miss_weight` x the seconds a predicted TTFT passes the request's TTFT SLO
+        (zero without a weight or a bound)."""
+        w = self.config.ttft_miss_weight
+        slo = self.config.slos.get(profile.request_class or class_by_length(profile.prompt_tokens))
+        if w <= 0 or slo is None or slo.ttft_s is None:
+            return 0.0
+        return w * np.maximum(0.0, np.asarray(ttft) - slo.ttft_s)
+
     def _local(self, profile: RequestProfile, priced: Priced, j: int, now: float, reason: str) -> PDDecision:
         iid = priced.ids[j]
         ttft = float(priced.ttft[j])
@@ -173,7 +190,7 @@ class TokenPilotDisagg(_Placer):
         if not whole:
             return _nowhere(pool)
         kv = self._kv(profile, priced)
-        cost = self._local_cost(profile, priced, kv)
+        cost = self._local_cost(profile, priced, kv) + self._late(profile, priced.ttft)
         best_local = min(whole, key=lambda j: (cost[j], j))
         if not prefill or (profile.max_tokens or 2) < 2:
             return self._local(profile, priced, best_local, now, "local: no prefill instance" if not prefill
@@ -191,7 +208,8 @@ class TokenPilotDisagg(_Placer):
         for p in ps:
             for d in ds:
                 xfer = self._transfer(profile, priced, p, d, transfers, now)
-                total = float(pre[p]) + xfer + dec[d] + cfg.split_overhead_s
+                total = float(pre[p]) + xfer + dec[d] + cfg.split_overhead_s \
+                    + float(self._late(profile, float(priced.ttft[p]) + xfer))
                 if best is None or total < best[0]:
                     best = (total, p, d, xfer)
         assert best is not None
