@@ -351,13 +351,16 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         from engine_adapters.process import kill_group
 
         f = fleet
-        # Long enough that the engine is still generating when the client has read its first
-        # token: with 160 tokens the tiny model on CPU had sometimes finished (and the gateway
-        # read it all) before the kill, so nothing was left to continue (seen once in CI).
-        max_tokens = 1024
+        # As long as the context allows, so that the engine is still generating when the client
+        # has read its first token: the tiny model on CPU is fast, and with 160 tokens (once)
+        # and 1,024 (once, after the relay got leaner) it had finished, and the gateway read it
+        # all, before the kill, leaving nothing to continue. The continuation's prompt is the
+        # prompt plus what was generated, so prompt + max_tokens must fit the 2,048 context.
+        messages = [{"role": "user", "content": text(31, 60)}]
+        max_tokens = 2048 - len(f.ctx.tokenizers["tiny"].chat_ids(messages)) - 16
+        assert max_tokens > 1024
         body = {"model": "tiny", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": text(31, 60)}]}
+                "stream_options": {"include_usage": True}, "messages": messages}
         events: list[Any] = []
         deltas = 0
         killed: str | None = None
@@ -375,8 +378,8 @@ class TestGatewayInFrontOfTwoVLLMEngines:
                     if deltas == 1 and killed is None:
                         proc = f.adapter.process(f.instances[iid])
                         assert proc is not None
+                        assert kill_group(proc)  # first: not one more token from it
                         await f.adapter.supervisor.release(iid)  # stays dead: no restart on 2 cores
-                        assert kill_group(proc)
                         killed = iid
         assert killed is not None, "the stream ended before the engine could be killed"
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
