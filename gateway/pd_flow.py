@@ -27,7 +27,6 @@ outcomes and the decision log names both instances.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
@@ -45,7 +44,9 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.interconnect import kv_bytes, link_between
 from fleetcore.types import Candidate, InstanceSnapshot, RequestProfile, RouteDecision
 from fleetmind.place import Choice, place
+from gateway.background import cancel_and_wait
 from gateway.errors import upstream_failed, upstream_timeout
+from gateway.relay import CLIENT_CLOSED, ClientGone, DisconnectWatch, Relay, Target, upstream_body
 from gateway.requests import ParsedRequest
 from gateway.upstream_failure import RetryableFailure, describe
 from tokenpilot.disagg import DisaggPolicy, PDDecision, TokenPilotDisagg
@@ -53,11 +54,9 @@ from tokenpilot.router import TokenPilot
 
 if TYPE_CHECKING:
     from gateway.fleet_state import FleetState
-    from gateway.relay import DisconnectWatch, Relay, Target
 
 log = logging.getLogger("tokenfleet.gateway")
 
-CLIENT_CLOSED = 499
 # What vLLM's proxy sends the prefill instance (toy_proxy_server.py).
 _VLLM_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -159,7 +158,6 @@ class PDFlow:
         relay = self.relay
         if not self._pd_pool(profile):
             return relay.choose(profile, excluded, attempt, avoid)
-        from gateway.relay import Target
         router = _DecideAsRoute(self.policy, self.links, local_only=attempt > 0)
         choice: Choice = place(profile, relay.state.view(), relay.clock(), relay.site_chooser, router,  # type: ignore[arg-type]
                                exclude=excluded, avoid=avoid)
@@ -222,7 +220,7 @@ class PDFlow:
             raise
         if prefill.done() and prefill.exception() is not None and not decode.done():
             # The prefill leg is gone: the decode must not wait for its room.
-            await _cancel(decode)
+            await cancel_and_wait([decode])
             self.metrics.legs.labels(parsed.profile.model, "sglang", "decode", "aborted").inc()
             raise prefill.exception()  # type: ignore[misc]
         try:
@@ -231,14 +229,13 @@ class PDFlow:
             await self._decode_failed(parsed, prefill, pre, dec, f, "sglang")
             raise AssertionError("unreachable")  # _decode_failed raises
         except BaseException:
-            await _cancel(prefill)
+            await cancel_and_wait([prefill])
             raise
         self._after_decode(parsed, prefill, resp, "sglang")
         return resp
 
     async def _vllm(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, pre: Target,
                     dec: Target) -> Response:
-        from gateway.relay import ClientGone
         body = self._body(parsed, pre)
         body.update(kv_transfer_params=dict(_VLLM_PREFILL_PARAMS), max_tokens=1, stream=False)
         if "max_completion_tokens" in body:
@@ -266,7 +263,6 @@ class PDFlow:
         return resp
 
     def _body(self, parsed: ParsedRequest, pre: Target) -> dict[str, Any]:
-        from gateway.relay import upstream_body
         return json.loads(upstream_body(parsed, pre.instance.model))
 
     async def _prefill(self, parsed: ParsedRequest, path: str, pre: Target, body: dict[str, Any]) -> dict[str, Any]:
@@ -335,7 +331,7 @@ class PDFlow:
         kv_missing = "KV transfer" in f.detail
         cut_short = not prefill.done()
         if cut_short:
-            await _cancel(prefill)
+            await cancel_and_wait([prefill])
         prefill_failed = prefill.cancelled() or prefill.exception() is not None
         if kv_missing and cut_short:
             # The decode side could not read the KV (the prefill server died or broke off) before
@@ -376,7 +372,7 @@ class PDFlow:
 
     async def close(self) -> None:
         for t in list(self._background):
-            await _cancel(t)
+            await cancel_and_wait([t])
 
 
 class _Retry(Exception):
@@ -389,9 +385,3 @@ class _Retry(Exception):
 
 def _outcome(status: int) -> str:
     return "aborted" if status == CLIENT_CLOSED else "ok" if status < 400 else "failed"
-
-
-async def _cancel(t: asyncio.Future[Any]) -> None:
-    t.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await t
