@@ -465,7 +465,13 @@ class TokenPilot(InstanceRouter):
         new_usage = kv_usage + need
         if not new_usage.max() > cfg.kv_soft_mark:  # (written so that NaN still takes the full path)
             return None
-        return prefill * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
+        return self._pressure(new_usage, prefill)
+
+    def _pressure(self, new_usage: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """KV pressure at `new_usage` (shares of capacity), in `seconds` of recompute or wait:
+        past the soft mark it risks evicting hot prefixes, past full it is preempted."""
+        cfg = self.config
+        return seconds * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
                           / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
 
     def _duty_window(self) -> float:
@@ -687,11 +693,10 @@ class TokenPilot(InstanceRouter):
         """The KV pressure term of `_kv_cost` for a request of this profile added at `usage`
         (shares of capacity), priced in `recompute_s` seconds: what losing its KV (a preemption)
         or waiting for room would cost it."""
-        cfg, s = self.config, self._s
+        s = self._s
         capacity = s.m[s.CAPACITY_BLOCKS].take(self._pool_slots(priced.ids))
         new_usage = usage + (profile.prompt_tokens + self._mean_output) / (profile.block_size * capacity)
-        return recompute_s * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
-                              / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
+        return self._pressure(new_usage, recompute_s)
 
     def book(self, profile: RequestProfile, priced: Priced, prefill_on: str, decode_on: str, now: float,
              predicted_ttft_s: float) -> None:
