@@ -1,6 +1,6 @@
 """Where a policy's TTFT goes above the physical floor, request by request, on routing-table rows.
 
-    .venv/bin/python bench/floor_gap.py GEN_DIR --rows "chat-rr75 agent-rr75" [--policies tokenpilot,dynamo_kv]
+    .venv/bin/python bench/floor_gap.py GEN_DIR --rows "chat-rr75 agent-rr75" [--policies tokenpilot,dynamo_kv] [--seed 1]
 
 For every request of every policy run (the row's trace and rate scale from bench/routing_tables.sh,
 first MAX requests) three prefill times by the same roofline prior as `routing_report.floor_ms`:
@@ -62,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policies", default="tokenpilot,dynamo_kv,sglang_cache_aware")
     ap.add_argument("--max", type=int, default=2000)
     ap.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
+    ap.add_argument("--seed", type=int, default=0, help="the policies' seed (TokenPilot: its exploration draws)")
     a = ap.parse_args(argv)
     fleet = load_fleet_file(Path(a.fleet))
     slos = fleet.admission.slos()
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "other instance | same instance (evicted / in flight) | goodput |")
         print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for pol in a.policies.split(","):
-            router = make_policy(pol, 0, fleet)
+            router = make_policy(pol, a.seed, fleet)
             res = FleetSimulator(fleet, router).run(inputs)
             s = summarize_all(res.records, slos)
             rec = {r.request_id: r for r in res.records}
