@@ -200,19 +200,21 @@ def targets(rows: dict[str, list[Path]]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    want_targets = "--targets" in args  # only the "Against the targets" table
-    folders = [Path(a) for a in args if a != "--targets"] or [Path("bench_out")]
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folders", nargs="*", default=["bench_out"], help="routing_tables.sh OUT folders, merged row by row")
+    p.add_argument("--targets", action="store_true", help='only the "Against the targets" table')
+    a = p.parse_args(argv)
     rows: dict[str, list[Path]] = {}
-    for folder in folders:
+    for folder in map(Path, a.folders):
         for f in sorted(folder.glob("*.json")):
             rows.setdefault(f.stem, []).append(f)
-    if want_targets:
+    if a.targets:
         print(targets(rows))
         return
     print("\n\n".join(table(name, files) for name, files in sorted(rows.items())))
-
 
 if __name__ == "__main__":
     main()
