@@ -6,10 +6,11 @@ For every request of every policy run (the row's trace and rate scale from bench
 first MAX requests) three prefill times by the same roofline prior as `routing_report.floor_ms`:
 
 - floor: idle fleet, ideal shared cache (the issue's floor, `floor_ms`);
-- causal floor: idle fleet, ideal shared cache, but a prompt block is cached only once some
-  earlier request holding it has had its first token on that idle fleet (at arrival + its own
-  causal-floor TTFT). No engine can hit a block whose prefill has not run yet; the issue's floor
-  counts it as soon as a request carrying it *arrived*. A reference, never a replacement;
+- causal floor (`routing_report.causal_floor_times`): idle fleet, ideal shared cache holding only
+  the tokens an earlier request's prompt carried, from that prompt's first token on the idle
+  fleet, at engine-block granularity. No engine can hit tokens whose prefill has not run, or that
+  no prompt carried; the issue's floor counts a trace block as soon as a request carrying it
+  *arrived*, partial blocks whole. A reference, never a replacement;
 - idle with its hit: idle instance, the cached tokens the request actually got in this run.
 
 So TTFT - floor splits into (causal floor - floor: unreachable by any router) + (idle with its hit -
