@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
+from tokenpilot import score_kernel as sk
 from tokenpilot.backlog import Outstanding, reconcile
 from tokenpilot.cache_index import PrefixCacheIndex
-from tokenpilot.forward import drain_rate, forward_ttft
+from tokenpilot.forward import drain_rate
 from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
@@ -131,19 +132,18 @@ class _Slots:
     bit-for-bit what they were, at a few vector operations less per decision.
     """
 
-    # State. Backlog, untracked backlog and duty decay on the same clock, so one "decayed
-    # at" serves them all; the four rows are adjacent so that a decision writes them back in
-    # one store (`TokenPilot._score`). OUT_S / HEAD_S: predicted prefill of the streamed
-    # requests sent there whose first token has not been seen (all of them / the oldest one).
-    TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
-        BACKLOG, BACKLOG_UNTRACKED, DUTY, DECAYED_AT, CONTEXT, STREAMS, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
-    DECAYING = slice(BACKLOG, DECAYED_AT + 1)  # the rows a decision drains to its clock and stores
-    # Derived by `refresh`.
-    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
-    # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
-    # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
-    BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
-    ROWS = 27
+    # The rows, with what each holds: `tokenpilot.score_kernel` (the scoring reads them there).
+    TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR = (
+        sk.TOKEN_S, sk.ATTN_S, sk.KV_S, sk.OVERHEAD_S, sk.CAPACITY_BLOCKS, sk.BUDGET, sk.PREFILL_FACTOR,
+        sk.DECODE_FACTOR)
+    BACKLOG, BACKLOG_UNTRACKED, DUTY, DECAYED_AT, CONTEXT, STREAMS, OUT_S, HEAD_S, TPOT_FACTOR = (
+        sk.BACKLOG, sk.BACKLOG_UNTRACKED, sk.DUTY, sk.DECAYED_AT, sk.CONTEXT, sk.STREAMS, sk.OUT_S, sk.HEAD_S,
+        sk.TPOT_FACTOR)
+    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = (
+        sk.TOKEN_EFF, sk.ATTN_EFF, sk.KV_EFF, sk.OVERHEAD_DF, sk.CONTEXT_PER_STREAM)
+    BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = sk.BACKLOG_TOK, sk.UNTRACKED_TOK, sk.OUT_TOK, \
+        sk.HEAD_TOK, sk.OUT_N
+    ROWS = sk.STATE_ROWS
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -335,118 +335,53 @@ class TokenPilot(InstanceRouter):
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
                matched_blocks: np.ndarray, now: float) -> tuple[np.ndarray, ...]:
         """(cost, ttft, queue, prefill, interference, kv pressure, cached tokens, own decode,
-        prefill compute) per candidate.
+        prefill compute, tpot, prior ttft, prior tpot, forward ttft, tokens ahead, features) per candidate.
 
-        Each expression keeps the operation order it has always had (the floating-point
-        results, hence the decisions, are exactly those of earlier versions); what changed is
-        only where the operands come from. Why it is written this way: a decision's cost is
-        the count of numpy calls (~0.3-0.5 us each on 64 candidates, whatever the length), so
-        the snapshot fields are read once each, the clock-drained rows are worked in place on
-        the gathered copy `g` and stored back in one assignment, and nothing is computed twice.
+        The arithmetic per candidate is `tokenpilot.score_kernel.score` (compiled: a decision's
+        cost used to be the count of numpy calls here, ~100 of them at 0.3-1 us each); this
+        method feeds it, takes numpy's exp and log between its steps (see that module's doc for
+        why the results are bit-for-bit those of the numpy expressions it replaced), and applies
+        what stays numpy's: the KV pressure (`_kv_cost`, shared with the P/D decision) and the
+        learned residual (`LatencyModel.correct`).
         """
         cfg = self.config
         s = self._s
         n = len(pool)
-        g = s.m.take(k, axis=1)  # every state row of every candidate, one gather (a copy: worked in place)
+        p = np.empty(sk.PARAMS)
+        p[:sk.P_KV_MAX] = (profile.prompt_tokens, profile.block_size, now, self._duty_window(),
+                           self._remaining_tokens(), cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight,
+                           cfg.locality_weight, cfg.decode_weight, cfg.decode_slo_weight)
+        # the snapshots' fields, read once each
         running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
         waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)
         kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=n)
-        prompt = profile.prompt_tokens
-        cached = np.minimum(matched_blocks * profile.block_size, max(prompt - 1, 0))
-        uncached = prompt - cached
-        token_s, kv_s, overhead, budget = g[s.TOKEN_EFF], g[s.KV_EFF], g[s.OVERHEAD_S], g[s.BUDGET]
-        # Context decoding alongside the prefill: what we routed there, or what the engine
-        # reports running when others share it (assume our mean context per stream).
-        ours = g[s.STREAMS]
-        streams = np.maximum(ours, running)
-        mean_ctx = np.where(ours, g[s.CONTEXT_PER_STREAM], prompt)  # (ours >= 0: nonzero means > 0)
-        context = streams * mean_ctx
-        # Prefill = linear layers per token + attention over the context so far (quadratic in
-        # long prompts) + every step's decode KV reads and fixed cost while it runs.
-        compute = uncached * token_s + g[s.ATTN_EFF] * uncached * (cached + uncached / 2)
-        context_kv = context * kv_s
-        step_s = context_kv + overhead
-        prefill = compute + uncached / budget * step_s + overhead
-        # Prefill work routed here and not yet done (seconds): drained by the clock, held
-        # within what the first tokens seen so far allow (`tokenpilot.backlog`). Backlog and
-        # untracked backlog drain together (rows BACKLOG, BACKLOG_UNTRACKED of `g`).
-        elapsed = np.maximum(0.0, now - g[s.DECAYED_AT])
-        drained = g[s.BACKLOG:s.BACKLOG_UNTRACKED + 1]
-        np.maximum(0.0, np.subtract(drained, elapsed, out=drained), out=drained)
-        untracked = g[s.BACKLOG_UNTRACKED]
-        backlog = reconcile(g[s.BACKLOG], untracked, g[s.OUT_S], g[s.HEAD_S], out=g[s.BACKLOG])
-        # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
-        per_token = compute / (uncached if prompt >= 1 else np.maximum(uncached, 1)) + step_s / budget
-        waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
-        queue = np.maximum(backlog, waiting_hint)
-        ttft = queue + prefill
-        # Prefill duty: the share of the instance's time that prefills routed there have been
-        # taking lately (EWMA). Every prefill step stalls all decoding streams, so a stream's
-        # time per token is its decode step stretched by 1 / (1 - duty).
-        window = self._duty_window()
-        duty = g[s.DUTY]
-        np.multiply(duty, np.exp(elapsed / -window), out=duty)  # (x / -w is -x / w, bit for bit)
-        # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
-        # drained at the engine's prefill rate, and timed by how the engine batches it. It is
-        # what the decision reports and the learned residual corrects; the cost ranks by the
-        # physics above unless `learned_cost`.
-        decoding = np.maximum(streams - g[s.OUT_N], 0.0)
-        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
-        untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
-        # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
-        backlog_tok = reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
-                                g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
-        ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
-        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
-                               overhead)
-        # Keep the clock-drained backlogs and duty: the next decision decays from here.
-        np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
-        s.m[s.DECAYING, k] = g[s.DECAYING]
-        s.m[s.BACKLOG_TOK, k] = backlog_tok
-        s.m[s.UNTRACKED_TOK, k] = untracked_tok
-        duty_after = np.minimum(cfg.max_duty, duty + compute / window)
-        decode_step = g[s.OVERHEAD_DF] + context_kv
-        tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
-        # Each running stream absorbs this prefill's compute as gaps between its tokens over
-        # its remaining output; only what pushes it past its TPOT budget costs goodput.
-        remaining = self._remaining_tokens()
-        slack = (cfg.tpot_slo_s - tpot_now) * remaining
-        interference = _weighted(cfg.interference_weight, streams) * np.maximum(0.0, compute - np.maximum(slack, 0.0))
-        kv_cost = self._kv_cost(profile, kv_usage, g[s.CAPACITY_BLOCKS], prefill)
-        # Locality: reusing a prefix where it already lives also spares the fleet a second copy
-        # of it, which keeps every instance's cache holding more distinct prefixes.
-        locality = _weighted(cfg.locality_weight, cached) * token_s
-        # Its own decode: every step there reads all streams' KV, ours included. A crowded
-        # instance stretches this request's time per token (and past the TPOT budget, costs
-        # its SLO); without this term, requests whose prefill is cheap everywhere would
-        # all tie on TTFT and pile onto one instance.
-        own_step = g[s.TPOT_FACTOR] * (decode_step + prompt * kv_s) / (1 - duty_after)
-        # The learned residual over these physics predictions (`tokenpilot.latency_model`):
-        # zero until the caller has fitted it on enough outcomes. (np.array stacks the rows
-        # as np.vstack would, without its per-row reshaping.)
-        positive = np.maximum(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
-        features = np.array((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
-                             budget / 1e3, forward, ahead / 1e3, decoding, np.log(positive), 0.01 / positive))
+        if matched_blocks.dtype != np.float64 or not matched_blocks.flags.c_contiguous:
+            matched_blocks = np.ascontiguousarray(matched_blocks, dtype=np.float64)
+        o = np.empty((sk.OUT_ROWS, n))
+        sk.prep(s.m, k, p, o)
+        np.exp(o[sk.O_DECAY], out=o[sk.O_DECAY])  # the duty's decay over the time elapsed
+        sk.score(s.m, k, running, waiting, kv_usage, matched_blocks, p, o)
+        features = o[sk.O_FEATURES:]
+        np.log(features[sk.F_LOG - sk.O_FEATURES], out=features[sk.F_LOG - sk.O_FEATURES])
+        queue, prefill, own_step, forward = o[sk.O_QUEUE], o[sk.O_PREFILL], o[sk.O_OWN_STEP], o[sk.O_FORWARD]
+        kv_cost = self._kv_cost(profile, kv_usage, o[sk.O_CAPACITY], prefill,
+                                float(p[sk.P_KV_MAX]), float(p[sk.P_CAPACITY_MIN]))
+        if kv_cost is not None:
+            o[sk.O_KV] = kv_cost
         lat = self.latency
-        prior_ttft, prior_tpot = ttft, own_step
+        prior_ttft, prior_tpot = o[sk.O_TTFT], own_step
         ttft_pred = lat.correct(lat.ttft, forward, features)
         tpot_pred = lat.correct(lat.tpot, own_step, features)
+        ttft = prior_ttft
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
             ttft, own_step = ttft_pred, tpot_pred
-        out = 2 * remaining
-        decode = out * (cfg.decode_weight * own_step
-                        + _weighted(cfg.decode_slo_weight, np.maximum(0.0, own_step - cfg.tpot_slo_s)))
-        cost = ttft + interference
-        if kv_cost is not None:
-            cost = cost + kv_cost
-        else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
-            kv_cost = np.zeros(n)
-        cost = cost + decode - locality
-        return (cost, ttft_pred, queue, prefill, interference, kv_cost, cached, decode, compute, tpot_pred,
-                prior_ttft, prior_tpot, forward, ahead, features)
+        sk.finish(o, _f64(ttft), _f64(own_step), o[sk.O_KV], 0.0 if kv_cost is None else 1.0, p)
+        return (o[sk.O_COST], ttft_pred, queue, prefill, o[sk.O_INTERFERENCE], o[sk.O_KV], o[sk.O_CACHED],
+                o[sk.O_DECODE], o[sk.O_COMPUTE], tpot_pred, prior_ttft, prior_tpot, forward, o[sk.O_AHEAD],
+                features)
 
     def _kv_cost(self, profile: RequestProfile, kv_usage: np.ndarray, capacity: np.ndarray,
-                 prefill: np.ndarray) -> np.ndarray | None:
+                 prefill: np.ndarray, kv_usage_max: float, capacity_min: float) -> np.ndarray | None:
         """KV pressure per candidate (`kv_usage`: theirs now), or None where no candidate
         would pass the soft mark.
 
@@ -459,7 +394,8 @@ class TokenPilot(InstanceRouter):
         # Most decisions see no pressure anywhere: rule that out from two maxima first. The
         # bound is >= every candidate's new usage in floating point too (rounding is monotonic:
         # a smaller capacity gives a larger need, and x <= X, y <= Y give fl(x + y) <= fl(X + Y)).
-        if kv_usage.max() + demand / (profile.block_size * capacity.min()) <= cfg.kv_soft_mark:
+        # (`kv_usage_max`, `capacity_min`: those of the arrays, taken by the scoring loop as it reads them)
+        if kv_usage_max + demand / (profile.block_size * capacity_min) <= cfg.kv_soft_mark:
             return None
         need = demand / (profile.block_size * capacity)
         new_usage = kv_usage + need
@@ -795,6 +731,6 @@ def _after_dispatch(ttft_s: float | None, held_s: float) -> float | None:
     return None if ttft_s is None else max(ttft_s - held_s, 1e-6)
 
 
-def _weighted(weight: float, x: np.ndarray) -> np.ndarray:
-    """weight * x, skipping the vector operation at the (default) weight 1, where it is exact."""
-    return x if weight == 1.0 else weight * x
+def _f64(x: np.ndarray) -> np.ndarray:
+    """`x` as the compiled scoring takes it: contiguous float64 (a copy only where it is not)."""
+    return x if x.dtype == np.float64 and x.flags.c_contiguous else np.ascontiguousarray(x, dtype=np.float64)

@@ -1,0 +1,168 @@
+"""TokenPilot's per-candidate scoring arithmetic, compiled (numba): one loop over the candidates.
+
+Why compiled. Written with numpy, a decision was ~100 vector operations on 64-element
+vectors, each paying 0.3-1 us of fixed cost (dispatch, a temporary) whatever the length:
+~90 us of a ~140 us decision (bench/README.md, "Decision cost"). The same expressions as
+scalar code in one compiled loop cost a few microseconds.
+
+Why the results are bit-for-bit numpy's: every expression keeps the operation order it had
+as numpy code (`TokenPilot._score`'s history), and `tokenpilot.jit` says why compiled scalar
+code then rounds as numpy did. `exp` and `log` are the exception: numpy's vectorised ones
+(AVX-512 here) may round the last bit differently from the C library's, so they stay numpy
+calls between the compiled steps (`prep` -> `np.exp` -> `score` -> `np.log` -> `finish`).
+The decision replay (`tests/test_score_once.py`, `bench/decision_replay.py`) checks it.
+
+Layout. The router's per-instance state is one matrix `m` (row = field, column = slot, see
+the row numbers below: `tokenpilot.router._Slots` takes them from here); a decision's
+results are the rows of one matrix `o` (the `O_*` rows), whose last `N_FEATURES` rows are
+the learned latency model's features, C-contiguous like the `np.array` of rows they were.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import float64, intp, njit, void
+
+from tokenpilot.backlog import reconcile
+from tokenpilot.forward import drain_rate, forward_ttft
+from tokenpilot.jit import JIT
+from tokenpilot.jit import fmax as _max
+from tokenpilot.jit import fmin as _min
+
+# -- rows of the router's state matrix (`_Slots.m`) ------------------------------------------
+# State. Backlog, untracked backlog and duty decay on the same clock, so one "decayed at"
+# serves them all. OUT_S / HEAD_S: predicted prefill of the streamed requests sent there whose
+# first token has not been seen (all of them / the oldest one).
+(TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR,
+ BACKLOG, BACKLOG_UNTRACKED, DUTY, DECAYED_AT, CONTEXT, STREAMS, OUT_S, HEAD_S, TPOT_FACTOR) = range(17)
+# Derived by `_Slots.refresh` (they change only when an instance's speeds or streams do).
+TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
+# The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
+# clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
+BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
+STATE_ROWS = 27
+
+# -- rows of a decision's results (`o`) ---------------------------------------------------------
+(O_COST, O_TTFT, O_QUEUE, O_PREFILL, O_INTERFERENCE, O_KV, O_CACHED, O_DECODE, O_COMPUTE, O_OWN_STEP,
+ O_FORWARD, O_AHEAD, O_LOCALITY, O_CAPACITY, O_ELAPSED, O_DECAY) = range(16)
+# Scratch: the drained state, held until every candidate is read, then stored into `m`.
+_S_BACKLOG, _S_UNTRACKED, _S_DUTY, _S_BACKLOG_TOK, _S_UNTRACKED_TOK = range(16, 21)
+O_FEATURES = 21  # queue, prefill, uncached/1e3, streams, context/1e6, kv_usage, waiting, budget/1e3,
+N_FEATURES = 13  # forward, ahead/1e3, decoding, log(max(forward, 1e-9)), 0.01/max(forward, 1e-9)
+F_KV_USAGE, F_LOG = O_FEATURES + 5, O_FEATURES + 11
+OUT_ROWS = O_FEATURES + N_FEATURES
+
+# -- a decision's scalars (`p`) -----------------------------------------------------------------
+(P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN) = range(13)
+PARAMS = 13  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+
+@njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
+def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
+    """Time since each candidate's state was last drained, and the duty decay's exponent
+    (`elapsed / -window`; numpy takes its exp)."""
+    now, neg_window = p[P_NOW], -p[P_WINDOW]
+    for j in range(k.shape[0]):
+        elapsed = _max(0.0, now - m[DECAYED_AT, k[j]])
+        o[O_ELAPSED, j] = elapsed
+        o[O_DECAY, j] = elapsed / neg_window
+
+
+@njit(void(float64[:, ::1], intp[::1], float64[::1], float64[::1], float64[::1], float64[::1], float64[::1],
+           float64[:, ::1]), **JIT)
+def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray, kv_usage: np.ndarray,
+          matched: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
+    """Every term of `TokenPilot._score` per candidate but the cost and own decode (`finish`),
+    and the clock-drained state stored back into `m` (after all candidates are read: a pool
+    listing one instance twice scores both from the same state, as the gathered copy did).
+
+    running, waiting, kv_usage: the snapshots'; matched: prefix blocks cached there."""
+    prompt, block_size, now, window = p[P_PROMPT], p[P_BLOCK_SIZE], p[P_NOW], p[P_WINDOW]
+    remaining, slo, max_duty = p[P_REMAINING], p[P_TPOT_SLO], p[P_MAX_DUTY]
+    iw, lw = p[P_INTERFERENCE_W], p[P_LOCALITY_W]
+    cap_prompt = _max(prompt - 1.0, 0.0)  # (max(prompt - 1, 0) on ints: exact as floats)
+    n = k.shape[0]
+    kv_max, cap_min = -np.inf, np.inf
+    for j in range(n):
+        s = k[j]
+        cached = _min(matched[j] * block_size, cap_prompt)
+        uncached = prompt - cached
+        token_s, kv_s, overhead, budget = m[TOKEN_EFF, s], m[KV_EFF, s], m[OVERHEAD_S, s], m[BUDGET, s]
+        attn = m[ATTN_EFF, s]
+        ours = m[STREAMS, s]
+        streams = _max(ours, running[j])
+        mean_ctx = m[CONTEXT_PER_STREAM, s] if ours != 0.0 else prompt
+        context = streams * mean_ctx
+        own_attention = attn * uncached * (cached + uncached / 2)
+        compute = uncached * token_s + own_attention
+        context_kv = context * kv_s
+        step_s = context_kv + overhead
+        prefill = compute + uncached / budget * step_s + overhead
+        elapsed = o[O_ELAPSED, j]
+        untracked = _max(0.0, m[BACKLOG_UNTRACKED, s] - elapsed)
+        drained = _max(0.0, m[BACKLOG, s] - elapsed)
+        backlog = reconcile(drained, untracked, m[OUT_S, s], m[HEAD_S, s])
+        per_token = compute / (uncached if prompt >= 1.0 else _max(uncached, 1.0)) + step_s / budget
+        waiting_ctx = waiting[j] * mean_ctx * 0.5
+        waiting_hint = waiting_ctx * per_token
+        queue = _max(backlog, waiting_hint)
+        ttft = queue + prefill
+        duty = m[DUTY, s] * o[O_DECAY, j]  # (o[O_DECAY] holds exp(elapsed / -window) by now)
+        # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
+        # drained at the engine's prefill rate, and timed by how the engine batches it.
+        decoding = _max(streams - m[OUT_N, s], 0.0)
+        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
+        untracked_tok = _max(0.0, m[UNTRACKED_TOK, s] - drained_tok)
+        # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
+        backlog_tok = reconcile(_max(0.0, m[BACKLOG_TOK, s] - drained_tok), untracked_tok, m[OUT_TOK, s],
+                                m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
+        ahead = _max(backlog_tok, waiting_ctx)
+        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, attn, kv_s, overhead)
+        duty_after = _min(max_duty, duty + compute / window)
+        decode_step = m[OVERHEAD_DF, s] + context_kv
+        tpot_factor = m[TPOT_FACTOR, s]
+        tpot_now = tpot_factor * decode_step / (1 - _min(duty, max_duty))
+        slack = (slo - tpot_now) * remaining
+        interference = (streams if iw == 1.0 else iw * streams) * _max(0.0, compute - _max(slack, 0.0))
+        locality = (cached if lw == 1.0 else lw * cached) * token_s
+        own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - duty_after)
+        positive = _max(forward, 1e-9)
+        capacity = m[CAPACITY_BLOCKS, s]
+        kv_max = _max(kv_max, kv_usage[j])
+        cap_min = _min(cap_min, capacity)
+        o[O_TTFT, j], o[O_QUEUE, j], o[O_PREFILL, j], o[O_INTERFERENCE, j] = ttft, queue, prefill, interference
+        o[O_CACHED, j], o[O_COMPUTE, j], o[O_OWN_STEP, j], o[O_FORWARD, j] = cached, compute, own_step, forward
+        o[O_AHEAD, j], o[O_LOCALITY, j], o[O_CAPACITY, j], o[O_KV, j] = ahead, locality, capacity, 0.0
+        f = O_FEATURES
+        o[f, j], o[f + 1, j], o[f + 2, j], o[f + 3, j] = queue, prefill, uncached / 1e3, streams
+        o[f + 4, j], o[f + 5, j], o[f + 6, j], o[f + 7, j] = context / 1e6, kv_usage[j], waiting[j], budget / 1e3
+        o[f + 8, j], o[f + 9, j], o[f + 10, j] = forward, ahead / 1e3, decoding
+        o[f + 11, j], o[f + 12, j] = positive, 0.01 / positive  # (row f + 11: numpy takes the log)
+        o[_S_BACKLOG, j], o[_S_UNTRACKED, j], o[_S_DUTY, j] = backlog, untracked, duty
+        o[_S_BACKLOG_TOK, j], o[_S_UNTRACKED_TOK, j] = backlog_tok, untracked_tok
+    # Keep the clock-drained backlogs and duty: the next decision decays from here.
+    for j in range(n):
+        s = k[j]
+        m[BACKLOG, s], m[BACKLOG_UNTRACKED, s], m[DUTY, s] = o[_S_BACKLOG, j], o[_S_UNTRACKED, j], o[_S_DUTY, j]
+        m[DECAYED_AT, s] = _max(m[DECAYED_AT, s], now)
+        m[BACKLOG_TOK, s], m[UNTRACKED_TOK, s] = o[_S_BACKLOG_TOK, j], o[_S_UNTRACKED_TOK, j]
+    p[P_KV_MAX], p[P_CAPACITY_MIN] = kv_max, cap_min
+
+
+@njit(void(float64[:, ::1], float64[::1], float64[::1], float64[::1], float64, float64[::1]), **JIT)
+def finish(o: np.ndarray, ttft: np.ndarray, own_step: np.ndarray, kv_cost: np.ndarray, with_kv: float,
+           p: np.ndarray) -> None:
+    """The own-decode term and the cost, from the TTFT and time per token the cost ranks by
+    (the physics', or the learned model's with `learned_cost`) and the KV pressure (`with_kv`
+    0: none anywhere, and adding its zeros is left out, as it always was)."""
+    out = 2 * p[P_REMAINING]
+    slo, dw, dsw = p[P_TPOT_SLO], p[P_DECODE_W], p[P_DECODE_SLO_W]
+    for j in range(o.shape[1]):
+        own = own_step[j]
+        over = _max(0.0, own - slo)
+        decode = out * (dw * own + (over if dsw == 1.0 else dsw * over))
+        cost = ttft[j] + o[O_INTERFERENCE, j]
+        if with_kv != 0.0:
+            cost = cost + kv_cost[j]
+        o[O_DECODE, j] = decode
+        o[O_COST, j] = cost + decode - o[O_LOCALITY, j]
