@@ -95,23 +95,38 @@ class _Learned:
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
           "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s", "forward_ttft_s",
           "ahead_tokens")
-_FWD, _AHEAD, _FEATURES = 12, 13, 14  # positions in `_score`'s terms (the features: not explained)
+_FWD, _AHEAD, _FEATURES, _MATRIX = 12, 13, 14, 15  # positions in `_score`'s terms (not explained)
+# Where each of `_score`'s terms lives in its result matrix (`tokenpilot.score_kernel`'s rows);
+# None: the learned predictions (rows of it too, unless a fitted residual corrected them).
+_ROWS = (sk.O_COST, None, sk.O_QUEUE, sk.O_PREFILL, sk.O_INTERFERENCE, sk.O_KV, sk.O_CACHED, sk.O_DECODE,
+         sk.O_COMPUTE, None, sk.O_TTFT, sk.O_OWN_STEP, sk.O_FORWARD, sk.O_AHEAD)
+
+
+def _terms_of(o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`_score`'s terms (see there) from its result matrix `o` and the learned predictions."""
+    terms = [o[r] for r in _ROWS]
+    terms[1], terms[9] = ttft_pred, tpot_pred
+    return (*terms, o[sk.O_FEATURES:], o)
 
 
 class _Explained(Sequence[Candidate]):
     """The best few candidates of a decision, built only when someone reads them
-    (the debug endpoint), so explanations cost nothing on the hot path."""
+    (the debug endpoint), so explanations cost nothing on the hot path. It keeps the scoring's
+    result matrix, not its ~15 row views: a decision's objects are freed when it falls out of
+    the kept ones, long after, from cold memory (~6 us a decision with the views)."""
 
-    def __init__(self, ids: Sequence[str], terms: tuple[np.ndarray, ...], limit: int) -> None:
-        self._ids, self._terms, self._limit = ids, terms, limit
+    def __init__(self, ids: Sequence[str], o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray,
+                 limit: int) -> None:
+        self._ids, self._o, self._pred, self._limit = ids, o, (ttft_pred, tpot_pred), limit
         self._items: list[Candidate] | None = None
 
     def _build(self) -> list[Candidate]:
         if self._items is None:
-            cost = self._terms[0]
+            terms = _terms_of(self._o, *self._pred)[:_FEATURES]
+            cost = terms[0]
             top = np.argsort(cost, kind="stable")[: self._limit]
             self._items = [Candidate(self._ids[j], float(cost[j]),
-                                     dict(zip(_TERMS, (float(t[j]) for t in self._terms[1:]))))
+                                     dict(zip(_TERMS, (float(t[j]) for t in terms[1:]))))
                            for j in top]
         return self._items
 
@@ -190,8 +205,7 @@ class _Slots:
 
     def refresh_context(self, k: int) -> None:
         """... after only its streams and context changed (every routed request)."""
-        m = self.m
-        m[self.CONTEXT_PER_STREAM, k] = m[self.CONTEXT, k] / max(m[self.STREAMS, k], 1.0)
+        sk.refresh_context(self.m, k)
 
 
 class TokenPilot(InstanceRouter):
@@ -335,7 +349,8 @@ class TokenPilot(InstanceRouter):
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
                matched_blocks: np.ndarray, now: float) -> tuple[np.ndarray, ...]:
         """(cost, ttft, queue, prefill, interference, kv pressure, cached tokens, own decode,
-        prefill compute, tpot, prior ttft, prior tpot, forward ttft, tokens ahead, features) per candidate.
+        prefill compute, tpot, prior ttft, prior tpot, forward ttft, tokens ahead, features) per
+        candidate, and the matrix whose rows most of them are (`_terms_of`).
 
         The arithmetic per candidate is `tokenpilot.score_kernel.score` (compiled: a decision's
         cost used to be the count of numpy calls here, ~100 of them at 0.3-1 us each); this
@@ -347,10 +362,9 @@ class TokenPilot(InstanceRouter):
         cfg = self.config
         s = self._s
         n = len(pool)
-        p = np.empty(sk.PARAMS)
-        p[:sk.P_KV_MAX] = (profile.prompt_tokens, profile.block_size, now, self._duty_window(),
-                           self._remaining_tokens(), cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight,
-                           cfg.locality_weight, cfg.decode_weight, cfg.decode_slo_weight)
+        p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
+                      cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
+                      cfg.decode_slo_weight, 0.0, 0.0), dtype=np.float64)  # (sk.P_*: the last two are answers)
         # the snapshots' fields, read once each
         running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
         waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)
@@ -363,22 +377,21 @@ class TokenPilot(InstanceRouter):
         sk.score(s.m, k, running, waiting, kv_usage, matched_blocks, p, o)
         features = o[sk.O_FEATURES:]
         np.log(features[sk.F_LOG - sk.O_FEATURES], out=features[sk.F_LOG - sk.O_FEATURES])
-        queue, prefill, own_step, forward = o[sk.O_QUEUE], o[sk.O_PREFILL], o[sk.O_OWN_STEP], o[sk.O_FORWARD]
-        kv_cost = self._kv_cost(profile, kv_usage, o[sk.O_CAPACITY], prefill,
+        own_step = o[sk.O_OWN_STEP]
+        kv_cost = self._kv_cost(profile, kv_usage, o[sk.O_CAPACITY], o[sk.O_PREFILL],
                                 float(p[sk.P_KV_MAX]), float(p[sk.P_CAPACITY_MIN]))
         if kv_cost is not None:
             o[sk.O_KV] = kv_cost
+        # The learned residual over these physics predictions (`tokenpilot.latency_model`):
+        # zero until the caller has fitted it on enough outcomes.
         lat = self.latency
-        prior_ttft, prior_tpot = o[sk.O_TTFT], own_step
-        ttft_pred = lat.correct(lat.ttft, forward, features)
+        ttft_pred = lat.correct(lat.ttft, o[sk.O_FORWARD], features)
         tpot_pred = lat.correct(lat.tpot, own_step, features)
-        ttft = prior_ttft
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
-            ttft, own_step = ttft_pred, tpot_pred
-        sk.finish(o, _f64(ttft), _f64(own_step), o[sk.O_KV], 0.0 if kv_cost is None else 1.0, p)
-        return (o[sk.O_COST], ttft_pred, queue, prefill, o[sk.O_INTERFERENCE], o[sk.O_KV], o[sk.O_CACHED],
-                o[sk.O_DECODE], o[sk.O_COMPUTE], tpot_pred, prior_ttft, prior_tpot, forward, o[sk.O_AHEAD],
-                features)
+            sk.finish(o, _f64(ttft_pred), _f64(tpot_pred), o[sk.O_KV], 0.0 if kv_cost is None else 1.0, p)
+        elif kv_cost is not None:  # (`score` made the cost without it)
+            sk.finish(o, o[sk.O_TTFT], own_step, o[sk.O_KV], 1.0, p)
+        return _terms_of(o, ttft_pred, tpot_pred)
 
     def _kv_cost(self, profile: RequestProfile, kv_usage: np.ndarray, capacity: np.ndarray,
                  prefill: np.ndarray, kv_usage_max: float, capacity_min: float) -> np.ndarray | None:
@@ -419,15 +432,16 @@ class TokenPilot(InstanceRouter):
         return max(16.0, self._mean_output / 2)
 
     def _explain(self, ids: Sequence[str], terms: tuple[np.ndarray, ...]) -> _Explained:
-        return _Explained(ids, terms, self.config.max_candidates_explained)
+        return _Explained(ids, terms[_MATRIX], terms[1], terms[9], self.config.max_candidates_explained)
 
     def _commit_at(self, profile: RequestProfile, ids: Sequence[str], slots: np.ndarray,
                    terms: tuple[np.ndarray, ...], j: int, now: float) -> None:
         """Book the request on candidate `j` of a scored pool (`route`'s pick, or another replica's)."""
-        self._commit(profile, int(slots[j]), ids[j], float(terms[10][j]), float(terms[2][j]),
-                     float(terms[3][j]), float(terms[8][j]), float(terms[11][j]),
-                     terms[_FEATURES][:, j].copy(), now, float(terms[_FWD][j]),
-                     float(profile.prompt_tokens - terms[6][j]))
+        o = terms[_MATRIX]
+        col = o[:, j].tolist()  # (its terms as Python floats, in one call)
+        self._commit(profile, int(slots[j]), ids[j], col[sk.O_TTFT], col[sk.O_QUEUE], col[sk.O_PREFILL],
+                     col[sk.O_COMPUTE], col[sk.O_OWN_STEP], o[sk.O_FEATURES:, j].copy(), now, col[sk.O_FORWARD],
+                     profile.prompt_tokens - col[sk.O_CACHED])
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
@@ -435,24 +449,19 @@ class TokenPilot(InstanceRouter):
         """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual;
         `forward_s`: the scheduler-forward TTFT; `uncached`: the prompt tokens it prefills there)."""
         self._memo.clear()
-        s, m = self._s, self._s.m
+        s = self._s
         rid = profile.request_id
         if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
             self._release(self._inflight.pop(rid), rid, now)
-        m[s.BACKLOG, k] += prefill_s
-        m[s.BACKLOG_TOK, k] += uncached
         if profile.stream:  # its first token will say when this prefill is through
-            m[s.OUT_S, k], m[s.HEAD_S, k] = self._outstanding.add(k, rid, prefill_s)
-            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] = self._outstanding_tok.add(k, rid, uncached)
-            m[s.OUT_N, k] = self._outstanding.count(k)
+            out_s, head_s = self._outstanding.add(k, rid, prefill_s)
+            out_tok, head_tok = self._outstanding_tok.add(k, rid, uncached)
+            sk.book(s.m, k, prefill_s, uncached, compute_s / self._duty_window(), profile.prompt_tokens, 1.0,
+                    out_s, head_s, out_tok, head_tok, self._outstanding.count(k))
         else:
-            m[s.BACKLOG_UNTRACKED, k] += prefill_s
-            m[s.UNTRACKED_TOK, k] += uncached
-        m[s.DUTY, k] += compute_s / self._duty_window()
+            sk.book(s.m, k, prefill_s, uncached, compute_s / self._duty_window(), profile.prompt_tokens, 0.0,
+                    0.0, 0.0, 0.0, 0.0, 0.0)
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
-        m[s.CONTEXT, k] += profile.prompt_tokens
-        m[s.STREAMS, k] += 1
-        s.refresh_context(k)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
                                         _held(profile, now))

@@ -9,7 +9,8 @@ Why the results are bit-for-bit numpy's: every expression keeps the operation or
 as numpy code (`TokenPilot._score`'s history), and `tokenpilot.jit` says why compiled scalar
 code then rounds as numpy did. `exp` and `log` are the exception: numpy's vectorised ones
 (AVX-512 here) may round the last bit differently from the C library's, so they stay numpy
-calls between the compiled steps (`prep` -> `np.exp` -> `score` -> `np.log` -> `finish`).
+calls between the compiled steps (`prep` -> `np.exp` -> `score` -> `np.log`, and `finish` again where KV pressure or the learned
+ranking changes the cost).
 The decision replay (`tests/test_score_once.py`, `bench/decision_replay.py`) checks it.
 
 Layout. The router's per-instance state is one matrix `m` (row = field, column = slot, see
@@ -68,12 +69,31 @@ def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
         o[O_DECAY, j] = elapsed / neg_window
 
 
+@njit(void(float64[:, ::1], float64[::1], float64[::1], float64[::1], float64, float64[::1]), **JIT)
+def finish(o: np.ndarray, ttft: np.ndarray, own_step: np.ndarray, kv_cost: np.ndarray, with_kv: float,
+           p: np.ndarray) -> None:
+    """The own-decode term and the cost, from the TTFT and time per token the cost ranks by
+    (the physics', or the learned model's with `learned_cost`) and the KV pressure (`with_kv`
+    0: none anywhere, and adding its zeros is left out, as it always was)."""
+    out = 2 * p[P_REMAINING]
+    slo, dw, dsw = p[P_TPOT_SLO], p[P_DECODE_W], p[P_DECODE_SLO_W]
+    for j in range(o.shape[1]):
+        own = own_step[j]
+        over = _max(0.0, own - slo)
+        decode = out * (dw * own + (over if dsw == 1.0 else dsw * over))
+        cost = ttft[j] + o[O_INTERFERENCE, j]
+        if with_kv != 0.0:
+            cost = cost + kv_cost[j]
+        o[O_DECODE, j] = decode
+        o[O_COST, j] = cost + decode - o[O_LOCALITY, j]
+
+
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[::1], float64[::1], float64[::1], float64[::1],
            float64[:, ::1]), **JIT)
 def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray, kv_usage: np.ndarray,
           matched: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
-    """Every term of `TokenPilot._score` per candidate but the cost and own decode (`finish`),
-    and the clock-drained state stored back into `m` (after all candidates are read: a pool
+    """Every term of `TokenPilot._score` per candidate, the cost and own decode as `finish` makes
+    them without KV pressure from the physics' TTFT and time per token, and the clock-drained state stored back into `m` (after all candidates are read: a pool
     listing one instance twice scores both from the same state, as the gathered copy did).
 
     running, waiting, kv_usage: the snapshots'; matched: prefix blocks cached there."""
@@ -147,22 +167,33 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         m[DECAYED_AT, s] = _max(m[DECAYED_AT, s], now)
         m[BACKLOG_TOK, s], m[UNTRACKED_TOK, s] = o[_S_BACKLOG_TOK, j], o[_S_UNTRACKED_TOK, j]
     p[P_KV_MAX], p[P_CAPACITY_MIN] = kv_max, cap_min
+    # The cost as it is unless KV pressure or the learned model's ranking change it (the
+    # caller runs `finish` again then).
+    finish(o, o[O_TTFT], o[O_OWN_STEP], o[O_KV], 0.0, p)
 
 
-@njit(void(float64[:, ::1], float64[::1], float64[::1], float64[::1], float64, float64[::1]), **JIT)
-def finish(o: np.ndarray, ttft: np.ndarray, own_step: np.ndarray, kv_cost: np.ndarray, with_kv: float,
-           p: np.ndarray) -> None:
-    """The own-decode term and the cost, from the TTFT and time per token the cost ranks by
-    (the physics', or the learned model's with `learned_cost`) and the KV pressure (`with_kv`
-    0: none anywhere, and adding its zeros is left out, as it always was)."""
-    out = 2 * p[P_REMAINING]
-    slo, dw, dsw = p[P_TPOT_SLO], p[P_DECODE_W], p[P_DECODE_SLO_W]
-    for j in range(o.shape[1]):
-        own = own_step[j]
-        over = _max(0.0, own - slo)
-        decode = out * (dw * own + (over if dsw == 1.0 else dsw * over))
-        cost = ttft[j] + o[O_INTERFERENCE, j]
-        if with_kv != 0.0:
-            cost = cost + kv_cost[j]
-        o[O_DECODE, j] = decode
-        o[O_COST, j] = cost + decode - o[O_LOCALITY, j]
+@njit(void(float64[:, ::1], intp), **JIT)
+def refresh_context(m: np.ndarray, k: int) -> None:
+    """Slot `k`'s context per stream, after its streams or context changed (`_Slots.refresh_context`)."""
+    m[CONTEXT_PER_STREAM, k] = m[CONTEXT, k] / _max(m[STREAMS, k], 1.0)
+
+
+@njit(void(float64[:, ::1], intp, float64, float64, float64, float64, float64, float64, float64, float64,
+           float64, float64), **JIT)
+def book(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: float, prompt: float,
+         streamed: float, out_s: float, head_s: float, out_tok: float, head_tok: float, out_n: float) -> None:
+    """A request routed to slot `k` (`TokenPilot._commit`): its prefill joins the backlog (in seconds
+    and in tokens), its compute the duty, its prompt the context; a streamed one's outstanding
+    totals (`tokenpilot.backlog.Outstanding`, kept by the caller) replace the slot's, the others'
+    prefill drains by the clock alone (the untracked rows)."""
+    m[BACKLOG, k] += prefill_s
+    m[BACKLOG_TOK, k] += uncached
+    if streamed != 0.0:
+        m[OUT_S, k], m[HEAD_S, k], m[OUT_TOK, k], m[HEAD_TOK, k], m[OUT_N, k] = out_s, head_s, out_tok, head_tok, out_n
+    else:
+        m[BACKLOG_UNTRACKED, k] += prefill_s
+        m[UNTRACKED_TOK, k] += uncached
+    m[DUTY, k] += duty_added
+    m[CONTEXT, k] += prompt
+    m[STREAMS, k] += 1.0
+    refresh_context(m, k)
