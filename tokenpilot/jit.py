@@ -10,11 +10,23 @@ inf or NaN instead of raising (`error_model="numpy"`).
 `JIT`: the options of every compiled function. `cache=True` keeps the machine code beside the
 source (`__pycache__`): the first import after an install compiles (a few seconds, once),
 later processes load it. Explicit signatures compile at import, never inside a decision.
+Where the package folder is not writable, the cache goes to the temporary directory.
 """
 
 from __future__ import annotations
 
-from numba import float64, njit
+import os
+import tempfile
+from pathlib import Path
+
+from numba import config, float64, njit
+
+if not os.environ.get("NUMBA_CACHE_DIR") and not os.access(Path(__file__).parent, os.W_OK):
+    # An install this user cannot write to (a container image run as another user): numba
+    # would find no place for its cache and refuse to compile. A per-user folder in the
+    # temporary directory instead (NUMBA_CACHE_DIR, set at image build, is better: it keeps the
+    # compiled code across starts, see deploy/docker/Dockerfile).
+    config.CACHE_DIR = os.path.join(tempfile.gettempdir(), f"tokenfleet-numba-{getattr(os, 'getuid', lambda: 0)()}")
 
 JIT = {"cache": True, "error_model": "numpy", "nogil": True}
 INLINE = {**JIT, "inline": "always"}
