@@ -138,8 +138,8 @@ class _Explained(Sequence[Candidate]):
 
 
 class _Slots:
-    """Per-instance state as the rows of one matrix (field x slot), so one decision gathers
-    every candidate's state with a single `take` and scores them all at once.
+    """Per-instance state as the rows of one matrix (field x slot), which the compiled scoring
+    (`tokenpilot.score_kernel`) reads by slot for every candidate in one loop.
 
     Besides the state proper it keeps derived rows (speeds times learned factors, context
     per stream) that change only when an instance's state does: `refresh` recomputes them

@@ -93,8 +93,9 @@ def finish(o: np.ndarray, ttft: np.ndarray, own_step: np.ndarray, kv_cost: np.nd
 def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray, kv_usage: np.ndarray,
           matched: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
     """Every term of `TokenPilot._score` per candidate, the cost and own decode as `finish` makes
-    them without KV pressure from the physics' TTFT and time per token, and the clock-drained state stored back into `m` (after all candidates are read: a pool
-    listing one instance twice scores both from the same state, as the gathered copy did).
+    them without KV pressure (from the physics' TTFT and time per token), and the clock-drained
+    state stored back into `m` after all candidates are read (a pool listing one instance twice
+    scores both from the same state, as the numpy code's gathered copy did).
 
     running, waiting, kv_usage: the snapshots'; matched: prefix blocks cached there."""
     prompt, block_size, now, window = p[P_PROMPT], p[P_BLOCK_SIZE], p[P_NOW], p[P_WINDOW]
@@ -109,27 +110,39 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         uncached = prompt - cached
         token_s, kv_s, overhead, budget = m[TOKEN_EFF, s], m[KV_EFF, s], m[OVERHEAD_S, s], m[BUDGET, s]
         attn = m[ATTN_EFF, s]
+        # Context decoding alongside the prefill: what we routed there, or what the engine
+        # reports running when others share it (assume our mean context per stream).
         ours = m[STREAMS, s]
         streams = _max(ours, running[j])
-        mean_ctx = m[CONTEXT_PER_STREAM, s] if ours != 0.0 else prompt
+        mean_ctx = m[CONTEXT_PER_STREAM, s] if ours != 0.0 else prompt  # (np.where: NaN counts as nonzero)
         context = streams * mean_ctx
+        # Prefill = linear layers per token + attention over the context so far (quadratic in
+        # long prompts) + every step's decode KV reads and fixed cost while it runs.
         own_attention = attn * uncached * (cached + uncached / 2)
         compute = uncached * token_s + own_attention
         context_kv = context * kv_s
         step_s = context_kv + overhead
         prefill = compute + uncached / budget * step_s + overhead
+        # Prefill work routed here and not yet done (seconds): drained by the clock, held
+        # within what the first tokens seen so far allow (`tokenpilot.backlog`).
         elapsed = o[O_ELAPSED, j]
         untracked = _max(0.0, m[BACKLOG_UNTRACKED, s] - elapsed)
         drained = _max(0.0, m[BACKLOG, s] - elapsed)
         backlog = reconcile(drained, untracked, m[OUT_S, s], m[HEAD_S, s])
+        # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
         per_token = compute / (uncached if prompt >= 1.0 else _max(uncached, 1.0)) + step_s / budget
         waiting_ctx = waiting[j] * mean_ctx * 0.5
-        waiting_hint = waiting_ctx * per_token
+        waiting_hint = waiting_ctx * per_token  # engine queue we did not route ourselves
         queue = _max(backlog, waiting_hint)
         ttft = queue + prefill
+        # Prefill duty: the share of the instance's time that prefills routed there have been
+        # taking lately (EWMA). Every prefill step stalls all decoding streams, so a stream's
+        # time per token is its decode step stretched by 1 / (1 - duty).
         duty = m[DUTY, s] * o[O_DECAY, j]  # (o[O_DECAY] holds exp(elapsed / -window) by now)
         # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
-        # drained at the engine's prefill rate, and timed by how the engine batches it.
+        # drained at the engine's prefill rate, and timed by how the engine batches it. It is
+        # what the decision reports and the learned residual corrects; the cost ranks by the
+        # physics above unless `learned_cost`.
         decoding = _max(streams - m[OUT_N, s], 0.0)
         drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
         untracked_tok = _max(0.0, m[UNTRACKED_TOK, s] - drained_tok)
@@ -142,11 +155,19 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         decode_step = m[OVERHEAD_DF, s] + context_kv
         tpot_factor = m[TPOT_FACTOR, s]
         tpot_now = tpot_factor * decode_step / (1 - _min(duty, max_duty))
+        # Each running stream absorbs this prefill's compute as gaps between its tokens over
+        # its remaining output; only what pushes it past its TPOT budget costs goodput.
         slack = (slo - tpot_now) * remaining
         interference = (streams if iw == 1.0 else iw * streams) * _max(0.0, compute - _max(slack, 0.0))
+        # Locality: reusing a prefix where it already lives also spares the fleet a second copy
+        # of it, which keeps every instance's cache holding more distinct prefixes.
         locality = (cached if lw == 1.0 else lw * cached) * token_s
+        # Its own decode: every step there reads all streams' KV, ours included. A crowded
+        # instance stretches this request's time per token (and past the TPOT budget, costs
+        # its SLO); without this term, requests whose prefill is cheap everywhere would
+        # all tie on TTFT and pile onto one instance.
         own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - duty_after)
-        positive = _max(forward, 1e-9)
+        positive = _max(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
         capacity = m[CAPACITY_BLOCKS, s]
         kv_max = _max(kv_max, kv_usage[j])
         cap_min = _min(cap_min, capacity)
