@@ -105,7 +105,7 @@ def test_reconcile_bounds() -> None:
     untracked = np.array([0.0, 0.0, 0.5])
     out = np.array([3.0, 1.0, 2.0])
     head = np.array([1.0, 1.0, 2.0])
-    assert reconcile(clock, untracked, out, head).tolist() == [2.0, 1.0, 1.0]
+    assert [reconcile(*x) for x in zip(clock, untracked, out, head)] == [2.0, 1.0, 1.0]
 
 
 def test_outstanding_totals_follow_adds_and_removals() -> None:

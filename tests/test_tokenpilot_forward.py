@@ -24,38 +24,35 @@ REPO = Path(__file__).resolve().parents[1]
 def test_step_time_follows_the_roofline_on_mixed_batches(spec: str, gpu: str, tp: int, budget: int) -> None:
     prior = prior_from_physics(spec, gpu, tp, max_batched_tokens=budget)
     timer = StepTimer(hardware.model(spec), hardware.gpu(gpu), tp)
-    one = np.ones(1)
     worst = 0.0
     for decodes, ctx_each in ((0, 0), (16, 2000), (64, 2000), (128, 4000)):
         for prefill in (0, 64, budget // 8, budget // 2, budget - decodes):
             if prefill + decodes == 0 or prefill < 0:
                 continue
             real = timer.step_time([(prefill, 0)] if prefill else [], [ctx_each] * decodes)
-            ours = float(step_s(prefill + decodes, one * decodes * ctx_each, one * prior.prefill_token_s,
-                                one * prior.kv_read_s_per_token, one * prior.step_overhead_s, one * budget)[0])
+            ours = step_s(prefill + decodes, decodes * ctx_each, prior.prefill_token_s, prior.kv_read_s_per_token,
+                          prior.step_overhead_s, budget)
             worst = max(worst, abs(ours - real) / real)
     # (the cost model's sum of compute and memory ran 20-50% high on such steps)
     assert worst < 0.12, worst
 
 
 def test_queued_chunks_add_full_steps() -> None:
-    v = np.ones(1)
-    token_s, overhead, budget = 1e-5 * v, 5e-3 * v, 2048 * v
-    full = float(step_s(budget, 0 * v, token_s, 0 * v, overhead, budget)[0])
+    token_s, overhead, budget = 1e-5, 5e-3, 2048.0
+    full = step_s(budget, 0.0, token_s, 0.0, overhead, budget)
 
     def ttft(ahead: float, uncached: float, decoding: float = 0.0) -> float:
-        return float(forward_ttft(ahead * v, uncached * v, 0 * v, decoding * v, 0 * v, budget, token_s, 0 * v,
-                                  0 * v, overhead)[0])
+        return forward_ttft(ahead, uncached, 0.0, decoding, 0.0, budget, token_s, 0.0, 0.0, overhead)
 
     assert ttft(0, 2048) == pytest.approx(full)  # idle: its own full chunk, nothing under way
-    assert ttft(0, 100) == pytest.approx(float(step_s(100 * v, 0 * v, token_s, 0 * v, overhead, budget)[0]))
+    assert ttft(0, 100) == pytest.approx(step_s(100.0, 0.0, token_s, 0.0, overhead, budget))
     # Three chunks queued ahead: half the step under way, then the rest of them, then its own.
     assert ttft(3 * 2048, 2048) == pytest.approx(0.5 * full + 3 * full + full)
     # Decoding streams take a token each of every step: the same prompt needs a second step for
     # its last 48 tokens (with the 48 decodes), after half the decode step under way.
-    small = float(step_s(96 * v, 0 * v, token_s, 0 * v, overhead, budget)[0])
-    assert ttft(0, 2048, decoding=48) == pytest.approx(0.5 * float(step_s(48 * v, 0 * v, token_s, 0 * v, overhead,
-                                                                          budget)[0]) + full + small)
+    small = step_s(96.0, 0.0, token_s, 0.0, overhead, budget)
+    assert ttft(0, 2048, decoding=48) == pytest.approx(0.5 * step_s(48.0, 0.0, token_s, 0.0, overhead, budget)
+                                                       + full + small)
 
 
 def test_in_the_simulator_it_predicts_better_than_the_cost_models_seconds() -> None:

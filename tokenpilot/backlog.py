@@ -26,14 +26,16 @@ Pure bookkeeping: times and events come from the caller.
 
 from __future__ import annotations
 
-import numpy as np
+from numba import float64, njit
+
+from tokenpilot.jit import INLINE, fmax, fmin
 
 
-def reconcile(clock: np.ndarray, untracked: np.ndarray, outstanding: np.ndarray,
-              head: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """The clock-drained backlog per instance, held within what the first tokens allow
-    (written into `out` when given: it may be `clock` itself)."""
-    return np.minimum(np.maximum(clock, outstanding - head), outstanding + untracked, out=out)
+@njit(float64(float64, float64, float64, float64), **INLINE)
+def reconcile(clock: float, untracked: float, outstanding: float, head: float) -> float:
+    """One instance's clock-drained backlog, held within what the first tokens allow (compiled:
+    the router's scoring loop calls it per candidate, `tokenpilot.score_kernel`)."""
+    return fmin(fmax(clock, outstanding - head), outstanding + untracked)
 
 
 class Outstanding:

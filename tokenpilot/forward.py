@@ -17,45 +17,51 @@ Step time is the roofline's shape over the prior's figures (`step_s`), with the 
 learned speed factors. The future (prompts
 arriving after this one) is left out: in FCFS order they queue behind it and only lengthen
 its last step, which the learned residual (`tokenpilot.latency_model`) can pick up.
-Pure: arrays in, arrays out.
+Pure: one candidate's floats in, seconds (or tokens per second) out; compiled (numba, see
+`tokenpilot.jit`), so the router's scoring loop (`tokenpilot.score_kernel`) calls these very
+functions, and Python code can call them too.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import float64, njit
+
+from tokenpilot.jit import INLINE, fmax, fmin
 
 
-def step_s(tokens: np.ndarray | float, context: np.ndarray, token_s: np.ndarray, kv_s: np.ndarray,
-           overhead_s: np.ndarray, budget: np.ndarray) -> np.ndarray:
+@njit(float64(float64, float64, float64, float64, float64, float64), **INLINE)
+def step_s(tokens: float, context: float, token_s: float, kv_s: float, overhead_s: float, budget: float) -> float:
     """One engine step computing `tokens` new tokens while reading `context` tokens of KV: the
     roofline's max of memory (weights and fixed cost, the decode KV) and compute (per token, as in
     a full batch), which meets the prior at both of its anchors (a 1-token step, a full chunk).
     The sum of the two, as the cost model has it, ran 20-50% high on mixed steps (8B on H100)."""
-    return np.maximum(overhead_s + context * kv_s, tokens * (token_s + overhead_s / budget))
+    return fmax(overhead_s + context * kv_s, tokens * (token_s + overhead_s / budget))
 
 
-def drain_rate(decoding: np.ndarray, context: np.ndarray, budget: np.ndarray, token_s: np.ndarray,
-               kv_s: np.ndarray, overhead_s: np.ndarray) -> np.ndarray:
+@njit(float64(float64, float64, float64, float64, float64, float64), **INLINE)
+def drain_rate(decoding: float, context: float, budget: float, token_s: float, kv_s: float,
+               overhead_s: float) -> float:
     """Prefill tokens per second an instance gets through while its queue is non-empty."""
-    chunk = np.maximum(budget - decoding, 1.0)
+    chunk = fmax(budget - decoding, 1.0)
     return chunk / step_s(budget, context, token_s, kv_s, overhead_s, budget)
 
 
-def forward_ttft(ahead_tokens: np.ndarray, uncached: np.ndarray, cached: np.ndarray, decoding: np.ndarray,
-                 context: np.ndarray, budget: np.ndarray, token_s: np.ndarray, attn_s: np.ndarray,
-                 kv_s: np.ndarray, overhead_s: np.ndarray) -> np.ndarray:
-    """Seconds from dispatch to first token, per candidate (all arguments one value per candidate).
+@njit(float64(float64, float64, float64, float64, float64, float64, float64, float64, float64, float64), **INLINE)
+def forward_ttft(ahead_tokens: float, uncached: float, cached: float, decoding: float, context: float,
+                 budget: float, token_s: float, attn_s: float, kv_s: float, overhead_s: float) -> float:
+    """Seconds from dispatch to first token on one candidate.
 
     ahead_tokens: prefill tokens queued there before this request; decoding: streams past
     their prefill; context: KV tokens the decoding streams read every step."""
-    chunk = np.maximum(budget - decoding, 1.0)
+    chunk = fmax(budget - decoding, 1.0)
     work = ahead_tokens + uncached
-    steps = np.maximum(np.ceil(work / chunk), 1.0)
+    steps = fmax(np.ceil(work / chunk), 1.0)
     full = step_s(budget, context, token_s, kv_s, overhead_s, budget)
     last = step_s(work - (steps - 1.0) * chunk + decoding, context, token_s, kv_s, overhead_s, budget)
     # The step under way when the request lands: half of one on average, of what is ahead (the
     # queue, the streams), nothing on an idle instance.
-    now_tokens = np.minimum(ahead_tokens + decoding, budget)
-    busy = np.where(now_tokens > 0, step_s(now_tokens, context, token_s, kv_s, overhead_s, budget), 0.0)
+    now_tokens = fmin(ahead_tokens + decoding, budget)
+    busy = step_s(now_tokens, context, token_s, kv_s, overhead_s, budget) if now_tokens > 0 else 0.0
     own_attention = attn_s * uncached * (cached + uncached / 2)
     return 0.5 * busy + (steps - 1.0) * full + last + own_attention

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
+from tokenpilot import score_kernel as sk
 from tokenpilot.backlog import Outstanding, reconcile
 from tokenpilot.cache_index import PrefixCacheIndex
-from tokenpilot.forward import drain_rate, forward_ttft
+from tokenpilot.forward import drain_rate
 from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
@@ -94,23 +95,38 @@ class _Learned:
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
           "decode_s", "prefill_compute_s", "tpot_s", "prior_ttft_s", "prior_tpot_s", "forward_ttft_s",
           "ahead_tokens")
-_FWD, _AHEAD, _FEATURES = 12, 13, 14  # positions in `_score`'s terms (the features: not explained)
+_FWD, _AHEAD, _FEATURES, _MATRIX = 12, 13, 14, 15  # positions in `_score`'s terms (not explained)
+# Where each of `_score`'s terms lives in its result matrix (`tokenpilot.score_kernel`'s rows);
+# None: the learned predictions (rows of it too, unless a fitted residual corrected them).
+_ROWS = (sk.O_COST, None, sk.O_QUEUE, sk.O_PREFILL, sk.O_INTERFERENCE, sk.O_KV, sk.O_CACHED, sk.O_DECODE,
+         sk.O_COMPUTE, None, sk.O_TTFT, sk.O_OWN_STEP, sk.O_FORWARD, sk.O_AHEAD)
+
+
+def _terms_of(o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`_score`'s terms (see there) from its result matrix `o` and the learned predictions."""
+    terms = [o[r] for r in _ROWS]
+    terms[1], terms[9] = ttft_pred, tpot_pred
+    return (*terms, o[sk.O_FEATURES:], o)
 
 
 class _Explained(Sequence[Candidate]):
     """The best few candidates of a decision, built only when someone reads them
-    (the debug endpoint), so explanations cost nothing on the hot path."""
+    (the debug endpoint), so explanations cost nothing on the hot path. It keeps the scoring's
+    result matrix, not its ~15 row views: a decision's objects are freed when it falls out of
+    the kept ones, long after, from cold memory (~6 us a decision with the views)."""
 
-    def __init__(self, ids: Sequence[str], terms: tuple[np.ndarray, ...], limit: int) -> None:
-        self._ids, self._terms, self._limit = ids, terms, limit
+    def __init__(self, ids: Sequence[str], o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray,
+                 limit: int) -> None:
+        self._ids, self._o, self._pred, self._limit = ids, o, (ttft_pred, tpot_pred), limit
         self._items: list[Candidate] | None = None
 
     def _build(self) -> list[Candidate]:
         if self._items is None:
-            cost = self._terms[0]
+            terms = _terms_of(self._o, *self._pred)[:_FEATURES]
+            cost = terms[0]
             top = np.argsort(cost, kind="stable")[: self._limit]
             self._items = [Candidate(self._ids[j], float(cost[j]),
-                                     dict(zip(_TERMS, (float(t[j]) for t in self._terms[1:]))))
+                                     dict(zip(_TERMS, (float(t[j]) for t in terms[1:]))))
                            for j in top]
         return self._items
 
@@ -122,8 +138,8 @@ class _Explained(Sequence[Candidate]):
 
 
 class _Slots:
-    """Per-instance state as the rows of one matrix (field x slot), so one decision gathers
-    every candidate's state with a single `take` and scores them all at once.
+    """Per-instance state as the rows of one matrix (field x slot), which the compiled scoring
+    (`tokenpilot.score_kernel`) reads by slot for every candidate in one loop.
 
     Besides the state proper it keeps derived rows (speeds times learned factors, context
     per stream) that change only when an instance's state does: `refresh` recomputes them
@@ -131,19 +147,18 @@ class _Slots:
     bit-for-bit what they were, at a few vector operations less per decision.
     """
 
-    # State. Backlog, untracked backlog and duty decay on the same clock, so one "decayed
-    # at" serves them all; the four rows are adjacent so that a decision writes them back in
-    # one store (`TokenPilot._score`). OUT_S / HEAD_S: predicted prefill of the streamed
-    # requests sent there whose first token has not been seen (all of them / the oldest one).
-    TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR, \
-        BACKLOG, BACKLOG_UNTRACKED, DUTY, DECAYED_AT, CONTEXT, STREAMS, OUT_S, HEAD_S, TPOT_FACTOR = range(17)
-    DECAYING = slice(BACKLOG, DECAYED_AT + 1)  # the rows a decision drains to its clock and stores
-    # Derived by `refresh`.
-    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
-    # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
-    # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
-    BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
-    ROWS = 27
+    # The rows, with what each holds: `tokenpilot.score_kernel` (the scoring reads them there).
+    TOKEN_S, ATTN_S, KV_S, OVERHEAD_S, CAPACITY_BLOCKS, BUDGET, PREFILL_FACTOR, DECODE_FACTOR = (
+        sk.TOKEN_S, sk.ATTN_S, sk.KV_S, sk.OVERHEAD_S, sk.CAPACITY_BLOCKS, sk.BUDGET, sk.PREFILL_FACTOR,
+        sk.DECODE_FACTOR)
+    BACKLOG, BACKLOG_UNTRACKED, DUTY, DECAYED_AT, CONTEXT, STREAMS, OUT_S, HEAD_S, TPOT_FACTOR = (
+        sk.BACKLOG, sk.BACKLOG_UNTRACKED, sk.DUTY, sk.DECAYED_AT, sk.CONTEXT, sk.STREAMS, sk.OUT_S, sk.HEAD_S,
+        sk.TPOT_FACTOR)
+    TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = (
+        sk.TOKEN_EFF, sk.ATTN_EFF, sk.KV_EFF, sk.OVERHEAD_DF, sk.CONTEXT_PER_STREAM)
+    BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = sk.BACKLOG_TOK, sk.UNTRACKED_TOK, sk.OUT_TOK, \
+        sk.HEAD_TOK, sk.OUT_N
+    ROWS = sk.STATE_ROWS
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
@@ -190,8 +205,7 @@ class _Slots:
 
     def refresh_context(self, k: int) -> None:
         """... after only its streams and context changed (every routed request)."""
-        m = self.m
-        m[self.CONTEXT_PER_STREAM, k] = m[self.CONTEXT, k] / max(m[self.STREAMS, k], 1.0)
+        sk.refresh_context(self.m, k)
 
 
 class TokenPilot(InstanceRouter):
@@ -335,118 +349,52 @@ class TokenPilot(InstanceRouter):
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
                matched_blocks: np.ndarray, now: float) -> tuple[np.ndarray, ...]:
         """(cost, ttft, queue, prefill, interference, kv pressure, cached tokens, own decode,
-        prefill compute) per candidate.
+        prefill compute, tpot, prior ttft, prior tpot, forward ttft, tokens ahead, features) per
+        candidate, and the matrix whose rows most of them are (`_terms_of`).
 
-        Each expression keeps the operation order it has always had (the floating-point
-        results, hence the decisions, are exactly those of earlier versions); what changed is
-        only where the operands come from. Why it is written this way: a decision's cost is
-        the count of numpy calls (~0.3-0.5 us each on 64 candidates, whatever the length), so
-        the snapshot fields are read once each, the clock-drained rows are worked in place on
-        the gathered copy `g` and stored back in one assignment, and nothing is computed twice.
+        The arithmetic per candidate is `tokenpilot.score_kernel.score` (compiled: a decision's
+        cost used to be the count of numpy calls here, ~100 of them at 0.3-1 us each); this
+        method feeds it, takes numpy's exp and log between its steps (see that module's doc for
+        why the results are bit-for-bit those of the numpy expressions it replaced), and applies
+        what stays numpy's: the KV pressure (`_kv_cost`, shared with the P/D decision) and the
+        learned residual (`LatencyModel.correct`).
         """
         cfg = self.config
         s = self._s
         n = len(pool)
-        g = s.m.take(k, axis=1)  # every state row of every candidate, one gather (a copy: worked in place)
+        p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
+                      cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
+                      cfg.decode_slo_weight, 0.0, 0.0), dtype=np.float64)  # (sk.P_*: the last two are answers)
+        # the snapshots' fields, read once each
         running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
         waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)
         kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=n)
-        prompt = profile.prompt_tokens
-        cached = np.minimum(matched_blocks * profile.block_size, max(prompt - 1, 0))
-        uncached = prompt - cached
-        token_s, kv_s, overhead, budget = g[s.TOKEN_EFF], g[s.KV_EFF], g[s.OVERHEAD_S], g[s.BUDGET]
-        # Context decoding alongside the prefill: what we routed there, or what the engine
-        # reports running when others share it (assume our mean context per stream).
-        ours = g[s.STREAMS]
-        streams = np.maximum(ours, running)
-        mean_ctx = np.where(ours, g[s.CONTEXT_PER_STREAM], prompt)  # (ours >= 0: nonzero means > 0)
-        context = streams * mean_ctx
-        # Prefill = linear layers per token + attention over the context so far (quadratic in
-        # long prompts) + every step's decode KV reads and fixed cost while it runs.
-        compute = uncached * token_s + g[s.ATTN_EFF] * uncached * (cached + uncached / 2)
-        context_kv = context * kv_s
-        step_s = context_kv + overhead
-        prefill = compute + uncached / budget * step_s + overhead
-        # Prefill work routed here and not yet done (seconds): drained by the clock, held
-        # within what the first tokens seen so far allow (`tokenpilot.backlog`). Backlog and
-        # untracked backlog drain together (rows BACKLOG, BACKLOG_UNTRACKED of `g`).
-        elapsed = np.maximum(0.0, now - g[s.DECAYED_AT])
-        drained = g[s.BACKLOG:s.BACKLOG_UNTRACKED + 1]
-        np.maximum(0.0, np.subtract(drained, elapsed, out=drained), out=drained)
-        untracked = g[s.BACKLOG_UNTRACKED]
-        backlog = reconcile(g[s.BACKLOG], untracked, g[s.OUT_S], g[s.HEAD_S], out=g[s.BACKLOG])
-        # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
-        per_token = compute / (uncached if prompt >= 1 else np.maximum(uncached, 1)) + step_s / budget
-        waiting_hint = waiting * mean_ctx * 0.5 * per_token  # engine queue we did not route ourselves
-        queue = np.maximum(backlog, waiting_hint)
-        ttft = queue + prefill
-        # Prefill duty: the share of the instance's time that prefills routed there have been
-        # taking lately (EWMA). Every prefill step stalls all decoding streams, so a stream's
-        # time per token is its decode step stretched by 1 / (1 - duty).
-        window = self._duty_window()
-        duty = g[s.DUTY]
-        np.multiply(duty, np.exp(elapsed / -window), out=duty)  # (x / -w is -x / w, bit for bit)
-        # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
-        # drained at the engine's prefill rate, and timed by how the engine batches it. It is
-        # what the decision reports and the learned residual corrects; the cost ranks by the
-        # physics above unless `learned_cost`.
-        decoding = np.maximum(streams - g[s.OUT_N], 0.0)
-        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
-        untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
-        # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
-        backlog_tok = reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
-                                g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
-        ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
-        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
-                               overhead)
-        # Keep the clock-drained backlogs and duty: the next decision decays from here.
-        np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
-        s.m[s.DECAYING, k] = g[s.DECAYING]
-        s.m[s.BACKLOG_TOK, k] = backlog_tok
-        s.m[s.UNTRACKED_TOK, k] = untracked_tok
-        duty_after = np.minimum(cfg.max_duty, duty + compute / window)
-        decode_step = g[s.OVERHEAD_DF] + context_kv
-        tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
-        # Each running stream absorbs this prefill's compute as gaps between its tokens over
-        # its remaining output; only what pushes it past its TPOT budget costs goodput.
-        remaining = self._remaining_tokens()
-        slack = (cfg.tpot_slo_s - tpot_now) * remaining
-        interference = _weighted(cfg.interference_weight, streams) * np.maximum(0.0, compute - np.maximum(slack, 0.0))
-        kv_cost = self._kv_cost(profile, kv_usage, g[s.CAPACITY_BLOCKS], prefill)
-        # Locality: reusing a prefix where it already lives also spares the fleet a second copy
-        # of it, which keeps every instance's cache holding more distinct prefixes.
-        locality = _weighted(cfg.locality_weight, cached) * token_s
-        # Its own decode: every step there reads all streams' KV, ours included. A crowded
-        # instance stretches this request's time per token (and past the TPOT budget, costs
-        # its SLO); without this term, requests whose prefill is cheap everywhere would
-        # all tie on TTFT and pile onto one instance.
-        own_step = g[s.TPOT_FACTOR] * (decode_step + prompt * kv_s) / (1 - duty_after)
+        if matched_blocks.dtype != np.float64 or not matched_blocks.flags.c_contiguous:
+            matched_blocks = np.ascontiguousarray(matched_blocks, dtype=np.float64)
+        o = np.empty((sk.OUT_ROWS, n))
+        sk.prep(s.m, k, p, o)
+        np.exp(o[sk.O_DECAY], out=o[sk.O_DECAY])  # the duty's decay over the time elapsed
+        sk.score(s.m, k, running, waiting, kv_usage, matched_blocks, p, o)
+        features = o[sk.O_FEATURES:]
+        np.log(features[sk.F_LOG - sk.O_FEATURES], out=features[sk.F_LOG - sk.O_FEATURES])
+        own_step = o[sk.O_OWN_STEP]
+        kv_cost = self._kv_cost(profile, kv_usage, o[sk.O_CAPACITY], o[sk.O_PREFILL],
+                                float(p[sk.P_KV_MAX]), float(p[sk.P_CAPACITY_MIN]))
+        if kv_cost is not None:
+            o[sk.O_KV] = kv_cost
         # The learned residual over these physics predictions (`tokenpilot.latency_model`):
-        # zero until the caller has fitted it on enough outcomes. (np.array stacks the rows
-        # as np.vstack would, without its per-row reshaping.)
-        positive = np.maximum(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
-        features = np.array((queue, prefill, uncached / 1e3, streams, context / 1e6, kv_usage, waiting,
-                             budget / 1e3, forward, ahead / 1e3, decoding, np.log(positive), 0.01 / positive))
+        # zero until the caller has fitted it on enough outcomes.
         lat = self.latency
-        prior_ttft, prior_tpot = ttft, own_step
-        ttft_pred = lat.correct(lat.ttft, forward, features)
+        ttft_pred = lat.correct(lat.ttft, o[sk.O_FORWARD], features)
         tpot_pred = lat.correct(lat.tpot, own_step, features)
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
-            ttft, own_step = ttft_pred, tpot_pred
-        out = 2 * remaining
-        decode = out * (cfg.decode_weight * own_step
-                        + _weighted(cfg.decode_slo_weight, np.maximum(0.0, own_step - cfg.tpot_slo_s)))
-        cost = ttft + interference
-        if kv_cost is not None:
-            cost = cost + kv_cost
-        else:  # no pressure anywhere: the term is zero, and adding zeros changes nothing
-            kv_cost = np.zeros(n)
-        cost = cost + decode - locality
-        return (cost, ttft_pred, queue, prefill, interference, kv_cost, cached, decode, compute, tpot_pred,
-                prior_ttft, prior_tpot, forward, ahead, features)
+            sk.finish(o, _f64(ttft_pred), _f64(tpot_pred), o[sk.O_KV], 0.0 if kv_cost is None else 1.0, p)
+        elif kv_cost is not None:  # (`score` made the cost without it)
+            sk.finish(o, o[sk.O_TTFT], own_step, o[sk.O_KV], 1.0, p)
+        return _terms_of(o, ttft_pred, tpot_pred)
 
     def _kv_cost(self, profile: RequestProfile, kv_usage: np.ndarray, capacity: np.ndarray,
-                 prefill: np.ndarray) -> np.ndarray | None:
+                 prefill: np.ndarray, kv_usage_max: float, capacity_min: float) -> np.ndarray | None:
         """KV pressure per candidate (`kv_usage`: theirs now), or None where no candidate
         would pass the soft mark.
 
@@ -459,7 +407,8 @@ class TokenPilot(InstanceRouter):
         # Most decisions see no pressure anywhere: rule that out from two maxima first. The
         # bound is >= every candidate's new usage in floating point too (rounding is monotonic:
         # a smaller capacity gives a larger need, and x <= X, y <= Y give fl(x + y) <= fl(X + Y)).
-        if kv_usage.max() + demand / (profile.block_size * capacity.min()) <= cfg.kv_soft_mark:
+        # (`kv_usage_max`, `capacity_min`: those of the arrays, taken by the scoring loop as it reads them)
+        if kv_usage_max + demand / (profile.block_size * capacity_min) <= cfg.kv_soft_mark:
             return None
         need = demand / (profile.block_size * capacity)
         new_usage = kv_usage + need
@@ -483,15 +432,16 @@ class TokenPilot(InstanceRouter):
         return max(16.0, self._mean_output / 2)
 
     def _explain(self, ids: Sequence[str], terms: tuple[np.ndarray, ...]) -> _Explained:
-        return _Explained(ids, terms, self.config.max_candidates_explained)
+        return _Explained(ids, terms[_MATRIX], terms[1], terms[9], self.config.max_candidates_explained)
 
     def _commit_at(self, profile: RequestProfile, ids: Sequence[str], slots: np.ndarray,
                    terms: tuple[np.ndarray, ...], j: int, now: float) -> None:
         """Book the request on candidate `j` of a scored pool (`route`'s pick, or another replica's)."""
-        self._commit(profile, int(slots[j]), ids[j], float(terms[10][j]), float(terms[2][j]),
-                     float(terms[3][j]), float(terms[8][j]), float(terms[11][j]),
-                     terms[_FEATURES][:, j].copy(), now, float(terms[_FWD][j]),
-                     float(profile.prompt_tokens - terms[6][j]))
+        o = terms[_MATRIX]
+        col = o[:, j].tolist()  # (its terms as Python floats, in one call)
+        self._commit(profile, int(slots[j]), ids[j], col[sk.O_TTFT], col[sk.O_QUEUE], col[sk.O_PREFILL],
+                     col[sk.O_COMPUTE], col[sk.O_OWN_STEP], o[sk.O_FEATURES:, j].copy(), now, col[sk.O_FORWARD],
+                     profile.prompt_tokens - col[sk.O_CACHED])
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
@@ -499,24 +449,19 @@ class TokenPilot(InstanceRouter):
         """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual;
         `forward_s`: the scheduler-forward TTFT; `uncached`: the prompt tokens it prefills there)."""
         self._memo.clear()
-        s, m = self._s, self._s.m
+        s = self._s
         rid = profile.request_id
         if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
             self._release(self._inflight.pop(rid), rid, now)
-        m[s.BACKLOG, k] += prefill_s
-        m[s.BACKLOG_TOK, k] += uncached
         if profile.stream:  # its first token will say when this prefill is through
-            m[s.OUT_S, k], m[s.HEAD_S, k] = self._outstanding.add(k, rid, prefill_s)
-            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] = self._outstanding_tok.add(k, rid, uncached)
-            m[s.OUT_N, k] = self._outstanding.count(k)
+            out_s, head_s = self._outstanding.add(k, rid, prefill_s)
+            out_tok, head_tok = self._outstanding_tok.add(k, rid, uncached)
+            sk.book(s.m, k, prefill_s, uncached, compute_s / self._duty_window(), profile.prompt_tokens, 1.0,
+                    out_s, head_s, out_tok, head_tok, self._outstanding.count(k))
         else:
-            m[s.BACKLOG_UNTRACKED, k] += prefill_s
-            m[s.UNTRACKED_TOK, k] += uncached
-        m[s.DUTY, k] += compute_s / self._duty_window()
+            sk.book(s.m, k, prefill_s, uncached, compute_s / self._duty_window(), profile.prompt_tokens, 0.0,
+                    0.0, 0.0, 0.0, 0.0, 0.0)
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
-        m[s.CONTEXT, k] += profile.prompt_tokens
-        m[s.STREAMS, k] += 1
-        s.refresh_context(k)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
                                         _held(profile, now))
@@ -795,6 +740,6 @@ def _after_dispatch(ttft_s: float | None, held_s: float) -> float | None:
     return None if ttft_s is None else max(ttft_s - held_s, 1e-6)
 
 
-def _weighted(weight: float, x: np.ndarray) -> np.ndarray:
-    """weight * x, skipping the vector operation at the (default) weight 1, where it is exact."""
-    return x if weight == 1.0 else weight * x
+def _f64(x: np.ndarray) -> np.ndarray:
+    """`x` as the compiled scoring takes it: contiguous float64 (a copy only where it is not)."""
+    return x if x.dtype == np.float64 and x.flags.c_contiguous else np.ascontiguousarray(x, dtype=np.float64)
