@@ -244,7 +244,8 @@ class PDFlow:
         try:
             answer = await watch.race(self._prefill(parsed, path, pre, body))
         except ClientGone:
-            self.relay.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
+            if watch.take_gone():
+                self.relay.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
             return Response(status_code=CLIENT_CLOSED)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
@@ -357,6 +358,10 @@ class PDFlow:
                            excluded: list[str]) -> Response:
         """The one retry before the first byte: a decode or mixed instance prefilling itself."""
         relay = self.relay
+        if watch.left:  # the client left as the split failed: nobody to retry for (counted once)
+            if watch.take_gone():
+                relay.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
+            return Response(status_code=CLIENT_CLOSED)
         target = self.choose(parsed.profile, excluded, 1)
         if target is None:
             raise upstream_failed("the prefill leg failed and no instance is left to prefill locally")
