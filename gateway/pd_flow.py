@@ -46,7 +46,7 @@ from fleetcore.types import Candidate, InstanceSnapshot, RequestProfile, RouteDe
 from fleetmind.place import Choice, place
 from gateway.background import cancel_and_wait
 from gateway.errors import upstream_failed, upstream_timeout
-from gateway.relay import CLIENT_CLOSED, ClientGone, DisconnectWatch, Relay, Target, upstream_body
+from gateway.relay import CLIENT_CLOSED, ClientGone, DisconnectWatch, Relay, Target, upstream_fields
 from gateway.requests import ParsedRequest
 from gateway.upstream_failure import RetryableFailure, describe
 from tokenpilot.disagg import DisaggPolicy, PDDecision, TokenPilotDisagg
@@ -207,7 +207,7 @@ class PDFlow:
         fields = {"bootstrap_host": urlsplit(pre.instance.url).hostname,
                   "bootstrap_port": pre.instance.bootstrap_port or urlsplit(pre.instance.url).port,
                   "bootstrap_room": secrets.randbits(63)}
-        body = self._body(parsed, pre)
+        body = upstream_fields(parsed, pre.instance.model)
         body.update(fields, stream=False)
         body.pop("stream_options", None)
         prefill = asyncio.create_task(self._prefill(parsed, path, pre, body))
@@ -236,7 +236,7 @@ class PDFlow:
 
     async def _vllm(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, pre: Target,
                     dec: Target) -> Response:
-        body = self._body(parsed, pre)
+        body = upstream_fields(parsed, pre.instance.model)
         body.update(kv_transfer_params=dict(_VLLM_PREFILL_PARAMS), max_tokens=1, stream=False)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
@@ -263,8 +263,6 @@ class PDFlow:
         self.metrics.legs.labels(parsed.profile.model, "vllm", "decode", _outcome(resp.status_code)).inc()
         return resp
 
-    def _body(self, parsed: ParsedRequest, pre: Target) -> dict[str, Any]:
-        return json.loads(upstream_body(parsed, pre.instance.model))
 
     async def _prefill(self, parsed: ParsedRequest, path: str, pre: Target, body: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg: a whole answer within the first-byte deadline, counted in flight."""

@@ -92,9 +92,10 @@ class ClientGone(Exception):
     """The client disconnected before the response was handed over."""
 
 
-def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
-                  token_ids: bool = False) -> bytes:
-    """The client's body, unknown fields untouched, with the served model name and forced usage.
+def upstream_fields(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
+                    token_ids: bool = False) -> dict[str, Any]:
+    """The client's body, unknown fields untouched, with the served model name and forced usage:
+    a new top-level dict (nested values are the client's, shared: change only top-level keys).
     `stream` True: asked as a stream whatever the client asked (a continuable whole answer);
     `token_ids`: the engine's generated token ids asked for (what a continuation re-prefills)."""
     body = dict(parsed.body)
@@ -106,7 +107,13 @@ def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None 
     if parsed.stream or stream:
         opts = body.get("stream_options")
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-    return json.dumps(body, separators=(",", ":")).encode()
+    return body
+
+
+def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
+                  token_ids: bool = False) -> bytes:
+    """`upstream_fields`, encoded as sent."""
+    return json.dumps(upstream_fields(parsed, served_model, stream, token_ids), separators=(",", ":")).encode()
 
 
 # --- decisions kept for /debug/decisions ---
