@@ -75,7 +75,7 @@ from gateway.resume import DRAINED, continuation_of, drained, resume
 from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
-from gateway.upstream_failure import NotAStream, RetryableFailure, describe
+from gateway.upstream_failure import NotAStream, RetryableFailure, SplitFailed, describe
 
 if TYPE_CHECKING:
     from gateway.pd_flow import PDFlow
@@ -770,6 +770,10 @@ class Relay:
         excluded: list[str] = []
         last: RetryableFailure | None = None
         for attempt in range(MAX_ATTEMPTS):
+            if attempt > 0 and watch.left:  # the client left as the attempt failed: nobody to retry for
+                if watch.take_gone():
+                    self.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
+                return Response(status_code=CLIENT_CLOSED)
             # failed attempts are excluded; admission's hint to avoid busy instances gives way when it leaves none
             target = (self.choose(parsed.profile, excluded, attempt, avoid) if self.pd is None
                       else self.pd.choose(parsed.profile, excluded, attempt, avoid))
@@ -786,9 +790,12 @@ class Relay:
             if self.route_share is not None:
                 self.route_share.dispatched(parsed.profile, target.instance.instance_id)
             try:
-                if target.prefill is not None and self.pd is not None:  # split: both legs, its own retry
+                if target.prefill is not None and self.pd is not None:  # split: both legs
                     return await self.pd.run(watch, parsed, path, target)
                 return await self._dispatch(watch, parsed, path, target)
+            except SplitFailed as f:  # the flow marked and logged what failed; the retry is local
+                excluded.extend(f.excluded)
+                last = f
             except RetryableFailure as f:
                 log.warning("request %s: instance %s failed before first byte (%s); %s",
                             parsed.profile.request_id, target.instance.instance_id, f,
