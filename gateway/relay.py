@@ -227,20 +227,19 @@ class DisconnectWatch:
         if self._watcher is None and self._timer is None:
             self._timer = self._loop.call_later(LAZY_WATCH_S, self._start)
         try:
-            result = await aw
+            return await aw
         except asyncio.CancelledError:
             if task in self._cancelled:
-                task.uncancel()  # ours; another canceller's (if any) stays counted on the task
                 raise ClientGone() from None
             raise
-        else:
-            if task in self._cancelled:
-                # `aw` swallowed our cancel and finished (3.11's wait_for can): its result owns
-                # resources, so it wins; the request's next `race` raises ClientGone
-                task.uncancel()
-            return result
         finally:
-            self._cancelled.discard(task)
+            if task in self._cancelled:
+                # Our cancel is taken back (another canceller's, if any, stays counted on the task),
+                # whatever `aw` made of it: ClientGone above; or, where `aw` swallowed it and ended
+                # on its own (3.11's wait_for can), its result or error, which owns resources and
+                # stands; the request's next `race` raises ClientGone.
+                self._cancelled.discard(task)
+                task.uncancel()
             self._waiting.discard(task)
             if not self._waiting and self._timer is not None:
                 self._timer.cancel()

@@ -105,3 +105,35 @@ async def test_a_cancel_that_is_not_the_clients_stays_a_cancel() -> None:
     await asyncio.wait({second}, timeout=WAIT_S)
     assert isinstance(second.exception(), ClientGone)
     await watch.aclose()
+
+
+async def test_a_result_that_swallowed_the_cancel_stands_and_the_next_race_says_gone() -> None:
+    """Work that catches the cancel and ends on its own (3.11's wait_for can, as its inner call
+    completes) keeps its result (it may own a connection); the task's cancel count is restored
+    and the request's next wait raises ClientGone."""
+    client = Client()
+    watch = DisconnectWatch(client.receive)
+    entered = asyncio.Event()
+
+    async def swallowing() -> int:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return 7
+        return 0
+
+    async def request() -> tuple[int, int, bool]:
+        got = await watch.race(swallowing())
+        cancelling = asyncio.current_task().cancelling()  # type: ignore[union-attr]
+        try:
+            await watch.race(asyncio.sleep(0))
+        except ClientGone:
+            return got, cancelling, True
+        return got, cancelling, False
+
+    task = asyncio.create_task(request())
+    await asyncio.wait_for(entered.wait(), WAIT_S)
+    client.gone.set()
+    assert await asyncio.wait_for(task, WAIT_S) == (7, 0, True)
+    await watch.aclose()
