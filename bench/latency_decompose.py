@@ -15,25 +15,16 @@ without the forward model too (those columns then read nan).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
 import numpy as np  # noqa: E402
 
+from bench.latency_recorder import arguments, run_recorded  # noqa: E402
 from engine_adapters.sim import engine as sim_engine  # noqa: E402
-from fleetcore.fleet_config import load_fleet_file  # noqa: E402
-from fleetcore.types import RequestOutcome, RequestProfile  # noqa: E402
-from fleetsim.cli import DEFAULT_SIM_FLEET  # noqa: E402
-from fleetsim.simulator import FleetSimulator, HashCache, fleet_instances, prepare, spec_prior  # noqa: E402
-from slomax import from_fleet as slomax_config  # noqa: E402
-from slomax import make_admission  # noqa: E402
-from tokenpilot.router import TokenPilot  # noqa: E402
 
 ADMITTED: dict[str, float] = {}  # engine request id -> start of the step that first scheduled it
 FIRST: dict[str, float] = {}  # ... -> end of the step that made its first token
@@ -56,55 +47,19 @@ def _instrument() -> None:
     sim_engine.SimEngine.step = watched  # type: ignore[method-assign]
 
 
-class Recorder(TokenPilot):
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.rows: list[tuple[Any, ...]] = []
-        self._at: dict[str, tuple[float, ...]] = {}
-
-    def route(self, profile: RequestProfile, candidates: Any, now: float) -> Any:
-        d = super().route(profile, candidates, now)
-        c = next((c for c in d.candidates if c.name == d.instance_id), None)
-        if c is not None:
-            held = max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
-            self._at[profile.request_id] = (held, now, c.detail["queue_s"], c.detail["prefill_s"],
-                                            c.detail["prior_ttft_s"], c.detail.get("forward_ttft_s", float("nan")))
-        return d
-
-    def observe(self, outcome: RequestOutcome) -> None:
-        p = self._at.pop(outcome.request_id, None)
-        if p is not None and outcome.ok and outcome.ttft_s:
-            self.rows.append((outcome.request_id, *p, outcome.ttft_s))
-        super().observe(outcome)
-
-
 def err(pred: np.ndarray, obs: np.ndarray) -> str:
     e = 100 * np.abs(pred - obs) / np.maximum(obs, 1e-9)
     return f"{np.median(e):.0f}% | {np.percentile(e, 90):.0f}%"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from workloads import head, load_trace, scale_rate
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("trace")
-    p.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
-    p.add_argument("--rate-scale", type=float, default=1.0)
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--admission", default="fcfs")
-    a = p.parse_args(argv)
+    a = arguments(__doc__, argv)
     _instrument()
-    fleet = load_fleet_file(Path(a.fleet))
-    wl = load_trace(a.trace)
-    if a.max_requests:
-        wl = head(wl, a.max_requests)
-    inputs = prepare(scale_rate(wl, a.rate_scale).requests, fleet, hash_cache=HashCache())
-    router = Recorder(seed=0)
-    for spec in fleet_instances(fleet):
-        router.register_instance(spec.instance_id, spec_prior(spec))
-    FleetSimulator(fleet, router, admission=make_admission(a.admission, slomax_config(fleet))).run(inputs)
-    got = [(*row[1:], ADMITTED[row[0]], FIRST[row[0]]) for row in router.rows
-           if row[0] in ADMITTED and row[0] in FIRST]
+    router = run_recorded(a)
+    got = [(x.held, x.at, x.detail["queue_s"], x.detail["prefill_s"], x.detail["prior_ttft_s"],
+            x.detail.get("forward_ttft_s", float("nan")), x.outcome.ttft_s, ADMITTED[x.request_id], FIRST[x.request_id])
+           for x in router.rows
+           if x.outcome.ok and x.outcome.ttft_s and x.request_id in ADMITTED and x.request_id in FIRST]
     held, now, queue, prefill, physics, forward, ttft, admitted, first = np.array(got).T
     queue_obs, span_obs = admitted - now, first - admitted
     print(f"{len(got)} requests; held by admission: {100 * np.mean(held > 0):.0f}% "

@@ -20,49 +20,15 @@ the issue's measure); "after dispatch" columns compare the prediction with TTFT 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
 import numpy as np  # noqa: E402
 
-from fleetcore.fleet_config import load_fleet_file  # noqa: E402
-from fleetcore.types import RequestOutcome, RequestProfile  # noqa: E402
-from fleetsim.cli import DEFAULT_SIM_FLEET  # noqa: E402
-from fleetsim.simulator import FleetSimulator, HashCache, fleet_instances, prepare, spec_prior  # noqa: E402
-from slomax import make_admission  # noqa: E402
-from slomax import from_fleet as slomax_config  # noqa: E402
-from tokenpilot.router import TokenPilot  # noqa: E402
-
-
-class Recorder(TokenPilot):
-    """TokenPilot that keeps, per request, its predictions for the chosen instance and the outcome."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.rows: list[tuple[float, ...]] = []
-        self._pred: dict[str, tuple[float, ...]] = {}
-
-    def route(self, profile: RequestProfile, candidates: Any, now: float) -> Any:
-        d = super().route(profile, candidates, now)
-        c = next((c for c in d.candidates if c.name == d.instance_id), None)
-        if c is not None:
-            held = max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
-            self._pred[profile.request_id] = (c.detail["prior_ttft_s"], c.detail.get("forward_ttft_s", float("nan")),
-                                              c.detail["predicted_ttft_s"], c.detail["prior_tpot_s"],
-                                              c.detail["tpot_s"], held)
-        return d
-
-    def observe(self, outcome: RequestOutcome) -> None:
-        p = self._pred.pop(outcome.request_id, None)
-        if p is not None and outcome.ok and outcome.ttft_s and outcome.mean_tpot_s and outcome.output_tokens > 1:
-            self.rows.append((*p, outcome.ttft_s, outcome.mean_tpot_s))
-        super().observe(outcome)
+from bench.latency_recorder import arguments, run_recorded  # noqa: E402
 
 
 def errors(pred: np.ndarray, obs: np.ndarray) -> tuple[float, float]:
@@ -71,25 +37,14 @@ def errors(pred: np.ndarray, obs: np.ndarray) -> tuple[float, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from workloads import head, load_trace, scale_rate
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("trace")
-    p.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
-    p.add_argument("--rate-scale", type=float, default=1.0)
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--admission", default="fcfs")
-    a = p.parse_args(argv)
-    fleet = load_fleet_file(Path(a.fleet))
-    wl = load_trace(a.trace)
-    if a.max_requests:
-        wl = head(wl, a.max_requests)
-    inputs = prepare(scale_rate(wl, a.rate_scale).requests, fleet, hash_cache=HashCache())
-    router = Recorder(seed=0)
-    for spec in fleet_instances(fleet):  # as fleetsim.cli.make_policy registers them
-        router.register_instance(spec.instance_id, spec_prior(spec))
-    FleetSimulator(fleet, router, admission=make_admission(a.admission, slomax_config(fleet))).run(inputs)
-    r = np.array(router.rows)
+    router = run_recorded(arguments(__doc__, argv))
+    # the chosen instance's physics (queue + prefill), forward prior and learned TTFT; physics and
+    # learned TPOT; the hold; then what the request got
+    rows = [(x.detail["prior_ttft_s"], x.detail.get("forward_ttft_s", float("nan")), x.detail["predicted_ttft_s"],
+             x.detail["prior_tpot_s"], x.detail["tpot_s"], x.held, x.outcome.ttft_s, x.outcome.mean_tpot_s)
+            for x in router.rows
+            if x.outcome.ok and x.outcome.ttft_s and x.outcome.mean_tpot_s and x.outcome.output_tokens > 1]
+    r = np.array(rows)
     held, ttft, tpot = r[:, 5], r[:, 6], r[:, 7]
     print(f"{len(r)} requests ({100 * np.mean(held > 0):.0f}% held by admission); learned model fitted: "
           f"TTFT {router.latency.ttft is not None}, TPOT {router.latency.tpot is not None}")

@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from workloads.generators import agent_loops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.trace_file, from a checkout
+
+from bench.trace_file import write_trace  # noqa: E402
+from workloads.generators import agent_loops  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,10 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=17)
     a = p.parse_args(argv)
     w = agent_loops(agents=a.agents, rate=a.rate, prefixes=a.prefixes, seed=a.seed)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    w.to_jsonl(a.out)
-    digest = hashlib.sha256(a.out.read_bytes()).hexdigest()
-    print(f"wrote {a.out}: {len(w.requests)} requests, sha256 {digest}")
+    write_trace(w, a.out)
     return 0
 
 

@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from workloads.generators import document_analysis
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.trace_file, from a checkout
+
+from bench.trace_file import write_trace  # noqa: E402
+from workloads.generators import document_analysis  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -22,10 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=17)
     a = p.parse_args(argv)
     w = document_analysis(documents=a.documents, rate=a.rate, seed=a.seed, question_gap_s=20.0)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    w.to_jsonl(a.out)
-    digest = hashlib.sha256(a.out.read_bytes()).hexdigest()
-    print(f"wrote {a.out}: {len(w.requests)} requests, sha256 {digest}")
+    write_trace(w, a.out)
     return 0
 
 

@@ -19,8 +19,9 @@ deadline (`gateway.deadlines`, `fleetcore.first_byte`), the decode leg is an ord
 dispatch (first byte, idle, continuation after the first token). A failed or stalled prefill
 leg never leaves a decode waiting: the decode leg is cancelled (its connection closed, which
 makes the engine free the room's reservation), and the request is retried once locally (a
-decode or mixed instance prefilling itself) before the client's first byte; if that fails
-too, the client gets the OpenAI-style 502/504. `tokenfleet_pd_legs_total` counts both legs'
+decode or mixed instance prefilling itself) before the client's first byte, by the relay's own
+attempt loop (`SplitFailed` names what to leave out); if that fails too, the client gets the
+OpenAI-style 502/504. `tokenfleet_pd_legs_total` counts both legs'
 outcomes and the decision log names both instances.
 """
 
@@ -45,10 +46,9 @@ from fleetcore.interconnect import kv_bytes, link_between
 from fleetcore.types import Candidate, InstanceSnapshot, RequestProfile, RouteDecision
 from fleetmind.place import Choice, place
 from gateway.background import cancel_and_wait
-from gateway.errors import upstream_failed, upstream_timeout
-from gateway.relay import CLIENT_CLOSED, ClientGone, DisconnectWatch, Relay, Target, upstream_body
+from gateway.relay import CLIENT_CLOSED, ClientGone, DisconnectWatch, Relay, Target, upstream_fields
 from gateway.requests import ParsedRequest
-from gateway.upstream_failure import RetryableFailure, describe
+from gateway.upstream_failure import RetryableFailure, SplitFailed, describe
 from tokenpilot.disagg import DisaggPolicy, PDDecision, TokenPilotDisagg
 from tokenpilot.router import TokenPilot
 
@@ -181,7 +181,8 @@ class PDFlow:
 
     # -- the split flow ------------------------------------------------------------------
     async def run(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, target: Target) -> Response:
-        """A split request: both legs, the protocol's way; on a prefill failure, one local retry."""
+        """A split request: both legs, the protocol's way. A failure before the first byte raises
+        SplitFailed: the relay's attempt loop retries it once, locally (`choose`, attempt > 0)."""
         pre = target.prefill
         assert pre is not None
         dec = replace(target, prefill=None)
@@ -197,9 +198,7 @@ class PDFlow:
                         pre.instance.instance_id, f)
             self.relay.state.mark_failed(pre.instance.instance_id, f"prefill leg: {f}")
             self.metrics.legs.labels(model, protocol, "decode", "retried_local").inc()
-            return await self._local_retry(watch, parsed, path, [pre.instance.instance_id])
-        except _Retry as r:
-            return await self._local_retry(watch, parsed, path, r.excluded)
+            raise SplitFailed([pre.instance.instance_id]) from None
 
     async def _sglang(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, pre: Target,
                       dec: Target) -> Response:
@@ -207,7 +206,7 @@ class PDFlow:
         fields = {"bootstrap_host": urlsplit(pre.instance.url).hostname,
                   "bootstrap_port": pre.instance.bootstrap_port or urlsplit(pre.instance.url).port,
                   "bootstrap_room": secrets.randbits(63)}
-        body = self._body(parsed, pre)
+        body = upstream_fields(parsed, pre.instance.model)
         body.update(fields, stream=False)
         body.pop("stream_options", None)
         prefill = asyncio.create_task(self._prefill(parsed, path, pre, body))
@@ -236,7 +235,7 @@ class PDFlow:
 
     async def _vllm(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str, pre: Target,
                     dec: Target) -> Response:
-        body = self._body(parsed, pre)
+        body = upstream_fields(parsed, pre.instance.model)
         body.update(kv_transfer_params=dict(_VLLM_PREFILL_PARAMS), max_tokens=1, stream=False)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
@@ -244,7 +243,8 @@ class PDFlow:
         try:
             answer = await watch.race(self._prefill(parsed, path, pre, body))
         except ClientGone:
-            self.relay.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
+            if watch.take_gone():
+                self.relay.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
             return Response(status_code=CLIENT_CLOSED)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
@@ -262,8 +262,6 @@ class PDFlow:
         self.metrics.legs.labels(parsed.profile.model, "vllm", "decode", _outcome(resp.status_code)).inc()
         return resp
 
-    def _body(self, parsed: ParsedRequest, pre: Target) -> dict[str, Any]:
-        return json.loads(upstream_body(parsed, pre.instance.model))
 
     async def _prefill(self, parsed: ParsedRequest, path: str, pre: Target, body: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg: a whole answer within the first-byte deadline, counted in flight."""
@@ -351,36 +349,11 @@ class PDFlow:
             relay.state.mark_failed(dec.instance.instance_id, str(f))
             excluded.append(dec.instance.instance_id)
         self.metrics.legs.labels(model, protocol, "decode", "retried_local").inc()
-        raise _Retry(excluded)
-
-    async def _local_retry(self, watch: DisconnectWatch, parsed: ParsedRequest, path: str,
-                           excluded: list[str]) -> Response:
-        """The one retry before the first byte: a decode or mixed instance prefilling itself."""
-        relay = self.relay
-        target = self.choose(parsed.profile, excluded, 1)
-        if target is None:
-            raise upstream_failed("the prefill leg failed and no instance is left to prefill locally")
-        relay.metrics.retries.labels(parsed.profile.model).inc()
-        if relay.admission is not None:
-            relay.admission.retried(parsed.profile.request_id)
-            relay.admission.routed(parsed.profile.request_id, target.instance.instance_id)
-        try:
-            return await relay._dispatch(watch, parsed, path, target)
-        except RetryableFailure as f:
-            relay.state.mark_failed(target.instance.instance_id, str(f))
-            raise upstream_timeout(f.public) if f.timed_out else upstream_failed(f.public) from None
+        raise SplitFailed(excluded)
 
     async def close(self) -> None:
         for t in list(self._background):
             await cancel_and_wait([t])
-
-
-class _Retry(Exception):
-    """Internal: the split failed before the first byte; retry locally without `excluded`."""
-
-    def __init__(self, excluded: list[str]) -> None:
-        super().__init__(",".join(excluded))
-        self.excluded = excluded
 
 
 def _outcome(status: int) -> str:

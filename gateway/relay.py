@@ -75,7 +75,7 @@ from gateway.resume import DRAINED, continuation_of, drained, resume
 from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
-from gateway.upstream_failure import NotAStream, RetryableFailure, describe
+from gateway.upstream_failure import NotAStream, RetryableFailure, SplitFailed, describe
 
 if TYPE_CHECKING:
     from gateway.pd_flow import PDFlow
@@ -92,9 +92,10 @@ class ClientGone(Exception):
     """The client disconnected before the response was handed over."""
 
 
-def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
-                  token_ids: bool = False) -> bytes:
-    """The client's body, unknown fields untouched, with the served model name and forced usage.
+def upstream_fields(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
+                    token_ids: bool = False) -> dict[str, Any]:
+    """The client's body, unknown fields untouched, with the served model name and forced usage:
+    a new top-level dict (nested values are the client's, shared: change only top-level keys).
     `stream` True: asked as a stream whatever the client asked (a continuable whole answer);
     `token_ids`: the engine's generated token ids asked for (what a continuation re-prefills)."""
     body = dict(parsed.body)
@@ -106,7 +107,13 @@ def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None 
     if parsed.stream or stream:
         opts = body.get("stream_options")
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-    return json.dumps(body, separators=(",", ":")).encode()
+    return body
+
+
+def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
+                  token_ids: bool = False) -> bytes:
+    """`upstream_fields`, encoded as sent."""
+    return json.dumps(upstream_fields(parsed, served_model, stream, token_ids), separators=(",", ":")).encode()
 
 
 # --- decisions kept for /debug/decisions ---
@@ -165,20 +172,28 @@ class DisconnectWatch:
     """Notices the client's `http.disconnect` while the gateway works for it, at the cost of a
     task only when that work lasts. `race(aw)` awaits `aw` in the caller's own task; a wait
     still pending after LAZY_WATCH_S starts the watcher (at most one per request), which reads
-    the receive channel and, when the client leaves, cancels the waiting task: `race` raises
-    ClientGone. (uvicorn's `send` returns silently on a closed connection, so a failing send
-    cannot be the signal.) One per request, from `handle` to the end of the response."""
+    the receive channel and, when the client leaves, cancels every task then waiting in `race`
+    (the request's own, a P/D decode leg's): each one's `race` raises ClientGone. (uvicorn's
+    `send` returns silently on a closed connection, so a failing send cannot be the signal.)
+    One per request, from `handle` to the end of the response.
 
-    __slots__ = ("_receive", "_loop", "_watcher", "_timer", "_waiting", "_cancelling", "_cancelled", "left")
+    The waiting state is per task: one slot for the request let a second task's `race`
+    overwrite the first's, which then never heard that the client left. A task this watch
+    cancelled gets ClientGone even when another cancel landed with it (a P/D flow aborting the
+    leg, the server): the client has left either way, and a plain CancelledError would end its
+    dispatch with no status instead of 499. `left` stays set for whoever ends work on a
+    CancelledError; `take_gone` lets exactly one place count the request's 499."""
+
+    __slots__ = ("_receive", "_loop", "_watcher", "_timer", "_waiting", "_cancelled", "_counted", "left")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._loop = asyncio.get_running_loop()
         self._watcher: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._waiting: asyncio.Task[Any] | None = None  # the task inside `race`, if any
-        self._cancelling = 0
-        self._cancelled = False  # this watch cancelled the waiting task
+        self._waiting: set[asyncio.Task[Any]] = set()  # every task inside `race` now
+        self._cancelled: set[asyncio.Task[Any]] = set()  # the waiting tasks this watch cancelled
+        self._counted = False  # the request's 499 has been counted
         self.left = False  # the client disconnected
 
     async def aclose(self) -> None:
@@ -191,6 +206,14 @@ class DisconnectWatch:
                 await self._watcher
             self._watcher = None
 
+    def take_gone(self) -> bool:
+        """True once per request, for the one place that counts its 499 (the dispatch cut short,
+        the queue left, the prefill leg abandoned); False after that and before the client left."""
+        if not self.left or self._counted:
+            return False
+        self._counted = True
+        return True
+
     async def race(self, aw: Awaitable[T]) -> T:
         """`aw`'s result, or ClientGone (and `aw` cancelled) when the client leaves first."""
         if self.left:
@@ -198,35 +221,43 @@ class DisconnectWatch:
                 aw.close()
             raise ClientGone()
         task = asyncio.current_task()
-        if task is None or self._waiting is task:  # nested: the outer race covers it
+        if task is None or task in self._waiting:  # nested: the outer race covers it
             return await aw
-        self._waiting, self._cancelling, self._cancelled = task, task.cancelling(), False
-        if self._watcher is None:
+        self._waiting.add(task)
+        if self._watcher is None and self._timer is None:
             self._timer = self._loop.call_later(LAZY_WATCH_S, self._start)
         try:
             return await aw
         except asyncio.CancelledError:
-            if self._cancelled and task.uncancel() <= self._cancelling:
+            if task in self._cancelled:
                 raise ClientGone() from None
             raise
         finally:
-            self._waiting = None
-            if self._timer is not None:
+            if task in self._cancelled:
+                # Our cancel is taken back (another canceller's, if any, stays counted on the task),
+                # whatever `aw` made of it: ClientGone above; or, where `aw` swallowed it and ended
+                # on its own (3.11's wait_for can), its result or error, which owns resources and
+                # stands; the request's next `race` raises ClientGone.
+                self._cancelled.discard(task)
+                task.uncancel()
+            self._waiting.discard(task)
+            if not self._waiting and self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
 
     def _start(self) -> None:
         self._timer = None
-        if self._waiting is not None and self._watcher is None and not self.left:
+        if self._waiting and self._watcher is None and not self.left:
             self._watcher = self._loop.create_task(self._watch())
 
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
         self.left = True
-        if self._waiting is not None and not self._cancelled:
-            self._cancelled = True
-            self._waiting.cancel()
+        for task in list(self._waiting):
+            if task not in self._cancelled:
+                self._cancelled.add(task)
+                task.cancel()
 
 
 # --- one dispatch to one instance ---
@@ -719,7 +750,8 @@ class Relay:
         try:
             parsed, avoid = await gate.enter(parsed, watch.race)
         except ClientGone:  # left while queued: nobody to answer
-            self.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
+            if watch.take_gone():
+                self.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
             return Response(status_code=CLIENT_CLOSED)
         streaming = False
         try:
@@ -737,6 +769,10 @@ class Relay:
         excluded: list[str] = []
         last: RetryableFailure | None = None
         for attempt in range(MAX_ATTEMPTS):
+            if attempt > 0 and watch.left:  # the client left as the attempt failed: nobody to retry for
+                if watch.take_gone():
+                    self.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
+                return Response(status_code=CLIENT_CLOSED)
             # failed attempts are excluded; admission's hint to avoid busy instances gives way when it leaves none
             target = (self.choose(parsed.profile, excluded, attempt, avoid) if self.pd is None
                       else self.pd.choose(parsed.profile, excluded, attempt, avoid))
@@ -753,9 +789,12 @@ class Relay:
             if self.route_share is not None:
                 self.route_share.dispatched(parsed.profile, target.instance.instance_id)
             try:
-                if target.prefill is not None and self.pd is not None:  # split: both legs, its own retry
+                if target.prefill is not None and self.pd is not None:  # split: both legs
                     return await self.pd.run(watch, parsed, path, target)
                 return await self._dispatch(watch, parsed, path, target)
+            except SplitFailed as f:  # the flow marked and logged what failed; the retry is local
+                excluded.extend(f.excluded)
+                last = f
             except RetryableFailure as f:
                 log.warning("request %s: instance %s failed before first byte (%s); %s",
                             parsed.profile.request_id, target.instance.instance_id, f,
@@ -811,12 +850,17 @@ class Relay:
             d.finish(ok=False, status=None, error=i.message, abort=True)
             raise gateway_shutting_down(i.message, self.retry_after_s) from None
         except ClientGone:
-            d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
+            d.finish(ok=False, status=str(CLIENT_CLOSED) if watch.take_gone() else None,
+                     error="client disconnected", cancelled=True)
             return Response(status_code=CLIENT_CLOSED)  # nobody is listening any more
         finally:
             if not handed_over:
-                # covers cancellation and bugs too: never leak a connection or an in-flight count
-                d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
+                # covers cancellation and bugs too: never leak a connection or an in-flight count.
+                # A cancel that reached it while the client was gone is the client's leaving.
+                if watch.take_gone():
+                    d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
+                else:
+                    d.finish(ok=False, status=None, error="dispatch ended early", abort=True)
 
     async def open_stream(self, d: Dispatch, path: str, cont: Continuation | None) -> RelayStream:
         """Send a stream request and read its first event (a hedge's unit of work, `gateway.hedge`)."""

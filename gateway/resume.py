@@ -169,8 +169,15 @@ async def resume(host: ResumeHost, s: RelayStream, f: LegFailure) -> bytes | Non
         except Interrupted:
             d.finish(ok=False, status=None, error="shutting down", abort=True)
             return None
+        except asyncio.CancelledError:
+            # The response is being torn down (the client left) while this leg waits for its first
+            # event: it is the stream's current leg now, which the response's close ends as a 499
+            # and aborts. (Ended here, with no status, the request was never counted as gone.)
+            if not switched:
+                s.d = d
+            raise
         finally:
-            if not switched and not d.finished:
+            if not switched and not d.finished and s.d is not d:
                 d.finish(ok=False, status=None, error="continuation ended early", abort=True)
         _counted(host, reason, "continued")
         host.live.add(s)

@@ -31,6 +31,17 @@ class RetryableFailure(Exception):
         self.timed_out = timed_out
 
 
+class SplitFailed(RetryableFailure):
+    """A P/D split request failed before the client's first byte (`gateway.pd_flow`): the relay's
+    attempt loop retries it locally, leaving out `excluded`, which the flow has already marked
+    failed and logged. `public` is what the client reads when no instance is left for that."""
+
+    def __init__(self, excluded: list[str]) -> None:
+        super().__init__("pd_split", ",".join(excluded),
+                         "the prefill leg failed and no instance is left to prefill locally")
+        self.excluded = excluded
+
+
 def describe(e: BaseException) -> str:
     """For the log only: aiohttp's texts name hosts and ports."""
     text = str(e)

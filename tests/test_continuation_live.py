@@ -473,3 +473,37 @@ async def test_client_leaving_during_a_continuation_releases_every_leg(healthy: 
     await wait_until(lambda: len(f.ctx.relay.live), 10, "the stream to leave the live set", ok=lambda n: n == 0)
     await wait_until(lambda: f.metric("tokenfleet_requests_total", status="499"), 10, "the 499 counted",
                      ok=lambda n: n == gone_before + 1)
+
+
+async def test_client_leaving_while_a_continuation_waits_for_its_first_event_is_a_499(healthy: Fleet) -> None:
+    """The client leaves after its engine died and while the continuation leg still waits for its
+    first event (every other engine SIGSTOPped: the leg is sent, nothing comes back). That leg was
+    once finished as "continuation ended early" with no status, and the first leg as a
+    stream_error: a client that left was never counted as gone."""
+    f = healthy
+    gone_before = f.metric("tokenfleet_requests_total", status="499")
+    body = chat_body("a story whose reader leaves during its continuation", 2000)
+    try:
+        async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                iid = r.headers["x-tokenfleet-instance"]
+                tokens = 0
+                async for line in r.aiter_lines():
+                    if '"content":"' in line or '"content": "' in line:
+                        tokens += 1
+                    if tokens == 10:
+                        others = [st.instance.instance_id for st in f.ctx.state.states()
+                                  if st.instance.instance_id != iid]
+                        for other in others:
+                            f.stop(other)  # the continuation is sent to one of them and waits there
+                        await f.kill(iid)
+                        await wait_until(lambda: sum(f.ctx.state.get(o).inflight for o in others), 10,
+                                         "the continuation leg to be sent", ok=lambda n: n == 1)
+                        break  # the client goes away while the continuation waits for its first event
+        await wait_until(lambda: f.metric("tokenfleet_requests_total", status="499"), 10, "the 499 counted",
+                         ok=lambda n: n == gone_before + 1)
+        await wait_until(lambda: [st.inflight for st in f.ctx.state.states()], 10, "no dispatch in flight",
+                         ok=lambda v: not any(v))
+        assert not f.ctx.relay.live
+    finally:
+        f.cont_all()

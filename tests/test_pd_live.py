@@ -315,11 +315,16 @@ async def test_client_disconnect_releases_both_legs(healthy: Fleet) -> None:
     pre = f.instances("east", "prefill")[0]
     rid = "pd-gone"
     async with decoding(f, EAST_KEY, "east"):
+        gone_before = f.metric("tokenfleet_requests_total", status="499")
         req = asyncio.create_task(stream(f, EAST_KEY, long_prompt(), 24, rid))
         await prefilling(f, pre)
         req.cancel()  # the client goes away while the prefill runs and the decode waits for its KV
         with contextlib.suppress(asyncio.CancelledError):
             await req
+        # counted as gone exactly once (the decode leg waits in its own task: its 499, no other);
+        # within the block, before the background streams are cut (their clients leave too)
+        await wait_until(lambda: f.metric("tokenfleet_requests_total", status="499"), 10, "the 499 counted",
+                         ok=lambda n: n == gone_before + 1)
     assert f.decision(rid)["reason"].startswith("split")
     await all_released(f, "east")
     await wait_until(lambda: sum(st.inflight for st in f.ctx.state.states()), 10, "nothing in flight",

@@ -1,0 +1,86 @@
+"""TokenPilot on the simulator, keeping what it predicted for each chosen instance: the shared
+part of `latency_error.py` and `latency_decompose.py` (each reads its own columns from
+`Recorded.detail` and picks its own requests from the outcomes).
+
+The simulator runs TokenPilot as `fleetsim.cli` does (the learned model refitted in virtual
+time, every `LearnedLatency.refit_every` outcomes). To run either script in an older
+checkout, copy this file there beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetcore.fleet_config import load_fleet_file
+from fleetcore.types import RequestOutcome, RequestProfile
+from fleetsim.cli import DEFAULT_SIM_FLEET
+from fleetsim.simulator import FleetSimulator, HashCache, fleet_instances, prepare, spec_prior
+from slomax import from_fleet as slomax_config
+from slomax import make_admission
+from tokenpilot.router import TokenPilot
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """One routed request: its decision's view of the chosen instance, and what it got."""
+
+    request_id: str
+    held: float  # seconds admission held it before dispatch (known at dispatch)
+    at: float  # virtual time of the decision
+    detail: Mapping[str, float]  # the chosen candidate's cost terms (`Candidate.detail`)
+    outcome: RequestOutcome
+
+
+class Recorder(TokenPilot):
+    """TokenPilot that keeps, per request, the chosen candidate's cost terms and the outcome,
+    in the order the outcomes came."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.rows: list[Recorded] = []
+        self._at: dict[str, tuple[float, float, Mapping[str, float]]] = {}
+
+    def route(self, profile: RequestProfile, candidates: Any, now: float) -> Any:
+        d = super().route(profile, candidates, now)
+        c = next((c for c in d.candidates if c.name == d.instance_id), None)
+        if c is not None:
+            held = max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
+            self._at[profile.request_id] = (held, now, dict(c.detail))
+        return d
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        p = self._at.pop(outcome.request_id, None)
+        if p is not None:
+            self.rows.append(Recorded(outcome.request_id, *p, outcome))
+        super().observe(outcome)
+
+
+def arguments(doc: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    """TRACE [--fleet FILE] [--rate-scale X] [--max-requests N] [--admission fcfs|slomax]."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("trace")
+    p.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--admission", default="fcfs")
+    return p.parse_args(argv)
+
+
+def run_recorded(a: argparse.Namespace) -> Recorder:
+    """The trace (its first `max_requests`, rate scaled) through the simulator with a Recorder."""
+    from workloads import head, load_trace, scale_rate
+
+    fleet = load_fleet_file(Path(a.fleet))
+    wl = load_trace(a.trace)
+    if a.max_requests:
+        wl = head(wl, a.max_requests)
+    inputs = prepare(scale_rate(wl, a.rate_scale).requests, fleet, hash_cache=HashCache())
+    router = Recorder(seed=0)
+    for spec in fleet_instances(fleet):  # as fleetsim.cli.make_policy registers them
+        router.register_instance(spec.instance_id, spec_prior(spec))
+    FleetSimulator(fleet, router, admission=make_admission(a.admission, slomax_config(fleet))).run(inputs)
+    return router
