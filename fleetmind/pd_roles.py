@@ -84,9 +84,10 @@ class PDRolesConfig:
     # prefill pool, not `max_step`), and a move already watched is extended while it lasts.
     urgent_kv: bool = True
     # The controller's own period (None: the fleet's `planner.cycle_s`). It reads gauges and
-    # counts, so a short period costs nothing; a 15 s one saw agent loops' whole 33 s trace
-    # arrive before its first move.
-    cycle_s: float | None = None
+    # counts, so a short period costs nothing; with 15 s, agent loops' 33 s trace had arrived
+    # before the first move (elastic 0.08x colocated; 5 s: 0.32x), at a price on Mooncake
+    # (1.27x at 15 s, 1.04x at 5 s; bench/DISAGG.md "P/D that never collapses").
+    cycle_s: float | None = 5.0
     # Urgency reads the decode KV this far ahead, at the rate it rose since the last cycle.
     kv_horizon_s: float = 30.0
     # Gradual flips: the instance takes its new role at once and finishes its in-flight work
