@@ -22,6 +22,14 @@ The rule, each cycle:
   cycles, a small imbalance moves one instance);
 - memory: a pool whose mean KV usage is above `max_source_kv` gives no instance up (its
   streams would have nowhere to go: decode KV fills before decode compute does);
+- urgency (`urgent_kv`): decode KV at or above `decode_kv_high + kv_band`, now or
+  `kv_horizon_s` ahead at the rate it rose since the last cycle, moves prefill instances to
+  decode from the first cycle (no streak, sample minimum or cooldown; a rollback's block
+  still holds), as many as bring the decode pool's mean back to the mark (`_kv_step`), not
+  `max_step`; while such a move is watched, further urgent cycles extend it (judged, and
+  rolled back, as one). The prefill pool may empty (`min_prefill`, 0): every request then
+  runs whole on a decode instance, the colocated fleet — P/D's floor (long documents at
+  16/16 collapsed to 0.05x colocated, bench/DISAGG.md "P/D that never collapses");
 - gradual (`gradual`, the default): the instances to flip (the least loaded of their role)
   take their new role at once and finish their in-flight work where they are (a decode
   instance turned prefill decodes its streams to the end while it takes new prefills), so
@@ -38,7 +46,7 @@ The rule, each cycle:
   flips the instance back, and that direction is blocked for `block_s` — unless the
   pressure that made the move still points the same way (then the drop is the load
   rising, not the move: undoing it took the right direction back on Mooncake).
-Each role keeps at least `min_per_role` instances.
+Each role keeps at least `min_per_role` instances (the prefill role: `min_prefill`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@
 * `off`: every instance mixed, roles ignored: the simulator as before (no `PDRuntime`).
 * `static`: the fleet file's roles; TokenPilot decides per request (`tokenpilot.disagg`).
 * `elastic`: `static`, plus FleetMind's P/D role controller (`fleetmind.pd_roles`) run every
-  `planner.cycle_s` on the simulator's controller tick (the loop the placement planner runs on).
+  `PDRolesConfig.cycle_s` (None: `planner.cycle_s`) on the simulator's controller tick (the
+  loop the placement planner runs on). An instance that leaves the prefill role hands the
+  split requests queued there, unstarted, to their decode instance, which prefills them
+  itself (`PDRuntime._replace_queued`).
 * `dynamo_conditional`, `llm_d_decider`: the fleet file's roles, the published rules
   (`tokenpilot.disagg_baselines`).
 
