@@ -504,3 +504,33 @@ def test_a_prefill_instance_turned_decode_hands_its_queued_legs_to_their_decode_
     for i in sim.instances():
         assert i.engine.kv.num_free_blocks == i.engine.num_gpu_blocks and i.engine.num_held == 0
         assert i.inflight == 0
+
+
+def test_elastic_empties_the_prefill_pool_when_decode_kv_fills_and_runs_colocated_after() -> None:
+    """The decode instance's KV fills from the first seconds: the controller's first cycle
+    (5 s) turns the only prefill instance decode (the prefill pool may empty), and every
+    request placed after runs whole, on either instance."""
+    from fleetsim.disagg import pd_controllers
+
+    fleet = pd_fleet(bandwidth_gb_s=50)
+    d = fleet.model_dump()
+    d["deployments"][0]["options"] = {"num_gpu_blocks_override": 400}  # 6,400 tokens of KV each
+    fleet = parse_fleet(d)
+    ctl = pd_controllers("elastic", fleet)
+    assert ctl and ctl[0][0] == 5.0  # its own period, not planner.cycle_s
+    sim = pd_sim(fleet, "elastic", controllers=ctl)
+    pd = sim.pd
+    assert isinstance(pd, PDRuntime)
+    splits_at: dict[float, int] = {}
+    sim.schedule(5.001, lambda t: splits_at.setdefault(t, pd.stats.splits))
+    reqs = [trace_req(250 * i, 2500, 400, (10_000 + i,)) for i in range(60)]
+    res = sim.run(prepare(reqs, fleet))
+    assert all(r.status == "completed" for r in res.records) and not res.warnings
+    flips = ctl[0][1].core.log
+    assert flips[0].kind == "flip" and flips[0].at == 5.0 and flips[0].to_role == "decode"
+    assert "decode KV urgent" in flips[0].reason
+    assert all(i.role == "decode" for i in sim.instances())
+    (n_before,) = splits_at.values()
+    assert pd.stats.splits == n_before  # nothing split once no prefill instance was left
+    late = [r for r in res.records if r.arrival_s > 5.0]
+    assert {r.instance for r in late} == {"s1/m/0", "s1/m/1"}  # the old prefill instance decodes too
