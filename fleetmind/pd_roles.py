@@ -93,8 +93,9 @@ class PDRolesConfig:
     urgent_kv: bool = True
     # The controller's own period (None: the fleet's `planner.cycle_s`). It reads gauges and
     # counts, so a short period costs nothing; with 15 s, agent loops' 33 s trace had arrived
-    # before the first move (elastic 0.08x colocated; 5 s: 0.32x), at a price on Mooncake
-    # (1.27x at 15 s, 1.04x at 5 s; bench/DISAGG.md "P/D that never collapses").
+    # before the first move (elastic 0.08x colocated; 5 s: 0.32x); on Mooncake 15 s gave 1.27x
+    # at x5.5 but 0.69x / 0.81x at x5 / x6, 5 s 0.95-1.04x at all three (bench/DISAGG.md "P/D
+    # that never collapses").
     cycle_s: float | None = 5.0
     # Urgency reads the decode KV this far ahead, at the rate it rose since the last cycle.
     kv_horizon_s: float = 30.0
