@@ -153,6 +153,8 @@ def main() -> int:
                    help="DisaggConfig.ttft_miss_weight (0: the default decision)")
     p.add_argument("--decode-kv-high", type=float, default=PDRolesConfig().decode_kv_high,
                    help="PDRolesConfig.decode_kv_high of the elastic controller")
+    p.add_argument("--pd-cycle-s", type=float, default=PDRolesConfig().cycle_s,
+                   help="PDRolesConfig.cycle_s, the elastic controller's period (0: the fleet's planner.cycle_s)")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
     wl = load_trace(a.trace, "auto")
@@ -165,7 +167,8 @@ def main() -> int:
     router = make_policy("tokenpilot", a.seed, fleet)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos())))
-    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high))
+    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high,
+                                                        cycle_s=a.pd_cycle_s or None))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,

@@ -22,6 +22,14 @@ The rule, each cycle:
   cycles, a small imbalance moves one instance);
 - memory: a pool whose mean KV usage is above `max_source_kv` gives no instance up (its
   streams would have nowhere to go: decode KV fills before decode compute does);
+- urgency (`urgent_kv`): decode KV at or above `decode_kv_high + kv_band`, now or
+  `kv_horizon_s` ahead at the rate it rose since the last cycle, moves prefill instances to
+  decode from the first cycle (no streak, sample minimum or cooldown; a rollback's block
+  still holds), as many as bring the decode pool's mean back to the mark (`_kv_step`), not
+  `max_step`; while such a move is watched, further urgent cycles extend it (judged, and
+  rolled back, as one). The prefill pool may empty (`min_prefill`, 0): every request then
+  runs whole on a decode instance, the colocated fleet — P/D's floor (long documents at
+  16/16 collapsed to 0.05x colocated, bench/DISAGG.md "P/D that never collapses");
 - gradual (`gradual`, the default): the instances to flip (the least loaded of their role)
   take their new role at once and finish their in-flight work where they are (a decode
   instance turned prefill decodes its streams to the end while it takes new prefills), so
@@ -38,11 +46,12 @@ The rule, each cycle:
   flips the instance back, and that direction is blocked for `block_s` — unless the
   pressure that made the move still points the same way (then the drop is the load
   rising, not the move: undoing it took the right direction back on Mooncake).
-Each role keeps at least `min_per_role` instances.
+Each role keeps at least `min_per_role` instances (the prefill role: `min_prefill`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,11 +75,30 @@ class PDRolesConfig:
     min_per_role: int = 1
     max_step: int = 4
     max_source_kv: float = 0.8
+    # The prefill pool may give every instance up: with none, each request runs whole on a
+    # decode instance (they prefill locally), the colocated fleet. Below that floor the split
+    # is only a cost (long documents, agent loops: bench/DISAGG.md "P/D that never collapses").
+    # None: `min_per_role`.
+    min_prefill: int | None = 0
     # Decode KV, not decode compute, bounds the decode pool on long contexts (bench/DISAGG.md):
     # a decode pool whose mean KV usage is above this asks for an instance (decode pressure),
     # and TTFT pressure moves none out of it unless its usage is `kv_band` below the mark.
     decode_kv_high: float = 0.5
     kv_band: float = 0.1
+    # Decode KV at or above `decode_kv_high + kv_band` is urgent: a level, not a noisy share of
+    # misses, and the next minutes fill it further (preemptions redo 30k-token prefills). It
+    # acts from the first cycle (no streak, no sample minimum, no cooldown), moves as many
+    # prefill instances as bring the pool's mean back to the mark (`_kv_step`, up to the whole
+    # prefill pool, not `max_step`), and a move already watched is extended while it lasts.
+    urgent_kv: bool = True
+    # The controller's own period (None: the fleet's `planner.cycle_s`). It reads gauges and
+    # counts, so a short period costs nothing; with 15 s, agent loops' 33 s trace had arrived
+    # before the first move (elastic 0.08x colocated; 5 s: 0.32x); on Mooncake 15 s gave 1.27x
+    # at x5.5 but 0.69x / 0.81x at x5 / x6, 5 s 0.95-1.04x at all three (bench/DISAGG.md "P/D
+    # that never collapses").
+    cycle_s: float | None = 5.0
+    # Urgency reads the decode KV this far ahead, at the rate it rose since the last cycle.
+    kv_horizon_s: float = 30.0
     # Gradual flips: the instance takes its new role at once and finishes its in-flight work
     # where it is (a decode instance turned prefill keeps decoding its streams; a prefill
     # instance turned decode still sends the KV it holds). Off: drain first, switch once idle.
@@ -138,12 +166,15 @@ class PDRoleController:
     _streak_n: int = 0
     _calm_until: float = 0.0
     _blocked: dict[tuple[Role, Role], float] = field(default_factory=dict)
+    _kv_seen: tuple[float, float] | None = None  # (when, decode KV) at the previous cycle
+    _kv_ahead: float = 0.0  # decode KV projected `kv_horizon_s` ahead (this cycle's)
 
     def cycle(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
         span = now - self._last_t if self._last_t is not None else 0.0
         self._last_t = now
         if span > 0:
             self._history.append((now, window.met / span, window.ended))
+        self._project(now, instances)
         by_id = {i.instance_id: i for i in instances}
         if self._pending is not None:
             return self._advance(now, by_id)
@@ -182,7 +213,7 @@ class PDRoleController:
         w = self._watch
         assert w is not None
         if now - w.since < self.config.watch_s or self._ended(w.since, now) < self.config.min_samples:
-            return []
+            return self._extend(now, instances, w)
         self._watch = None
         after = self._goodput(w.since, now)
         # A drop while the pressure that made the move still points the same way is the load
@@ -202,9 +233,69 @@ class PDRoleController:
                     f"goodput {after:.2f} req/s after, {w.goodput_before:.2f} before")
         return []
 
+    def _extend(self, now: float, instances: Sequence[RoleInstance], w: _Flip) -> list[RoleCommand]:
+        """A move towards decode under watch, while the decode KV is still urgent: more prefill
+        instances follow at once (judged, and rolled back, with the move they extend)."""
+        if not (self.config.gradual and w.to_role == "decode" and self._urgent(instances)):
+            return []
+        picks = self._kv_picks(instances)
+        if not picks:
+            return []
+        w.instance_ids = w.instance_ids + picks
+        self._event(now, "flip", ",".join(picks), "decode",
+                    f"gradual; decode KV urgent {_decode_kv(instances):.0%}: extends the move of {w.since:.0f} s")
+        return [RoleCommand("set_role", i, "decode") for i in picks]
+
+    def _project(self, now: float, instances: Sequence[RoleInstance]) -> None:
+        """Decode KV `kv_horizon_s` ahead at the rate since the last cycle: long documents fill
+        the decode pool from 47% to 95% in two 15 s cycles, and a move that waits for the level
+        comes after the caches it should have kept are gone (bench/DISAGG.md)."""
+        u = _decode_kv(instances)
+        ahead = u
+        if self._kv_seen is not None and now > self._kv_seen[0]:
+            rate = (u - self._kv_seen[1]) / (now - self._kv_seen[0])
+            ahead = u + max(0.0, rate) * self.config.kv_horizon_s
+        self._kv_seen = (now, u)
+        self._kv_ahead = min(1.0, ahead)
+
+    def _urgent(self, instances: Sequence[RoleInstance]) -> bool:
+        cfg = self.config
+        return cfg.urgent_kv and self._kv_ahead >= cfg.decode_kv_high + cfg.kv_band
+
+    def _min(self, role: Role) -> int:
+        cfg = self.config
+        return cfg.min_prefill if role == "prefill" and cfg.min_prefill is not None else cfg.min_per_role
+
+    def _kv_step(self, instances: Sequence[RoleInstance], pool: Sequence[RoleInstance]) -> int:
+        """Prefill instances to turn decode so that the decode pool's mean KV comes back to the
+        mark: D decode instances at mean usage u, k joining at their pool's mean s, give
+        (D u + k s) / (D + k) <= high for k >= D (u - high) / (high - s)."""
+        cfg = self.config
+        dec = [i for i in instances if i.role == "decode"]
+        if not dec or not pool:
+            return 0
+        u = max(_decode_kv(instances), self._kv_ahead)
+        s = sum(i.kv_usage for i in pool) / len(pool)
+        return max(1, math.ceil(len(dec) * (u - cfg.decode_kv_high) / max(cfg.decode_kv_high - s, cfg.kv_band)))
+
+    def _kv_picks(self, instances: Sequence[RoleInstance]) -> tuple[str, ...]:
+        """The prefill instances an urgent decode-KV move takes (least loaded first)."""
+        pool = [i for i in instances if i.role == "prefill" and not i.draining]
+        room = len(pool) - self._min("prefill")
+        if room <= 0 or sum(i.kv_usage for i in pool) / len(pool) > self.config.max_source_kv:
+            return ()
+        step = min(room, self._kv_step(instances, pool))
+        return tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))[:step])
+
     # -- a new flip -------------------------------------------------------------------------
     def _maybe_flip(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
         cfg = self.config
+        if self._urgent(instances) and self._blocked.get(("prefill", "decode"), 0.0) <= now:
+            picks = self._kv_picks(instances)
+            if picks:
+                return self._start(now, picks, "prefill", "decode",
+                                   f"decode KV urgent: {_decode_kv(instances):.0%}, {self._kv_ahead:.0%} ahead (mark "
+                                   f"{cfg.decode_kv_high:.0%}), {len(picks)} to decode at once")
         want = self._pressure(window, instances)
         if want is None or want != self._streak_dir:
             self._streak_dir, self._streak_n = want, 1 if want is not None else 0
@@ -216,20 +307,24 @@ class PDRoleController:
         if self._blocked.get((src, want), 0.0) > now:
             return []
         pool = [i for i in instances if i.role == src and not i.draining]
-        if len(pool) <= cfg.min_per_role or sum(i.kv_usage for i in pool) / len(pool) > cfg.max_source_kv:
+        if len(pool) <= self._min(src) or sum(i.kv_usage for i in pool) / len(pool) > cfg.max_source_kv:
             return []
         share_t, share_p = window.ttft_missed / window.ended, window.tpot_missed / window.ended
         share_b = window.decode_blocked / window.ended
         kv_over = _decode_kv(instances) - cfg.decode_kv_high
         size = share_b if share_b > cfg.margin else max(kv_over, 0.0) if want == "decode" and kv_over > 0 \
             else abs(share_t - share_p)
-        step = max(1, min(cfg.max_step, len(pool) - cfg.min_per_role, round(size * len(pool))))
+        step = max(1, min(cfg.max_step, len(pool) - self._min(src), round(size * len(pool))))
         picks = tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))[:step])
-        before = self._goodput(now - cfg.watch_s, now)
-        self._streak_dir, self._streak_n = None, 0
         why = "TTFT" if want == "prefill" else "decode KV" if share_b > cfg.margin or kv_over > 0 else "TPOT"
         reason = (f"{why} pressure: TTFT missed {share_t:.0%}, TPOT missed {share_p:.0%}, "
                   f"waited for decode KV {share_b:.0%} of {window.ended}, decode KV {_decode_kv(instances):.0%}")
+        return self._start(now, picks, src, want, reason)
+
+    def _start(self, now: float, picks: tuple[str, ...], src: Role, want: Role, reason: str) -> list[RoleCommand]:
+        cfg = self.config
+        before = self._goodput(now - cfg.watch_s, now)
+        self._streak_dir, self._streak_n = None, 0
         if cfg.gradual:  # no drain: switched now, watched from now
             self._event(now, "flip", ",".join(picks), want, f"gradual; {reason}")
             self._watch = _Flip(picks, src, want, now, False, before)

@@ -5,7 +5,10 @@
 * `off`: every instance mixed, roles ignored: the simulator as before (no `PDRuntime`).
 * `static`: the fleet file's roles; TokenPilot decides per request (`tokenpilot.disagg`).
 * `elastic`: `static`, plus FleetMind's P/D role controller (`fleetmind.pd_roles`) run every
-  `planner.cycle_s` on the simulator's controller tick (the loop the placement planner runs on).
+  `PDRolesConfig.cycle_s` (None: `planner.cycle_s`) on the simulator's controller tick (the
+  loop the placement planner runs on). An instance that leaves the prefill role hands the
+  split requests queued there, unstarted, to their decode instance, which prefills them
+  itself (`PDRuntime._replace_queued`).
 * `dynamo_conditional`, `llm_d_decider`: the fleet file's roles, the published rules
   (`tokenpilot.disagg_baselines`).
 
@@ -105,6 +108,7 @@ class PDStats:
     local: int = 0
     transfer_ms: list[float] = field(default_factory=list)
     receive_waits: int = 0  # split requests whose decode instance had no room at first
+    replaced: int = 0  # split requests whose prefill leg had not started when its instance left prefill
     waited_ended: int = 0  # ... since the role controller last read (and reset) it
 
 
@@ -259,9 +263,28 @@ class PDRuntime:
     def set_role(self, iid: str, role: Role, now: float) -> None:
         inst = self.sim.instance(iid)
         self._close_role(inst, now)
+        was = inst.role
         inst.role = role
         inst.draining = False
         self._role_since[iid] = (role, now, inst.busy_s)
+        if was == "prefill" and role != "prefill":
+            self._replace_queued(inst, now)
+
+    def _replace_queued(self, inst: _Inst, now: float) -> None:
+        """An instance left the prefill role: the split requests still queued there with nothing
+        prefilled (the gateway can withdraw such a leg at no loss) run whole on their decode
+        instance instead, which prefills them locally; otherwise a shrunk prefill pool's queues
+        outlive the move (Mooncake: 44 prefill legs drained one by one on three instances for
+        230 s after the trace had ended, bench/DISAGG.md). Legs already prefilling stay."""
+        sim = self.sim
+        for rid, leg in list(self.legs.items()):
+            if leg.pre is not inst or leg.stage != "prefill" or not inst.engine.is_queued(rid):
+                continue
+            inst.engine.abort(rid)
+            del self.legs[rid]
+            inst.inflight -= 1
+            self.stats.replaced += 1
+            sim.reach_local(leg.r, now)
 
     def _close_role(self, inst: _Inst, now: float) -> None:
         role, since, busy = self._role_since.get(inst.iid, (inst.role, 0.0, 0.0))
@@ -338,11 +361,12 @@ class PDRolesLoop:
 
 
 def pd_controllers(mode: str, fleet: FleetConfig, config: PDRolesConfig | None = None) -> list[tuple[float, Any]]:
-    """The role controller of `elastic` (none for the other modes), every `planner.cycle_s`."""
+    """The role controller of `elastic` (none for the other modes), every `PDRolesConfig.cycle_s`
+    (default: the fleet's `planner.cycle_s`)."""
     if mode != "elastic":
         return []
-    return [(fleet.planner.cycle_s, PDRolesLoop(PDRoleController(config or PDRolesConfig()),
-                                                dict(fleet.admission.slos())))]
+    cfg = config or PDRolesConfig()
+    return [(cfg.cycle_s or fleet.planner.cycle_s, PDRolesLoop(PDRoleController(cfg), dict(fleet.admission.slos())))]
 
 
 def pd_row(pd: PDRuntime | None, controllers: Sequence[tuple[float, Any]], end_s: float) -> dict[str, Any]:
@@ -360,6 +384,7 @@ def pd_row(pd: PDRuntime | None, controllers: Sequence[tuple[float, Any]], end_s
         "kv_transfer_ms": {"count": len(xs), "p50": pct(0.5), "p95": pct(0.95), "p99": pct(0.99)},
         "role_utilisation": pd.utilisation(end_s),
         "kv_receive_waits": pd.stats.receive_waits,
+        "replaced_prefill_legs": pd.stats.replaced,
     }
     loops = [fn for _, fn in controllers if isinstance(fn, PDRolesLoop)]
     if loops:

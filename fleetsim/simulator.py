@@ -613,6 +613,11 @@ class FleetSimulator:
         self._start(r, inst, now)
         self._push(now + r.half_rtt, _REACH, r)
 
+    def reach_local(self, r: _Req, now: float) -> None:
+        """A started request whose prefill leg was withdrawn (`fleetsim.disagg`): it reaches its
+        own instance (`r.inst`, counted in flight there already) to run whole."""
+        self._push(now + r.half_rtt, _REACH, r)
+
     def _start(self, r: _Req, inst: _Inst, now: float) -> None:
         """The current leg of `r` runs, streaming from `inst`: the gateway counts it in flight there."""
         r.status = "running"

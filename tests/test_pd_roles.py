@@ -6,7 +6,8 @@ from fleetmind.pd_roles import PDRoleController, PDRolesConfig, RoleCommand, Rol
 
 CFG = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, drain_timeout_s=100, watch_s=60,
                     rollback_drop=0.1, block_s=600, min_per_role=1, max_step=4,
-                    gradual=False)  # the drain path; gradual flips: the tests at the end
+                    gradual=False,  # the drain path; gradual flips: the tests at the end
+                    urgent_kv=False, min_prefill=None)  # the rules without urgency: the last tests
 
 
 def fleet(roles: dict[str, str], busy: set[str] = frozenset(), draining: set[str] = frozenset()) -> list[RoleInstance]:
@@ -148,7 +149,8 @@ def test_a_pool_nearly_out_of_kv_gives_no_instance_up_and_a_rollback_waits_for_i
 
 
 GRADUAL = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
-                        block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1)
+                        block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
+                        urgent_kv=False, min_prefill=None)
 
 
 def kv_fleet(roles: dict[str, str], decode_kv: float, busy: set[str] = frozenset()) -> list[RoleInstance]:
@@ -204,3 +206,67 @@ def test_a_goodput_drop_while_the_same_pressure_persists_keeps_the_move() -> Non
     back = c.cycle(90, kv_fleet(flipped, 0.2), worse)
     assert back == [RoleCommand("set_role", x.instance_id, "prefill") for x in moved]
     assert c.log[-1].kind == "rollback"
+
+
+# --- urgency: decode KV that fills moves prefill instances at once, in proportion -------
+
+URGENT = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
+                       block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
+                       kv_horizon_s=30.0)  # urgent_kv and min_prefill=0: the defaults
+FEW = SLOWindow(ended=3, met=1, ttft_missed=1, tpot_missed=1)  # too few ended for a verdict
+HALVES = {**{f"p{k:02d}": "prefill" for k in range(16)}, **{f"d{k:02d}": "decode" for k in range(16)}}
+
+
+def test_urgent_decode_kv_moves_as_many_prefill_instances_as_bring_it_back_and_may_empty_the_pool() -> None:
+    # First cycle, three requests ended, decode KV 90%: no streak, no sample minimum. Moving k of
+    # the 16 prefill instances (KV 10%) brings the 16 decode ones' mean to (16*0.9 + 0.1k)/(16 + k)
+    # <= 0.5 for k >= 16: the whole prefill pool (min_prefill 0), past max_step (4).
+    c = PDRoleController(URGENT)
+    cmds = c.cycle(15, kv_fleet(HALVES, 0.9), FEW)
+    assert cmds == [RoleCommand("set_role", f"p{k:02d}", "decode") for k in range(16)]
+    assert "decode KV urgent" in c.log[-1].reason
+    # 62% used: k >= 16 * 0.12 / 0.4 = 4.8
+    c = PDRoleController(URGENT)
+    assert len(c.cycle(15, kv_fleet(HALVES, 0.62), FEW)) == 5
+    # without urgency (the rules before): nothing on the first cycle, one max_step after a streak
+    c = PDRoleController(GRADUAL)
+    assert c.cycle(15, kv_fleet(HALVES, 0.9), FEW) == []
+    assert c.cycle(30, kv_fleet(HALVES, 0.9), TPOT) == []
+    assert len(c.cycle(45, kv_fleet(HALVES, 0.9), TPOT)) == 4
+
+
+def test_decode_kv_rising_fast_is_urgent_before_it_reaches_the_mark() -> None:
+    c = PDRoleController(URGENT)
+    assert c.cycle(15, kv_fleet(HALVES, 0.2), FEW) == []  # 20%, no rate yet
+    # 45% at 30 s: +1.67%/s, 95% in 30 s: urgent now, sized on the projection
+    cmds = c.cycle(30, kv_fleet(HALVES, 0.45), FEW)
+    assert cmds and all(x.role == "decode" and x.instance_id.startswith("p") for x in cmds)
+    assert len(cmds) == 16 and "95% ahead" in c.log[-1].reason
+    # the same level reached slowly is not urgent
+    c = PDRoleController(URGENT)
+    c.cycle(15, kv_fleet(HALVES, 0.44), FEW)
+    assert c.cycle(30, kv_fleet(HALVES, 0.45), FEW) == []
+
+
+def test_an_urgent_move_under_watch_is_extended_and_rolled_back_whole() -> None:
+    from dataclasses import replace
+
+    c = PDRoleController(replace(URGENT, kv_horizon_s=0.0))  # levels only: no projection
+    assert c.cycle(0, kv_fleet(HALVES, 0.3), CALM) == []
+    assert c.cycle(15, kv_fleet(HALVES, 0.3), CALM) == []
+    first = c.cycle(30, kv_fleet(HALVES, 0.62), FEW)
+    assert len(first) == 5
+    moved = {x.instance_id for x in first}
+    roles = {**HALVES, **{i: "decode" for i in moved}}
+    # 20 s later (watch_s 60) the decode pool is at 70%: more follow at once
+    more = c.cycle(50, kv_fleet(roles, 0.7), FEW)
+    assert more and not moved & {x.instance_id for x in more} and "extends the move" in c.log[-1].reason
+    roles.update({x.instance_id: "decode" for x in more})
+    # judged as one move: goodput fell and the pressure is gone (decode KV 20%) -> all back
+    worse = SLOWindow(ended=100, met=5, ttft_missed=90, tpot_missed=5)
+    assert c.cycle(80, kv_fleet(roles, 0.2), worse) == []
+    back = c.cycle(95, kv_fleet(roles, 0.2), worse)
+    assert {x.instance_id for x in back} == moved | {x.instance_id for x in more}
+    assert all(x.role == "prefill" for x in back) and c.log[-1].kind == "rollback"
+    # and the direction is blocked: urgency does not override a rollback's block
+    assert c.cycle(110, kv_fleet(HALVES, 0.9), FEW) == []

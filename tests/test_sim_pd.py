@@ -475,3 +475,62 @@ def test_a_prefill_waiting_for_kv_held_by_a_transfer_starts_when_it_is_released(
     # the prefill engine idles meanwhile and must be woken when the KV is released
     assert [r.status for r in res.records] == ["completed", "completed"] and not res.warnings
     assert res.records[1].ttft_s is not None and res.records[1].ttft_s > 0.78
+
+
+def test_a_prefill_instance_turned_decode_hands_its_queued_legs_to_their_decode_instance() -> None:
+    """Elastic flips are gradual: what the instance prefills goes on, but split requests still
+    queued there with nothing computed run whole on their decode instance (their stream's
+    instance), instead of waiting out the queue of an instance that left the pool."""
+    fleet = pd_fleet(bandwidth_gb_s=50)
+    sim = pd_sim(fleet, "llm_d_decider")  # every prompt over 512 uncached tokens splits
+    pd = sim.pd
+    assert isinstance(pd, PDRuntime)
+    pre = next(i for i in sim.instances() if i.role == "prefill")
+    seen: dict[str, int] = {}
+
+    def flip(now: float) -> None:
+        seen["legs"] = len(pd.legs)
+        seen["queued"] = sum(pre.engine.is_queued(rid) for rid in pd.legs)
+        pd.set_role(pre.iid, "decode", now)
+
+    sim.schedule(0.05, flip)
+    reqs = [trace_req(i, 8000, 20, (1000 * i,)) for i in range(5)]
+    res = sim.run(prepare(reqs, fleet))
+    assert [r.status for r in res.records] == ["completed"] * 5 and not res.warnings
+    assert pd.stats.splits == 5 and seen["legs"] == 5 and seen["queued"] >= 2
+    assert pd.stats.replaced == seen["queued"]  # queued ones moved; the one prefilling stayed
+    assert len(pd.stats.transfer_ms) == 5 - seen["queued"]
+    assert all(r.instance == "s1/m/1" for r in res.records)  # streamed by their decode instance
+    for i in sim.instances():
+        assert i.engine.kv.num_free_blocks == i.engine.num_gpu_blocks and i.engine.num_held == 0
+        assert i.inflight == 0
+
+
+def test_elastic_empties_the_prefill_pool_when_decode_kv_fills_and_runs_colocated_after() -> None:
+    """The decode instance's KV fills from the first seconds: the controller's first cycle
+    (5 s) turns the only prefill instance decode (the prefill pool may empty), and every
+    request placed after runs whole, on either instance."""
+    from fleetsim.disagg import pd_controllers
+
+    fleet = pd_fleet(bandwidth_gb_s=50)
+    d = fleet.model_dump()
+    d["deployments"][0]["options"] = {"num_gpu_blocks_override": 400}  # 6,400 tokens of KV each
+    fleet = parse_fleet(d)
+    ctl = pd_controllers("elastic", fleet)
+    assert ctl and ctl[0][0] == 5.0  # its own period, not planner.cycle_s
+    sim = pd_sim(fleet, "elastic", controllers=ctl)
+    pd = sim.pd
+    assert isinstance(pd, PDRuntime)
+    splits_at: dict[float, int] = {}
+    sim.schedule(5.001, lambda t: splits_at.setdefault(t, pd.stats.splits))
+    reqs = [trace_req(250 * i, 2500, 400, (10_000 + i,)) for i in range(60)]
+    res = sim.run(prepare(reqs, fleet))
+    assert all(r.status == "completed" for r in res.records) and not res.warnings
+    flips = ctl[0][1].core.log
+    assert flips[0].kind == "flip" and flips[0].at == 5.0 and flips[0].to_role == "decode"
+    assert "decode KV urgent" in flips[0].reason
+    assert all(i.role == "decode" for i in sim.instances())
+    (n_before,) = splits_at.values()
+    assert pd.stats.splits == n_before  # nothing split once no prefill instance was left
+    late = [r for r in res.records if r.arrival_s > 5.0]
+    assert {r.instance for r in late} == {"s1/m/0", "s1/m/1"}  # the old prefill instance decodes too

@@ -167,6 +167,12 @@ class SimEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._by_id
 
+    def is_queued(self, request_id: str) -> bool:
+        """Whether the request waits here with nothing computed and no blocks (aborting it
+        loses no work)."""
+        r = self._by_id.get(request_id)
+        return r is not None and not r.is_running and r.num_computed == 0 and r in self._waiting
+
     # -- requests -------------------------------------------------------------
 
     def add_request(self, req: SimRequest) -> None:
