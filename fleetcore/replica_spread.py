@@ -23,6 +23,23 @@ predicted cost, kept 0.65-0.75x of one replica's goodput; leaving for a cached p
 0.85x on the mean of three seeds; bench/ROUTING.md). A router without a prefix index (load only, or an implicit
 affinity like a hash ring) is left alone: there is nothing to weigh the share against.
 
+Interactive lanes. The partition costs something of its own, whatever the lag (measured with
+the share forced on at lag 0: 0.88x of one replica's goodput): routing alone, TokenPilot makes
+one instance an express lane for short interactive prompts (on the conversation trace, seed 0:
+299 interactive requests and 9 long-context ones) because a long prefill there would stall
+many decoding streams, and with 31 other instances to choose from a long prompt always finds
+a cheaper one. Within a share of 8 the cheapest alternative is dearer, long prompts land on
+every instance, and the interactive class misses its TPOT bound (misses 52 -> 157 of 1,015).
+So each replica keeps one instance of its share as a lane: the serving pool's first
+`replicas` instances in id order, lane k in share k (`lanes`). Prompts of every other class
+stay off the lanes (the share less its lane, widened as above to a lane that holds more of
+the prompt, a conversation that grew long where it began); interactive prompts route within
+their share plus every replica's lane. Those may meet on a lane at one instant, but only
+short prefills meet there, and they batch into the same engine steps; an instance that
+looked idle to everyone is exactly what herds, but a lane is one no replica's long prompt
+goes to blind. Lanes only where each share keeps at least `LANE_MIN_SHARE` instances (a lane
+takes 1/share of the pool from the other classes). Measured: bench/ROUTING.md.
+
 One replica (`replicas == 1`) is never touched: the candidates go through as they are.
 Pure: no clock, no I/O. The live gateway (`gateway.load_sync` sets the slot from the
 roster) and the simulator (`fleetsim.replicas`) wrap their routers in the same `SpreadRouter`.
@@ -35,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetcore.policies import EnginePrior, InstanceRouter
+from fleetcore.slo import INTERACTIVE, class_by_length
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 
 
@@ -53,16 +71,34 @@ class ReplicaSlot:
 ALONE = ReplicaSlot()
 
 
+# A lane per replica only where each share keeps this many instances or more (3 for the other
+# classes, besides the lane). The simulator's default fleet: 32 instances, 4 replicas, 8 each.
+LANE_MIN_SHARE = 4
+
+
+def _serving(candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    return sorted((c for c in candidates if c.ready and not c.draining), key=lambda c: c.instance_id)
+
+
 def share(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
     """The slot's part of the serving candidates (ready, not draining), in instance-id order."""
-    serving = sorted((c for c in candidates if c.ready and not c.draining), key=lambda c: c.instance_id)
-    return serving[slot.index::slot.replicas]
+    return _serving(candidates)[slot.index::slot.replicas]
+
+
+def lanes(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    """Every replica's interactive lane: the first `replicas` serving instances in id order
+    (lane k is the first of share k), none where a share would keep fewer than `LANE_MIN_SHARE`."""
+    serving = _serving(candidates)
+    if slot.replicas <= 1 or len(serving) < LANE_MIN_SHARE * slot.replicas:
+        return []
+    return serving[:slot.replicas]
 
 
 def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
            candidates: Sequence[InstanceSnapshot], now: float) -> Sequence[InstanceSnapshot]:
     """The candidates replica `slot` should route `profile` among (see the module docstring):
-    its share, plus the instances outside it that hold more of the prompt than the share does."""
+    its share (plus every lane for an interactive prompt, less its lane for any other), plus
+    the instances outside that which hold more of the prompt than its best."""
     if slot.replicas <= 1 or len(candidates) <= 1:
         return candidates
     part = share(slot, candidates)
@@ -72,6 +108,12 @@ def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
     if match is None:
         return candidates  # no prefix index: nothing to weigh the share against the pool with
     ids = {c.instance_id for c in part}
+    lane_ids = {c.instance_id for c in lanes(slot, candidates)}
+    if lane_ids:
+        if (profile.request_class or class_by_length(profile.prompt_tokens)) == INTERACTIVE:
+            ids |= lane_ids
+        else:
+            ids -= lane_ids
     mine_best = max((m for c, m in zip(candidates, match) if c.instance_id in ids), default=0)
     view = [c for c, m in zip(candidates, match) if c.instance_id in ids or m > mine_best]
     return candidates if len(view) == len(candidates) else view
