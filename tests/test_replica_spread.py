@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetcore.replica_spread import ALONE, ReplicaSlot, SpreadRouter, share, spread
+from fleetcore.replica_spread import ALONE, LANE_MIN_SHARE, ReplicaSlot, SpreadRouter, lanes, share, spread
 from fleetcore.types import InstanceSnapshot, RequestProfile
 from fleetsim.cli import make_policy
 from fleetsim.replicas import ReplicatedRouter
@@ -73,6 +73,43 @@ def test_the_share_gives_way_to_a_prefix_cached_outside_it(name: str) -> None:
     fresh = router.route(_profile("fresh", (9999,), 2000), pool, 0.2)
     assert fresh.instance_id in mine
     assert router.spread_routes == 2
+
+
+def _ids(cs) -> set[str]:
+    return {c.instance_id for c in cs}
+
+
+def test_each_replica_keeps_an_interactive_lane_that_other_classes_stay_off() -> None:
+    # 16 instances, 4 replicas: shares of 4, and lane k (the k-th instance in id order) in share k.
+    router = make_policy("tokenpilot", 0, small_fleet(instances=16))
+    pool = _snaps(16)
+    slot = ReplicaSlot(4, 1)
+    lane_ids = [c.instance_id for c in lanes(slot, pool)]
+    assert lane_ids == ["i0", "i1", "i10", "i11"]  # (id order is string order)
+    mine = _ids(share(slot, pool))
+    assert [i for i in lane_ids if i in mine] == ["i1"]
+    # An interactive prompt: its share plus every replica's lane.
+    assert _ids(spread(router, slot, _profile("chat", (1,), 2000), pool, 0.0)) == mine | set(lane_ids)
+    # A long-context one (by length, or so classified): its share less its lane.
+    assert _ids(spread(router, slot, _profile("doc", (2,), 20000), pool, 0.0)) == mine - {"i1"}
+    classified = RequestProfile(request_id="b", model="m", prompt_tokens=2000, block_hashes=(3,), max_tokens=16,
+                                request_class="batch")
+    assert _ids(spread(router, slot, classified, pool, 0.0)) == mine - {"i1"}
+    # Too small a pool for lanes (a share would keep fewer than LANE_MIN_SHARE): the plain share.
+    small = _snaps(4 * LANE_MIN_SHARE - 1)
+    assert lanes(slot, small) == []
+    assert _ids(spread(router, slot, _profile("chat2", (4,), 2000), small, 0.0)) == _ids(share(slot, small))
+
+
+def test_a_long_prompt_still_follows_its_cache_onto_a_lane() -> None:
+    # A conversation that began on a lane and grew long: its cached prefix there outweighs the rule.
+    router = SpreadRouter(make_policy("tokenpilot", 0, small_fleet(instances=16)), ReplicaSlot(4, 2))
+    pool = _snaps(16)
+    prefix = tuple(range(1, 601))  # 9,600 tokens
+    router.inner.route(_profile("turn1", prefix, 9700), [pool[1]], 0.0)  # i1: replica 1's lane
+    view = _ids(spread(router.inner, router.slot, _profile("turn2", prefix, 12000), pool, 0.1))
+    assert view == _ids(share(router.slot, pool)) - {"i10"} | {"i1"}  # its share less its lane, plus the holder
+    assert router.route(_profile("turn2", prefix, 12000), pool, 0.1).instance_id == "i1"
 
 
 def test_the_share_never_gives_way_for_load_alone() -> None:
