@@ -30,15 +30,16 @@ one instance an express lane for short interactive prompts (on the conversation 
 many decoding streams, and with 31 other instances to choose from a long prompt always finds
 a cheaper one. Within a share of 8 the cheapest alternative is dearer, long prompts land on
 every instance, and the interactive class misses its TPOT bound (misses 52 -> 157 of 1,015).
-So each replica keeps one instance of its share as a lane: the serving pool's first
-`replicas` instances in id order, lane k in share k (`lanes`). Prompts of every other class
-stay off the lanes (the share less its lane, widened as above to a lane that holds more of
-the prompt, a conversation that grew long where it began); interactive prompts route within
-their share plus every replica's lane. Those may meet on a lane at one instant, but only
-short prefills meet there, and they batch into the same engine steps; an instance that
-looked idle to everyone is exactly what herds, but a lane is one no replica's long prompt
-goes to blind. Lanes only where each share keeps at least `LANE_MIN_SHARE` instances (a lane
-takes 1/share of the pool from the other classes). Measured: bench/ROUTING.md.
+So the replicas keep lanes: the serving pool's first instances in id order, one in
+`LANE_EVERY` of them (`lanes`; 4 of 32). Prompts of every other class stay off the lanes (their
+share less the lanes in it, widened as above to a lane that holds more of the prompt: a
+conversation that grew long where it began); interactive prompts route within their share
+plus every lane. Replicas may meet on a lane at one instant, but only short prefills meet
+there, and they batch into the same engine steps: what herds is an instance that looks idle
+to everyone, and a lane is one no replica's long prompt is sent to blind. The number of lanes
+follows the pool, not the replicas: one per replica was measured too, and at 2 replicas (2
+lanes, ~400 interactive requests each) it lost 5% of goodput to queueing on them, at 8 (8 lanes,
+a quarter of the pool kept from long prompts) 3%; bench/ROUTING.md.
 
 One replica (`replicas == 1`) is never touched: the candidates go through as they are.
 Pure: no clock, no I/O. The live gateway (`gateway.load_sync` sets the slot from the
@@ -71,9 +72,10 @@ class ReplicaSlot:
 ALONE = ReplicaSlot()
 
 
-# A lane per replica only where each share keeps this many instances or more (3 for the other
-# classes, besides the lane). The simulator's default fleet: 32 instances, 4 replicas, 8 each.
-LANE_MIN_SHARE = 4
+# One serving instance in this many is an interactive lane (none in a smaller pool). One replica
+# alone made 1 of 32 its lane for ~30% of the interactive requests and mixed the rest; 1 in 8
+# was measured best of 1 in 16, 8 and ~5 at 4 replicas (seed 0; bench/ROUTING.md).
+LANE_EVERY = 8
 
 
 def _serving(candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
@@ -86,18 +88,16 @@ def share(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[Ins
 
 
 def lanes(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
-    """Every replica's interactive lane: the first `replicas` serving instances in id order
-    (lane k is the first of share k), none where a share would keep fewer than `LANE_MIN_SHARE`."""
+    """The interactive lanes, the same for every replica: the first serving instances in id
+    order, one in `LANE_EVERY` (lane j lies in share j mod replicas). None for one replica."""
     serving = _serving(candidates)
-    if slot.replicas <= 1 or len(serving) < LANE_MIN_SHARE * slot.replicas:
-        return []
-    return serving[:slot.replicas]
+    return serving[:len(serving) // LANE_EVERY] if slot.replicas > 1 else []
 
 
 def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
            candidates: Sequence[InstanceSnapshot], now: float) -> Sequence[InstanceSnapshot]:
     """The candidates replica `slot` should route `profile` among (see the module docstring):
-    its share (plus every lane for an interactive prompt, less its lane for any other), plus
+    its share (plus every lane for an interactive prompt, less the lanes for any other), plus
     the instances outside that which hold more of the prompt than its best."""
     if slot.replicas <= 1 or len(candidates) <= 1:
         return candidates
@@ -112,8 +112,8 @@ def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
     if lane_ids:
         if (profile.request_class or class_by_length(profile.prompt_tokens)) == INTERACTIVE:
             ids |= lane_ids
-        else:
-            ids -= lane_ids
+        else:  # (a share of lanes only, in a pool of many replicas: it keeps them)
+            ids = ids - lane_ids or ids
     mine_best = max((m for c, m in zip(candidates, match) if c.instance_id in ids), default=0)
     view = [c for c, m in zip(candidates, match) if c.instance_id in ids or m > mine_best]
     return candidates if len(view) == len(candidates) else view
