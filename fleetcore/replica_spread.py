@@ -23,6 +23,24 @@ predicted cost, kept 0.65-0.75x of one replica's goodput; leaving for a cached p
 0.85x on the mean of three seeds; bench/ROUTING.md). A router without a prefix index (load only, or an implicit
 affinity like a hash ring) is left alone: there is nothing to weigh the share against.
 
+Interactive lanes. The partition costs something of its own, whatever the lag (measured with
+the share forced on at lag 0: 0.88x of one replica's goodput): routing alone, TokenPilot makes
+one instance an express lane for short interactive prompts (on the conversation trace, seed 0:
+299 interactive requests and 9 long-context ones) because a long prefill there would stall
+many decoding streams, and with 31 other instances to choose from a long prompt always finds
+a cheaper one. Within a share of 8 the cheapest alternative is dearer, long prompts land on
+every instance, and the interactive class misses its TPOT bound (misses 52 -> 157 of 1,015).
+So the replicas keep lanes: the serving pool's first instances in id order, one in
+`LANE_EVERY` of them (`lanes`; 4 of 32). Prompts of every other class stay off the lanes (their
+share less the lanes in it, widened as above to a lane that holds more of the prompt: a
+conversation that grew long where it began); interactive prompts route within their share
+plus every lane. Replicas may meet on a lane at one instant, but only short prefills meet
+there, and they batch into the same engine steps: what herds is an instance that looks idle
+to everyone, and a lane is one no replica's long prompt is sent to blind. The number of lanes
+follows the pool, not the replicas: one per replica was measured too, and at 2 replicas (2
+lanes, ~400 interactive requests each) it lost 5% of goodput to queueing on them, at 8 (8 lanes,
+a quarter of the pool kept from long prompts) 3%; bench/ROUTING.md.
+
 One replica (`replicas == 1`) is never touched: the candidates go through as they are.
 Pure: no clock, no I/O. The live gateway (`gateway.load_sync` sets the slot from the
 roster) and the simulator (`fleetsim.replicas`) wrap their routers in the same `SpreadRouter`.
@@ -35,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetcore.policies import EnginePrior, InstanceRouter
+from fleetcore.slo import INTERACTIVE, class_by_length
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 
 
@@ -53,16 +72,33 @@ class ReplicaSlot:
 ALONE = ReplicaSlot()
 
 
+# One serving instance in this many is an interactive lane (none in a smaller pool). One replica
+# alone made 1 of 32 its lane for ~30% of the interactive requests and mixed the rest; 1 in 8
+# was measured best of 1 in 16, 8 and ~5 at 4 replicas (seed 0; bench/ROUTING.md).
+LANE_EVERY = 8
+
+
+def _serving(candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    return sorted((c for c in candidates if c.ready and not c.draining), key=lambda c: c.instance_id)
+
+
 def share(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
     """The slot's part of the serving candidates (ready, not draining), in instance-id order."""
-    serving = sorted((c for c in candidates if c.ready and not c.draining), key=lambda c: c.instance_id)
-    return serving[slot.index::slot.replicas]
+    return _serving(candidates)[slot.index::slot.replicas]
+
+
+def lanes(slot: ReplicaSlot, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    """The interactive lanes, the same for every replica: the first serving instances in id
+    order, one in `LANE_EVERY` (lane j lies in share j mod replicas). None for one replica."""
+    serving = _serving(candidates)
+    return serving[:len(serving) // LANE_EVERY] if slot.replicas > 1 else []
 
 
 def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
            candidates: Sequence[InstanceSnapshot], now: float) -> Sequence[InstanceSnapshot]:
     """The candidates replica `slot` should route `profile` among (see the module docstring):
-    its share, plus the instances outside it that hold more of the prompt than the share does."""
+    its share (plus every lane for an interactive prompt, less the lanes for any other), plus
+    the instances outside that which hold more of the prompt than its best."""
     if slot.replicas <= 1 or len(candidates) <= 1:
         return candidates
     part = share(slot, candidates)
@@ -72,6 +108,12 @@ def spread(router: InstanceRouter, slot: ReplicaSlot, profile: RequestProfile,
     if match is None:
         return candidates  # no prefix index: nothing to weigh the share against the pool with
     ids = {c.instance_id for c in part}
+    lane_ids = {c.instance_id for c in lanes(slot, candidates)}
+    if lane_ids:
+        if (profile.request_class or class_by_length(profile.prompt_tokens)) == INTERACTIVE:
+            ids |= lane_ids
+        else:  # (a share of lanes only, in a pool of many replicas: it keeps them)
+            ids = ids - lane_ids or ids
     mine_best = max((m for c, m in zip(candidates, match) if c.instance_id in ids), default=0)
     view = [c for c, m in zip(candidates, match) if c.instance_id in ids or m > mine_best]
     return candidates if len(view) == len(candidates) else view

@@ -12,9 +12,9 @@ engines, the same for every replica.
 * each request goes to one replica, round robin over requests as they are first routed
   (a retry of a request stays on its replica);
 * with a lag, replica k of N routes within its share of the pool, widened only to a prefix
-  cached outside it (`fleetcore.replica_spread.SpreadRouter`, the same wrapper the live
-  gateway routes through): replicas deciding at the same instant, blind to each other,
-  pick apart;
+  cached outside it, with interactive lanes that the other classes stay off
+  (`fleetcore.replica_spread.SpreadRouter`, the same wrapper the live gateway routes
+  through): replicas deciding at the same instant, blind to each other, pick apart;
 * the replica's router routes it with candidates whose `inflight` is the replica's view:
   the gateway's true count less the other replicas' dispatches it has not heard of yet,
   plus their releases it has not heard of yet;

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetcore.replica_spread import ALONE, ReplicaSlot, SpreadRouter, share, spread
+from fleetcore.replica_spread import ALONE, LANE_EVERY, ReplicaSlot, SpreadRouter, lanes, share, spread
 from fleetcore.types import InstanceSnapshot, RequestProfile
 from fleetsim.cli import make_policy
 from fleetsim.replicas import ReplicatedRouter
@@ -39,9 +39,11 @@ def test_one_replica_routes_among_exactly_the_candidates_it_was_given() -> None:
 
 
 def test_replicas_deciding_at_the_same_instant_pick_different_instances() -> None:
-    # Eight requests at one instant, no shared prefix, four replicas that never hear of each other.
-    fleet = small_fleet(instances=8)
-    burst = [req(0.0, 3000, 32, [500 + i]) for i in range(8)]
+    # Seven requests at one instant, no shared prefix, four replicas that never hear of each other.
+    # (Seven instances: a pool of LANE_EVERY or more has an interactive lane, where short prompts
+    # are meant to meet: test_each_replica_keeps_an_interactive_lane_that_other_classes_stay_off.)
+    fleet = small_fleet(instances=LANE_EVERY - 1)
+    burst = [req(0.0, 3000, 32, [500 + i]) for i in range(LANE_EVERY - 1)]
 
     def instances(name: str, spread_on: bool) -> set[str]:
         routers = [make_policy(name, s, fleet) for s in range(4)]
@@ -51,8 +53,8 @@ def test_replicas_deciding_at_the_same_instant_pick_different_instances() -> Non
 
     for name in ("tokenpilot", "dynamo_kv"):  # with a cost model and without
         herd, apart = instances(name, False), instances(name, True)
-        assert len(apart) == 8, (name, apart)
-        assert len(herd) < 8, (name, herd)
+        assert len(apart) == LANE_EVERY - 1, (name, apart)
+        assert len(herd) < LANE_EVERY - 1, (name, herd)
 
 
 @pytest.mark.parametrize("name", ["tokenpilot", "sglang_cache_aware"])  # a cost model; a prefix index only
@@ -73,6 +75,44 @@ def test_the_share_gives_way_to_a_prefix_cached_outside_it(name: str) -> None:
     fresh = router.route(_profile("fresh", (9999,), 2000), pool, 0.2)
     assert fresh.instance_id in mine
     assert router.spread_routes == 2
+
+
+def _ids(cs) -> set[str]:
+    return {c.instance_id for c in cs}
+
+
+def test_each_replica_keeps_an_interactive_lane_that_other_classes_stay_off() -> None:
+    # 16 instances, 4 replicas: shares of 4, and 16 / LANE_EVERY = 2 lanes, the first in id order.
+    router = make_policy("tokenpilot", 0, small_fleet(instances=16))
+    pool = _snaps(16)
+    slot = ReplicaSlot(4, 1)
+    lane_ids = [c.instance_id for c in lanes(slot, pool)]
+    assert lane_ids == ["i0", "i1"]  # (id order is string order)
+    assert all(_ids(lanes(ReplicaSlot(4, k), pool)) == set(lane_ids) for k in range(4))  # the same for all
+    mine = _ids(share(slot, pool))
+    assert [i for i in lane_ids if i in mine] == ["i1"]
+    # An interactive prompt: its share plus every replica's lane.
+    assert _ids(spread(router, slot, _profile("chat", (1,), 2000), pool, 0.0)) == mine | set(lane_ids)
+    # A long-context one (by length, or so classified): its share less the lane in it.
+    assert _ids(spread(router, slot, _profile("doc", (2,), 20000), pool, 0.0)) == mine - {"i1"}
+    classified = RequestProfile(request_id="b", model="m", prompt_tokens=2000, block_hashes=(3,), max_tokens=16,
+                                request_class="batch")
+    assert _ids(spread(router, slot, classified, pool, 0.0)) == mine - {"i1"}
+    # Too small a pool for a lane: the plain share.
+    small = _snaps(LANE_EVERY - 1)
+    assert lanes(slot, small) == []
+    assert _ids(spread(router, slot, _profile("chat2", (4,), 2000), small, 0.0)) == _ids(share(slot, small))
+
+
+def test_a_long_prompt_still_follows_its_cache_onto_a_lane() -> None:
+    # A conversation that began on a lane and grew long: its cached prefix there outweighs the rule.
+    router = SpreadRouter(make_policy("tokenpilot", 0, small_fleet(instances=16)), ReplicaSlot(4, 0))
+    pool = _snaps(16)
+    prefix = tuple(range(1, 601))  # 9,600 tokens
+    router.inner.route(_profile("turn1", prefix, 9700), [pool[1]], 0.0)  # i1: a lane in replica 1's share
+    view = _ids(spread(router.inner, router.slot, _profile("turn2", prefix, 12000), pool, 0.1))
+    assert view == _ids(share(router.slot, pool)) - {"i0"} | {"i1"}  # its share less its lane i0, plus the holder
+    assert router.route(_profile("turn2", prefix, 12000), pool, 0.1).instance_id == "i1"
 
 
 def test_the_share_never_gives_way_for_load_alone() -> None:
