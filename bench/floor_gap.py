@@ -36,22 +36,7 @@ from fleetcore.fleet_config import load_fleet_file  # noqa: E402
 from fleetsim.cli import DEFAULT_SIM_FLEET, make_policy  # noqa: E402
 from fleetsim.metrics import summarize_all  # noqa: E402
 from fleetsim.simulator import FleetSimulator, HashCache, prepare  # noqa: E402
-from bench.routing_report import causal_floor_times, floor_times, prefill_s  # noqa: E402
-
-
-def _ideal_blocks(reqs: Sequence) -> list[int]:
-    """Leading blocks seen before, per request (the issue's floor's hit)."""
-    seen: set[int] = set()
-    out = []
-    for r in reqs:
-        k = 0
-        for h in r.hash_ids:
-            if h not in seen:
-                break
-            k += 1
-        seen.update(r.hash_ids)
-        out.append(k)
-    return out
+from bench.routing_report import causal_floor_times, floor_times, ideal_cached_blocks, prefill_s  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bt = np.array([r.block_tokens for r in reqs], dtype=float)
         floor = floor_times(trace, a.max)
         cfloor, causal = causal_floor_times(trace, a.max, scale)
-        ideal_hit = [min(r.block_tokens * _k, r.input_length - 1) for r, _k in zip(reqs, _ideal_blocks(reqs))]
+        ideal_hit = [min(r.block_tokens * _k, r.input_length - 1) for r, _k in zip(reqs, ideal_cached_blocks(reqs))]
         inputs = prepare(reqs, fleet, hash_cache=HashCache())
         print(f"### {name} (rate-scale {scale}, {n} requests): floor p50 {np.percentile(floor, 50) * 1e3:.0f} / "
               f"p95 {np.percentile(floor, 95) * 1e3:.0f} ms; causal floor p50 {np.percentile(cfloor, 50) * 1e3:.0f} / "

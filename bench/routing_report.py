@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -46,17 +47,27 @@ def _requests(trace: str, max_requests: int | None, rate_scale: float = 1.0) -> 
     return list(scale_rate(wl, rate_scale).requests if rate_scale != 1.0 else wl.requests)
 
 
-def floor_times(trace: str, max_requests: int | None = None) -> np.ndarray:
-    """Per request (trace order), the TTFT on an idle fleet with an ideal cache, seconds."""
+def ideal_cached_blocks(reqs: Sequence) -> list[int]:
+    """Per request, its leading blocks that any earlier request carried (the issue's ideal
+    shared cache: a block counts as cached from the arrival of the first request carrying it)."""
     seen: set[int] = set()
-    u, c = [], []
-    for r in _requests(trace, max_requests):
+    out = []
+    for r in reqs:
         k = 0
         for h in r.hash_ids:
             if h not in seen:
                 break
             k += 1
         seen.update(r.hash_ids)
+        out.append(k)
+    return out
+
+
+def floor_times(trace: str, max_requests: int | None = None) -> np.ndarray:
+    """Per request (trace order), the TTFT on an idle fleet with an ideal cache, seconds."""
+    reqs = _requests(trace, max_requests)
+    u, c = [], []
+    for r, k in zip(reqs, ideal_cached_blocks(reqs)):
         cached = min(r.block_tokens * k, r.input_length - 1)
         u.append(r.input_length - cached)
         c.append(cached)
