@@ -72,8 +72,6 @@ def main() -> int:
     start: dict[str, str] = {}
 
     def sample(sim: FleetSimulator, now: float) -> None:
-        if not start:
-            start.update({i.iid: i.role for i in sim.instances()})
         groups: dict[str, dict[str, Any]] = {}
         for i in sim.instances():
             g = groups.setdefault("started " + start[i.iid], {"n": 0, "run": 0, "wait": 0, "kv": 0.0, "roles": {}})
@@ -90,6 +88,7 @@ def main() -> int:
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
                          controllers=[*pd_controllers(a.disagg, fleet, PDRolesConfig()), (a.every, sample)],
                          pd=(lambda s: PDRuntime(s, policy)) if policy is not None else None)
+    start.update({i.iid: i.role for i in sim.instances()})  # before any flip
     res = sim.run(inputs)
     slos = fleet.admission.slos()
     summary = summarize_all(res.records, slos)
