@@ -43,6 +43,11 @@ def main() -> int:
     p.add_argument("--window", type=float, default=2.5)
     p.add_argument("--early-s", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split-overhead-s", type=float, default=DisaggConfig().split_overhead_s,
+                   help="DisaggConfig.split_overhead_s of the P/D decision")
+    p.add_argument("--flip-all-at", type=float, default=None,
+                   help="at this second, turn every prefill instance to decode (with --disagg static: "
+                        "how much the time spent at the fleet file's split costs)")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
     wl = load_trace(a.trace, "auto")
@@ -53,7 +58,8 @@ def main() -> int:
     inputs = prepare(wl.requests, fleet, hash_cache=HashCache())
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
-    policy = make_disagg_policy(a.disagg, router, DisaggConfig(slos=dict(fleet.admission.slos())))
+    policy = make_disagg_policy(a.disagg, router, DisaggConfig(slos=dict(fleet.admission.slos()),
+                                                                         split_overhead_s=a.split_overhead_s))
     decisions: dict[float, dict[str, int]] = {}
     if policy is not None:
         decide = policy.decide
@@ -84,9 +90,20 @@ def main() -> int:
             g["kv"] = round(g["kv"] / g["n"], 2)
         print(json.dumps({"t": round(now, 1), **groups}))
 
+    flipped: list[float] = []
+
+    def flip_all(sim: FleetSimulator, now: float) -> None:
+        if flipped or not isinstance(sim.pd, PDRuntime):
+            return
+        flipped.append(now)
+        for i in sim.instances():
+            if i.role == "prefill":
+                sim.pd.set_role(i.iid, "decode", now)
+
+    extra = [(a.flip_all_at, flip_all)] if a.flip_all_at is not None else []
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
-                         controllers=[*pd_controllers(a.disagg, fleet, PDRolesConfig()), (a.every, sample)],
+                         controllers=[*pd_controllers(a.disagg, fleet, PDRolesConfig()), (a.every, sample), *extra],
                          pd=(lambda s: PDRuntime(s, policy)) if policy is not None else None)
     start.update({i.iid: i.role for i in sim.instances()})  # before any flip
     res = sim.run(inputs)
