@@ -212,7 +212,11 @@ def test_a_goodput_drop_while_the_same_pressure_persists_keeps_the_move() -> Non
 
 URGENT = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
                        block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
-                       kv_horizon_s=30.0)  # urgent_kv and min_prefill=0: the defaults
+                       kv_horizon_s=30.0, urgent_whole_pool=False)  # urgent_kv, min_prefill=0: defaults
+# the default urgent move: the whole movable prefill pool at once
+WHOLE = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
+                      block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
+                      kv_horizon_s=30.0)
 FEW = SLOWindow(ended=3, met=1, ttft_missed=1, tpot_missed=1)  # too few ended for a verdict
 HALVES = {**{f"p{k:02d}": "prefill" for k in range(16)}, **{f"d{k:02d}": "decode" for k in range(16)}}
 
@@ -233,6 +237,21 @@ def test_urgent_decode_kv_moves_as_many_prefill_instances_as_bring_it_back_and_m
     assert c.cycle(15, kv_fleet(HALVES, 0.9), FEW) == []
     assert c.cycle(30, kv_fleet(HALVES, 0.9), TPOT) == []
     assert len(c.cycle(45, kv_fleet(HALVES, 0.9), TPOT)) == 4
+
+
+def test_an_urgent_move_takes_the_whole_prefill_pool_by_default() -> None:
+    # 62% used: the proportional step would move 5 (the test above); the default moves all 16
+    c = PDRoleController(WHOLE)
+    cmds = c.cycle(15, kv_fleet(HALVES, 0.62), FEW)
+    assert cmds == [RoleCommand("set_role", f"p{k:02d}", "decode") for k in range(16)]
+    assert "decode KV urgent" in c.log[-1].reason
+    # below the urgent mark (and no rate yet) nothing moves, whole pool or not
+    assert PDRoleController(WHOLE).cycle(15, kv_fleet(HALVES, 0.55), FEW) == []
+    # a floor of prefill instances still holds: only the ones above it go
+    from dataclasses import replace
+
+    c = PDRoleController(replace(WHOLE, min_prefill=4))
+    assert len(c.cycle(15, kv_fleet(HALVES, 0.62), FEW)) == 12
 
 
 def test_decode_kv_rising_fast_is_urgent_before_it_reaches_the_mark() -> None:

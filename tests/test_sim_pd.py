@@ -510,13 +510,15 @@ def test_elastic_empties_the_prefill_pool_when_decode_kv_fills_and_runs_colocate
     """The decode instance's KV fills from the first seconds: the controller's first cycle
     (5 s) turns the only prefill instance decode (the prefill pool may empty), and every
     request placed after runs whole, on either instance."""
+    from fleetmind.pd_roles import PDRolesConfig
     from fleetsim.disagg import pd_controllers
 
     fleet = pd_fleet(bandwidth_gb_s=50)
     d = fleet.model_dump()
     d["deployments"][0]["options"] = {"num_gpu_blocks_override": 400}  # 6,400 tokens of KV each
     fleet = parse_fleet(d)
-    ctl = pd_controllers("elastic", fleet)
+    assert PDRolesConfig().cycle_s == 2.0
+    ctl = pd_controllers("elastic", fleet, PDRolesConfig(cycle_s=5.0))
     assert ctl and ctl[0][0] == 5.0  # its own period, not planner.cycle_s
     sim = pd_sim(fleet, "elastic", controllers=ctl)
     pd = sim.pd
