@@ -17,19 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
-from fleetcore.fleet_config import load_fleet_file
-from fleetmind.pd_roles import PDRolesConfig
-from fleetsim.cli import make_placement, make_policy
-from fleetsim.disagg import PDRuntime, make_disagg_policy, pd_controllers
-from fleetsim.metrics import slo_met, summarize_all
-from fleetsim.simulator import FleetSimulator, HashCache, prepare
-from slomax import from_fleet as slomax_config
-from slomax import make_admission
-from tokenpilot.disagg import DisaggConfig
-from workloads import head, load_trace, scale_rate
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
+
+from bench.disagg_probe import load_inputs  # noqa: E402
+from fleetcore.fleet_config import load_fleet_file  # noqa: E402
+from fleetmind.pd_roles import PDRolesConfig  # noqa: E402
+from fleetsim.cli import make_placement, make_policy  # noqa: E402
+from fleetsim.disagg import PDRuntime, make_disagg_policy, pd_controllers  # noqa: E402
+from fleetsim.metrics import slo_met, summarize_all  # noqa: E402
+from fleetsim.simulator import FleetSimulator  # noqa: E402
+from slomax import from_fleet as slomax_config  # noqa: E402
+from slomax import make_admission  # noqa: E402
+from tokenpilot.disagg import DisaggConfig  # noqa: E402
 
 
 def main() -> int:
@@ -50,12 +53,7 @@ def main() -> int:
                         "how much the time spent at the fleet file's split costs)")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
-    wl = load_trace(a.trace, "auto")
-    if a.max_requests is not None:
-        wl = head(wl, a.max_requests)
-    if a.rate_scale != 1.0:
-        wl = scale_rate(wl, a.rate_scale)
-    inputs = prepare(wl.requests, fleet, hash_cache=HashCache())
+    _, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(slos=dict(fleet.admission.slos()),

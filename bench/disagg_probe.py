@@ -108,6 +108,16 @@ class TailTracer(PDRuntime):
         super()._kv_arrived(leg, now)
 
 
+def load_inputs(trace: str, fleet: Any, max_requests: int | None, rate_scale: float) -> tuple[Any, Any]:
+    """The trace's first `max_requests` at `rate_scale`, and the simulator's inputs for `fleet`."""
+    wl = load_trace(trace, "auto")
+    if max_requests is not None:
+        wl = head(wl, max_requests)
+    if rate_scale != 1.0:
+        wl = scale_rate(wl, rate_scale)
+    return wl, prepare(wl.requests, fleet, hash_cache=HashCache())
+
+
 def tail_report(records: list[Any], notes: dict[str, dict[str, Any]], q: float) -> dict[str, Any]:
     """The requests at or above the TTFT `q` quantile: how many split / ran locally on which
     role, their prompt sizes, and the mean seconds of each stage (admission wait; engine queue;
@@ -157,12 +167,7 @@ def main() -> int:
                    help="PDRolesConfig.cycle_s, the elastic controller's period (0: the fleet's planner.cycle_s)")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
-    wl = load_trace(a.trace, "auto")
-    if a.max_requests is not None:
-        wl = head(wl, a.max_requests)
-    if a.rate_scale != 1.0:
-        wl = scale_rate(wl, a.rate_scale)
-    inputs = prepare(wl.requests, fleet, hash_cache=HashCache())
+    wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
