@@ -245,7 +245,7 @@ class PDRoleController:
     def _extend(self, now: float, instances: Sequence[RoleInstance], w: _Flip) -> list[RoleCommand]:
         """A move towards decode under watch, while the decode KV is still urgent: more prefill
         instances follow at once (judged, and rolled back, with the move they extend)."""
-        if not (self.config.gradual and w.to_role == "decode" and self._urgent(instances)):
+        if not (self.config.gradual and w.to_role == "decode" and self._urgent()):
             return []
         picks = self._kv_picks(instances)
         if not picks:
@@ -267,7 +267,7 @@ class PDRoleController:
         self._kv_seen = (now, u)
         self._kv_ahead = min(1.0, ahead)
 
-    def _urgent(self, instances: Sequence[RoleInstance]) -> bool:
+    def _urgent(self) -> bool:
         cfg = self.config
         return cfg.urgent_kv and self._kv_ahead >= cfg.decode_kv_high + cfg.kv_band
 
@@ -299,7 +299,7 @@ class PDRoleController:
     # -- a new flip -------------------------------------------------------------------------
     def _maybe_flip(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
         cfg = self.config
-        if self._urgent(instances) and self._blocked.get(("prefill", "decode"), 0.0) <= now:
+        if self._urgent() and self._blocked.get(("prefill", "decode"), 0.0) <= now:
             picks = self._kv_picks(instances)
             if picks:
                 return self._start(now, picks, "prefill", "decode",

@@ -362,7 +362,7 @@ class PDRolesLoop:
 
 def pd_controllers(mode: str, fleet: FleetConfig, config: PDRolesConfig | None = None) -> list[tuple[float, Any]]:
     """The role controller of `elastic` (none for the other modes), every `PDRolesConfig.cycle_s`
-    (default: the fleet's `planner.cycle_s`)."""
+    (the fleet's `planner.cycle_s` where that is None)."""
     if mode != "elastic":
         return []
     cfg = config or PDRolesConfig()
