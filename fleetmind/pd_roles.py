@@ -108,6 +108,13 @@ class PDRolesConfig:
     cycle_s: float | None = 2.0
     # Urgency reads the decode KV this far ahead, at the rate it rose since the last cycle.
     kv_horizon_s: float = 30.0
+    # The fleet the controller starts from: True turns every prefill instance the fleet file
+    # names (beyond `min_prefill`) to decode on the first cycle, before any request is placed,
+    # so elastic starts as the colocated fleet and a prefill pool grows only on the pressure
+    # rules below. The first seconds at the file's split decide an overloaded run: agent loops
+    # x14 with all 16 prefill instances turned decode at 0.5 s measured 0.94x colocated, at 10 s
+    # 0.28x (bench/DISAGG.md "Agent loops x14"). False: start from the file's roles.
+    start_colocated: bool = True
     # Gradual flips: the instance takes its new role at once and finishes its in-flight work
     # where it is (a decode instance turned prefill keeps decoding its streams; a prefill
     # instance turned decode still sends the KV it holds). Off: drain first, switch once idle.
@@ -179,17 +186,41 @@ class PDRoleController:
     _kv_ahead: float = 0.0  # decode KV projected `kv_horizon_s` ahead (this cycle's)
 
     def cycle(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
+        first = self._last_t is None
         span = now - self._last_t if self._last_t is not None else 0.0
         self._last_t = now
         if span > 0:
             self._history.append((now, window.met / span, window.ended))
         self._project(now, instances)
         by_id = {i.instance_id: i for i in instances}
+        if first and self.config.start_colocated:
+            return self._colocate(now, instances)
         if self._pending is not None:
             return self._advance(now, by_id)
         if self._watch is not None:
             return self._judge(now, instances, window)
         return self._maybe_flip(now, instances, window)
+
+    # -- the start: the colocated fleet ------------------------------------------------------
+    def _colocate(self, now: float, instances: Sequence[RoleInstance]) -> list[RoleCommand]:
+        """Every prefill instance beyond `min_prefill` to decode (`start_colocated`). Not watched:
+        there is no goodput before it to compare with; a prefill pool the pressure rules grow
+        later is watched and rolled back as any other move."""
+        pool = [i for i in instances if i.role == "prefill" and not i.draining]
+        keep = min(len(pool), self._min("prefill"))
+        picks = tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))
+                      [: len(pool) - keep])
+        if not picks:
+            return []
+        busy = [i.instance_id for i in pool if i.instance_id in picks and not i.idle]
+        reason = f"start colocated: {len(picks)} of {len(pool)} prefill instances to decode"
+        if self.config.gradual or not busy:
+            self._event(now, "flip", ",".join(picks), "decode", reason)
+            return [RoleCommand("set_role", i, "decode") for i in picks]
+        # Drain first, never given up and not watched (as a rollback is).
+        self._pending = _Flip(picks, "prefill", "decode", now, True, 0.0)
+        self._event(now, "drain", ",".join(picks), "decode", reason)
+        return [RoleCommand("drain", i) for i in picks]
 
     # -- a flip under way: drain, then switch -------------------------------------------
     def _advance(self, now: float, by_id: dict[str, RoleInstance]) -> list[RoleCommand]:

@@ -284,6 +284,7 @@ class PDRuntime:
             del self.legs[rid]
             inst.inflight -= 1
             self.stats.replaced += 1
+            self.policy.prefill_withdrawn(leg.r.profile, sim.snapshot(leg.dec), now)
             sim.reach_local(leg.r, now)
 
     def _close_role(self, inst: _Inst, now: float) -> None:
@@ -315,6 +316,12 @@ class PDRolesLoop:
     slos: dict[str, ClassSLO]
     _seen: int = 0
     _open: list[Any] = field(default_factory=list)
+
+    @property
+    def at_start(self) -> bool:
+        """Run at the first arrival too (the simulator's tick): the controller's starting fleet
+        (`PDRolesConfig.start_colocated`) is in place before the first request is placed."""
+        return self.core.config.start_colocated
 
     def __call__(self, sim: FleetSimulator, now: float) -> None:
         pd = sim.pd

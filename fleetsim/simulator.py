@@ -428,16 +428,18 @@ class FleetSimulator:
         """The FleetView the policies see now (the engines' true state)."""
         sites = []
         for s, insts in self._site_insts:
-            snaps = []
-            for i in insts:
-                e = i.engine
-                snaps.append(InstanceSnapshot(
-                    instance_id=i.iid, site=i.site, model=i.model, version=i.version, url=i.url,
-                    ready=i.ready, draining=i.draining, role=i.role, inflight=i.inflight, num_running=e.num_running, num_waiting=e.num_waiting,
-                    kv_usage=e.kv.usage(), block_size=i.block_size, max_model_len=i.max_model_len))
             sites.append(SiteSnapshot(name=s.name, region=s.region, jurisdiction=s.jurisdiction,
-                                      rtt_ms=s.rtt_ms, instances=tuple(snaps)))
+                                      rtt_ms=s.rtt_ms, instances=tuple(self.snapshot(i) for i in insts)))
         return FleetView(tuple(sites))
+
+    @staticmethod
+    def snapshot(i: _Inst) -> InstanceSnapshot:
+        """One instance as the policies see it now (its engine's true state)."""
+        e = i.engine
+        return InstanceSnapshot(
+            instance_id=i.iid, site=i.site, model=i.model, version=i.version, url=i.url,
+            ready=i.ready, draining=i.draining, role=i.role, inflight=i.inflight, num_running=e.num_running,
+            num_waiting=e.num_waiting, kv_usage=e.kv.usage(), block_size=i.block_size, max_model_len=i.max_model_len)
 
     def _rtt(self, site: str, region: str) -> float:
         key = (site, region)
@@ -702,7 +704,10 @@ class FleetSimulator:
         pd = self.pd
         self.requests = reqs
         for ctl in self.controllers:
-            self._push((inputs[0].arrival_s if n else 0.0) + ctl[0], _TICK, ctl)
+            # A controller whose `at_start` is true also runs at the first arrival, before it is
+            # placed (the P/D role controller's starting fleet, `fleetsim.disagg.PDRolesLoop`).
+            first = 0.0 if getattr(ctl[1], "at_start", False) else ctl[0]
+            self._push((inputs[0].arrival_s if n else 0.0) + first, _TICK, ctl)
         if self.failures is not None and n:
             self._start_failures(inputs[0].arrival_s, inputs[-1].arrival_s)
         while True:

@@ -7,7 +7,8 @@ from fleetmind.pd_roles import PDRoleController, PDRolesConfig, RoleCommand, Rol
 CFG = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, drain_timeout_s=100, watch_s=60,
                     rollback_drop=0.1, block_s=600, min_per_role=1, max_step=4,
                     gradual=False,  # the drain path; gradual flips: the tests at the end
-                    urgent_kv=False, min_prefill=None)  # the rules without urgency: the last tests
+                    urgent_kv=False, min_prefill=None,  # the rules without urgency: the last tests
+                    start_colocated=False)  # from the fleet file's roles: the start, the tests at the end
 
 
 def fleet(roles: dict[str, str], busy: set[str] = frozenset(), draining: set[str] = frozenset()) -> list[RoleInstance]:
@@ -150,7 +151,7 @@ def test_a_pool_nearly_out_of_kv_gives_no_instance_up_and_a_rollback_waits_for_i
 
 GRADUAL = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
                         block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
-                        urgent_kv=False, min_prefill=None)
+                        urgent_kv=False, min_prefill=None, start_colocated=False)
 
 
 def kv_fleet(roles: dict[str, str], decode_kv: float, busy: set[str] = frozenset()) -> list[RoleInstance]:
@@ -212,11 +213,12 @@ def test_a_goodput_drop_while_the_same_pressure_persists_keeps_the_move() -> Non
 
 URGENT = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
                        block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
-                       kv_horizon_s=30.0, urgent_whole_pool=False)  # urgent_kv, min_prefill=0: defaults
+                       kv_horizon_s=30.0, urgent_whole_pool=False,  # urgent_kv, min_prefill=0: defaults
+                       start_colocated=False)
 # the default urgent move: the whole movable prefill pool at once
 WHOLE = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
                       block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
-                      kv_horizon_s=30.0)
+                      kv_horizon_s=30.0, start_colocated=False)
 FEW = SLOWindow(ended=3, met=1, ttft_missed=1, tpot_missed=1)  # too few ended for a verdict
 HALVES = {**{f"p{k:02d}": "prefill" for k in range(16)}, **{f"d{k:02d}": "decode" for k in range(16)}}
 
@@ -289,3 +291,72 @@ def test_an_urgent_move_under_watch_is_extended_and_rolled_back_whole() -> None:
     assert all(x.role == "prefill" for x in back) and c.log[-1].kind == "rollback"
     # and the direction is blocked: urgency does not override a rollback's block
     assert c.cycle(110, kv_fleet(HALVES, 0.9), FEW) == []
+
+
+# --- the start: elastic begins as the colocated fleet and grows a prefill pool on pressure --
+
+START = PDRolesConfig(margin=0.05, streak=2, min_samples=20, cooldown_s=60, watch_s=60, rollback_drop=0.1,
+                      block_s=600, min_per_role=1, max_step=4, decode_kv_high=0.5, kv_band=0.1,
+                      kv_horizon_s=30.0)  # start_colocated, urgent_kv, min_prefill=0, gradual: the defaults
+NONE = SLOWindow(ended=0, met=0, ttft_missed=0, tpot_missed=0)
+ALL_DECODE = {i: "decode" for i in HALVES}
+
+
+def test_the_first_cycle_turns_the_whole_prefill_pool_decode_before_any_request_ended() -> None:
+    assert PDRolesConfig().start_colocated
+    c = PDRoleController(START)
+    cmds = c.cycle(0, kv_fleet(HALVES, 0.0), NONE)
+    assert cmds == [RoleCommand("set_role", f"p{k:02d}", "decode") for k in range(16)]
+    assert c.log[-1].kind == "flip" and c.log[-1].reason.startswith("start colocated: 16 of 16")
+    # not a move under watch: a calm colocated fleet stays as it is, nothing to roll back
+    for t in range(2, 300, 2):
+        assert c.cycle(t, kv_fleet(ALL_DECODE, 0.2), CALM) == []
+    assert len(c.log) == 1
+    # a floor of prefill instances is kept; the start is only the first cycle's
+    from dataclasses import replace
+
+    c = PDRoleController(replace(START, min_prefill=2))
+    assert [x.instance_id for x in c.cycle(0, kv_fleet(HALVES, 0.0), NONE)] == [f"p{k:02d}" for k in range(14)]
+    assert c.cycle(2, kv_fleet(HALVES, 0.0), NONE) == []
+    # off: the fleet file's split, as before
+    assert PDRoleController(replace(START, start_colocated=False)).cycle(0, kv_fleet(HALVES, 0.0), NONE) == []
+
+
+def test_a_started_flip_drains_busy_prefill_instances_and_is_never_given_up_or_watched() -> None:
+    from dataclasses import replace
+
+    c = PDRoleController(replace(START, gradual=False, drain_timeout_s=10))
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
+    assert c.cycle(0, fleet(roles, busy={"p1"}), NONE) == [RoleCommand("drain", "p0"), RoleCommand("drain", "p1")]
+    draining = fleet(roles, busy={"p1"}, draining={"p0", "p1"})
+    assert c.cycle(30, draining, NONE) == []  # past drain_timeout_s, still waiting for p1
+    done = c.cycle(60, fleet(roles, draining={"p0", "p1"}), NONE)
+    assert done == [RoleCommand("set_role", "p0", "decode"), RoleCommand("set_role", "p1", "decode")]
+    assert [e.kind for e in c.log] == ["drain", "flip"]
+    worse = SLOWindow(ended=100, met=5, ttft_missed=5, tpot_missed=5)
+    for t in range(62, 300, 2):  # goodput falls to nothing: still no rollback of the start
+        assert c.cycle(t, fleet({"p0": "decode", "p1": "decode", "d0": "decode"}), worse) == []
+
+
+def test_from_colocated_ttft_pressure_grows_a_prefill_pool_which_is_rolled_back_when_goodput_falls() -> None:
+    c = PDRoleController(START)
+    c.cycle(0, kv_fleet(HALVES, 0.0), NONE)
+    good = SLOWindow(ended=100, met=60, ttft_missed=35, tpot_missed=5)
+    for t in range(2, 62, 2):  # a minute of goodput at 30 met/s; TTFT misses, decode KV 20%
+        assert c.cycle(t, kv_fleet(ALL_DECODE, 0.2), CALM) == []
+    assert c.cycle(62, kv_fleet(ALL_DECODE, 0.2), good) == []  # one cycle is not a streak
+    grown = c.cycle(64, kv_fleet(ALL_DECODE, 0.2), good)
+    # max_step of the least loaded (all idle here: by id)
+    assert grown == [RoleCommand("set_role", f"d{k:02d}", "prefill") for k in range(4)]
+    assert "TTFT pressure" in c.log[-1].reason
+    roles = {**ALL_DECODE, **{x.instance_id: "prefill" for x in grown}}
+    # a minute later goodput has halved and the TTFT pressure is gone: back to colocated
+    worse = SLOWindow(ended=100, met=30, ttft_missed=5, tpot_missed=5)
+    back = []
+    for t in range(66, 130, 2):
+        back += c.cycle(t, kv_fleet(roles, 0.2), worse)
+    assert back == [RoleCommand("set_role", x.instance_id, "decode") for x in grown]
+    assert c.log[-1].kind == "rollback"
+    # and that direction stays blocked (block_s) while the pressure comes back
+    for t in range(130, 400, 2):
+        assert c.cycle(t, kv_fleet(ALL_DECODE, 0.2), good) == []

@@ -212,6 +212,36 @@ def test_split_books_prefill_on_one_instance_and_the_stream_on_the_other() -> No
     assert tp.explain(d.decode)["backlog_s"] == 0 and tp.explain(d.decode)["streams"] == 1
 
 
+def test_a_withdrawn_prefill_leg_takes_its_booking_from_the_prefill_instance_to_the_decode_instance() -> None:
+    # A split request whose prefill leg is withdrawn unstarted (its prefill instance left the role)
+    # prefills on its decode instance: the router must stop pricing that prefill on the
+    # ex-prefill instance and price it in the decode instance's queue (before: it stayed on the
+    # first until the clock drained it, and the decode instance's backlog never had it).
+    from dataclasses import replace
+
+    tp = pilot()
+    pd = TokenPilotDisagg(tp)
+    prof = replace(profile("a", 16000), stream=True)
+    d = pd.decide(prof, FLEET, FakeLinks(), 0.0)
+    assert d.split and d.prefill is not None and d.decode is not None
+    assert tp.explain(d.prefill)["backlog_s"] > 0.5 and tp.explain(d.decode)["backlog_s"] == 0
+    dec = next(c for c in FLEET if c.instance_id == d.decode)
+    local = tp.price(prof, [dec], 0.1)
+    pd.prefill_withdrawn(prof, dec, 0.1)
+    after = tp.explain(d.prefill), tp.explain(d.decode)
+    assert after[0]["backlog_s"] == 0 and after[0]["streams"] == 0
+    # (priced with the router's prefix index, which holds the prompt on the decode instance since
+    # the split was booked: the KV was to arrive there; a known limit of history-mode caching)
+    assert after[1]["backlog_s"] == pytest.approx(float(local.prefill[0])) and after[1]["backlog_s"] > 0
+    assert after[1]["outstanding"] == 1 and after[1]["streams"] == 1  # the stream stays booked once
+    pd.prefill_withdrawn(prof, dec, 0.1)  # a second call books nothing more
+    assert (tp.explain(d.prefill), tp.explain(d.decode)) == after
+    tp.on_first_token("a", 0.8)  # its first token, now from the decode instance: prefill through
+    assert tp.explain(d.decode)["outstanding"] == 0
+    # a request routed locally (not split) has nothing to withdraw
+    pd.prefill_withdrawn(profile("z", 200), dec, 1.0)
+
+
 def test_kv_promised_to_splits_still_prefilling_counts_on_their_decode_instance() -> None:
     # Both decode instances report the same KV use (a split's blocks are reserved there only
     # once its prefill is done), but d0 has been promised eleven 30k-token prompts (~85% of its
@@ -488,10 +518,20 @@ def test_a_prefill_instance_turned_decode_hands_its_queued_legs_to_their_decode_
     pre = next(i for i in sim.instances() if i.role == "prefill")
     seen: dict[str, int] = {}
 
+    dec = next(i for i in sim.instances() if i.role == "decode")
+    router = sim.router
+    assert isinstance(router, TokenPilot)
+    backlog: dict[str, float] = {}
+
     def flip(now: float) -> None:
         seen["legs"] = len(pd.legs)
         seen["queued"] = sum(pre.engine.is_queued(rid) for rid in pd.legs)
+        backlog["pre"], backlog["dec"] = router.explain(pre.iid)["backlog_s"], router.explain(dec.iid)["backlog_s"]
         pd.set_role(pre.iid, "decode", now)
+        # the router's booking follows the withdrawn legs: off the ex-prefill instance (what is
+        # left there is the leg still prefilling), onto the decode instance that prefills them
+        backlog["pre_after"] = router.explain(pre.iid)["backlog_s"]
+        backlog["dec_after"] = router.explain(dec.iid)["backlog_s"]
 
     sim.schedule(0.05, flip)
     reqs = [trace_req(i, 8000, 20, (1000 * i,)) for i in range(5)]
@@ -501,6 +541,9 @@ def test_a_prefill_instance_turned_decode_hands_its_queued_legs_to_their_decode_
     assert pd.stats.replaced == seen["queued"]  # queued ones moved; the one prefilling stayed
     assert len(pd.stats.transfer_ms) == 5 - seen["queued"]
     assert all(r.instance == "s1/m/1" for r in res.records)  # streamed by their decode instance
+    per_leg = backlog["pre"] / seen["legs"]  # 5 equal prompts booked there (less the clock's 50 ms)
+    assert backlog["pre_after"] < backlog["pre"] - (seen["queued"] - 0.5) * per_leg
+    assert backlog["dec_after"] > backlog["dec"] + 0.5 * seen["queued"] * per_leg
     for i in sim.instances():
         assert i.engine.kv.num_free_blocks == i.engine.num_gpu_blocks and i.engine.num_held == 0
         assert i.inflight == 0
@@ -518,7 +561,8 @@ def test_elastic_empties_the_prefill_pool_when_decode_kv_fills_and_runs_colocate
     d["deployments"][0]["options"] = {"num_gpu_blocks_override": 400}  # 6,400 tokens of KV each
     fleet = parse_fleet(d)
     assert PDRolesConfig().cycle_s == 2.0
-    ctl = pd_controllers("elastic", fleet, PDRolesConfig(cycle_s=5.0))
+    # (from the fleet file's split: the start that turns it colocated at once is the next test's)
+    ctl = pd_controllers("elastic", fleet, PDRolesConfig(cycle_s=5.0, start_colocated=False))
     assert ctl and ctl[0][0] == 5.0  # its own period, not planner.cycle_s
     sim = pd_sim(fleet, "elastic", controllers=ctl)
     pd = sim.pd
@@ -536,3 +580,27 @@ def test_elastic_empties_the_prefill_pool_when_decode_kv_fills_and_runs_colocate
     assert pd.stats.splits == n_before  # nothing split once no prefill instance was left
     late = [r for r in res.records if r.arrival_s > 5.0]
     assert {r.instance for r in late} == {"s1/m/0", "s1/m/1"}  # the old prefill instance decodes too
+
+
+def test_elastic_starts_colocated_before_the_first_request_is_placed() -> None:
+    """The default controller turns the fleet file's prefill instance decode at the first
+    arrival, before it is placed: the requests that split at the file's 1/1 (8 streams decoding
+    when a long prompt arrives, the fast-link case above) run whole, on either instance."""
+    from fleetmind.pd_roles import PDRolesConfig
+    from fleetsim.disagg import pd_controllers
+
+    def run_one(cfg: PDRolesConfig) -> tuple[PDRuntime, list[object], list[str]]:
+        fleet = pd_fleet(bandwidth_gb_s=50)
+        ctl = pd_controllers("elastic", fleet, cfg)
+        sim = pd_sim(fleet, "elastic", controllers=ctl)
+        reqs = [trace_req(i, 200, 400) for i in range(8)] + [trace_req(500, 12000, 50)]
+        res = sim.run(prepare(reqs, fleet))
+        assert all(r.status == "completed" for r in res.records) and not res.warnings
+        assert isinstance(sim.pd, PDRuntime)
+        return sim.pd, ctl[0][1].core.log, [r.instance for r in res.records]
+
+    pd, log, where = run_one(PDRolesConfig())
+    assert log[0].at == 0.0 and log[0].kind == "flip" and log[0].reason.startswith("start colocated")
+    assert pd.stats.splits == 0 and set(where) == {"s1/m/0", "s1/m/1"}
+    pd, log, _ = run_one(PDRolesConfig(start_colocated=False))  # from the file's split: it splits
+    assert pd.stats.splits >= 1 and not log

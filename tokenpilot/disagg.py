@@ -80,6 +80,10 @@ class DisaggPolicy(Protocol):
     def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
                now: float) -> PDDecision: ...
 
+    def prefill_withdrawn(self, profile: RequestProfile, decode: InstanceSnapshot, now: float) -> None:
+        """A split request's prefill leg was withdrawn unstarted: it prefills on `decode` instead."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class DisaggConfig:
@@ -173,6 +177,13 @@ class _Placer:
         ttft = float(priced.ttft[p]) + transfer_s
         self.router.book(profile, priced, priced.ids[p], priced.ids[d], now, ttft)
         return PDDecision(priced.ids[d], reason, priced.ids[p], ttft, transfer_s, int(priced.cached[p]))
+
+    def prefill_withdrawn(self, profile: RequestProfile, decode: InstanceSnapshot, now: float) -> None:
+        """The router's booking follows a withdrawn prefill leg to the decode instance
+        (`TokenPilot.prefill_withdrawn`), priced there as a local prefill (draining or not: the
+        request is there already)."""
+        priced = self.router.price(profile, [replace(decode, ready=True, draining=False)], now)
+        self.router.prefill_withdrawn(profile, priced, now)
 
     def _transfer(self, profile: RequestProfile, priced: Priced, p: int, d: int, transfers: Transfers,
                   now: float) -> float:

@@ -81,6 +81,9 @@ class _Inflight:
     features: np.ndarray  # the learned latency model's inputs at the decision
     forward_ttft_s: float  # the scheduler-forward TTFT (`tokenpilot.forward`): the learned model's prior
     held_s: float  # time between the request's arrival and this dispatch (admission hold): in its TTFT
+    # A P/D split request's prefill booking on its prefill instance (`book`): that instance's slot,
+    # the prefill seconds and uncached tokens added to its backlog, the duty added, and when.
+    split_prefill: tuple[int, float, float, float, float] | None = None
 
 
 _SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split request: learn no prefill from it
@@ -661,13 +664,10 @@ class TokenPilot(InstanceRouter):
         kp, kd = self._slot(prefill_on), self._slot(decode_on)
         compute = float(priced.compute[j])
         prefill = float(priced.prefill[j])
-        m[s.BACKLOG, kp] += prefill
         # The first token leaves the decode instance, so it cannot bound the prefill side's
         # backlog: that prefill drains by the clock alone (as a non-streamed request's does).
-        m[s.BACKLOG_UNTRACKED, kp] += prefill
-        m[s.BACKLOG_TOK, kp] += uncached
-        m[s.UNTRACKED_TOK, kp] += uncached
-        m[s.DUTY, kp] += compute / self._duty_window()
+        duty = compute / self._duty_window()
+        sk.book_prefill(m, kp, prefill, uncached, duty, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self._mean_compute += 0.02 * (compute - self._mean_compute)
         m[s.CONTEXT, kd] += profile.prompt_tokens
         m[s.STREAMS, kd] += 1
@@ -676,7 +676,45 @@ class TokenPilot(InstanceRouter):
         self.index.record_route(decode_on, profile.block_hashes, now)
         # Its TTFT spans two instances and a link: not evidence of either one's prefill speed.
         self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, _SPLIT,
-                                                       tpot, features, predicted_ttft_s, _held(profile, now))
+                                                       tpot, features, predicted_ttft_s, _held(profile, now),
+                                                       (kp, prefill, uncached, duty, now))
+
+    def prefill_withdrawn(self, profile: RequestProfile, priced: Priced, now: float) -> None:
+        """A split request's prefill leg was withdrawn before it started and the request now
+        prefills whole on its decode instance (`fleetsim.disagg.PDRuntime._replace_queued`, when
+        its prefill instance leaves the role): the prefill booked on the prefill instance leaves
+        its backlog and duty, and the decode instance (`priced`: that one candidate, priced for
+        this request) gets it as `route` books a local prefill there (backlog, outstanding
+        prefill, duty). The stream's context stays where `book` put it. Without this the ex-prefill
+        instance priced a queue it no longer had until the clock drained it, and the decode
+        instance's own queue missed the prefill (bench/DISAGG.md "Agent loops x14")."""
+        rid = profile.request_id
+        rec = self._inflight.get(rid)
+        if rec is None or rec.split_prefill is None:
+            return
+        self._memo.clear()
+        s, m = self._s, self._s.m
+        kp, prefill, uncached, duty, at = rec.split_prefill
+        rec.split_prefill = None
+        self._settle(kp, now)
+        # It had not started: all of it was still ahead of the clock that drained the queue in
+        # front of it. The duty decays by the window since it was added.
+        for row, x in ((s.BACKLOG, prefill), (s.BACKLOG_UNTRACKED, prefill), (s.BACKLOG_TOK, uncached),
+                       (s.UNTRACKED_TOK, uncached)):
+            m[row, kp] = max(0.0, m[row, kp] - x)
+        m[s.DUTY, kp] = max(0.0, m[s.DUTY, kp] - duty * float(np.exp((at - now) / self._duty_window())))
+        kd = rec.slot
+        j = priced.index(self._s.ids[kd])
+        prefill_d, compute_d = float(priced.prefill[j]), float(priced.compute[j])
+        uncached_d = float(profile.prompt_tokens - priced.cached[j])
+        if profile.stream:  # its first token now comes from this prefill, on the decode instance
+            out_s, head_s = self._outstanding.add(kd, rid, prefill_d)
+            out_tok, head_tok = self._outstanding_tok.add(kd, rid, uncached_d)
+            sk.book_prefill(m, kd, prefill_d, uncached_d, compute_d / self._duty_window(), 1.0,
+                            out_s, head_s, out_tok, head_tok, self._outstanding.count(kd))
+        else:
+            sk.book_prefill(m, kd, prefill_d, uncached_d, compute_d / self._duty_window(), 0.0,
+                            0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)

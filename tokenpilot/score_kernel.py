@@ -200,13 +200,12 @@ def refresh_context(m: np.ndarray, k: int) -> None:
 
 
 @njit(void(float64[:, ::1], intp, float64, float64, float64, float64, float64, float64, float64, float64,
-           float64, float64), **JIT)
-def book(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: float, prompt: float,
-         streamed: float, out_s: float, head_s: float, out_tok: float, head_tok: float, out_n: float) -> None:
-    """A request routed to slot `k` (`TokenPilot._commit`): its prefill joins the backlog (in seconds
-    and in tokens), its compute the duty, its prompt the context; a streamed one's outstanding
-    totals (`tokenpilot.backlog.Outstanding`, kept by the caller) replace the slot's, the others'
-    prefill drains by the clock alone (the untracked rows)."""
+           float64), **JIT)
+def book_prefill(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: float,
+                 streamed: float, out_s: float, head_s: float, out_tok: float, head_tok: float, out_n: float) -> None:
+    """A prefill that slot `k` will run: it joins the backlog (in seconds and in tokens), its compute
+    the duty; a streamed one's outstanding totals (`tokenpilot.backlog.Outstanding`, kept by the
+    caller) replace the slot's, the others' prefill drains by the clock alone (the untracked rows)."""
     m[BACKLOG, k] += prefill_s
     m[BACKLOG_TOK, k] += uncached
     if streamed != 0.0:
@@ -215,6 +214,15 @@ def book(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: f
         m[BACKLOG_UNTRACKED, k] += prefill_s
         m[UNTRACKED_TOK, k] += uncached
     m[DUTY, k] += duty_added
+
+
+@njit(void(float64[:, ::1], intp, float64, float64, float64, float64, float64, float64, float64, float64,
+           float64, float64), **JIT)
+def book(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: float, prompt: float,
+         streamed: float, out_s: float, head_s: float, out_tok: float, head_tok: float, out_n: float) -> None:
+    """A request routed to slot `k` (`TokenPilot._commit`): its prefill (`book_prefill`), and its
+    prompt the context of one more stream."""
+    book_prefill(m, k, prefill_s, uncached, duty_added, streamed, out_s, head_s, out_tok, head_tok, out_n)
     m[CONTEXT, k] += prompt
     m[STREAMS, k] += 1.0
     refresh_context(m, k)
