@@ -57,7 +57,10 @@ def main() -> int:
     p.add_argument("--no-off", action="store_true", help="skip the off column (no ratios)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write every row here")
-    a, extra = p.parse_known_args()  # the rest goes to every elastic probe run (e.g. --pd-cycle-s 1)
+    p.add_argument("--start-from-file", action="store_true",
+                   help="the 'elastic now' runs start from the fleet file's roles (the probe's flag)")
+    a = p.parse_args()
+    extra = ["--start-from-file"] if a.start_from_file else []
     traces = {"agent": (a.agent, None), "mooncake": (MOONCAKE, 4000), "longdoc": (a.longdoc, None)}
     only = set(a.only.split(",")) if a.only else {w for w, _ in LOADS}
     cols: list[tuple[str, str, list[str], Path | None]] = []

@@ -165,6 +165,8 @@ def main() -> int:
                    help="PDRolesConfig.decode_kv_high of the elastic controller")
     p.add_argument("--pd-cycle-s", type=float, default=PDRolesConfig().cycle_s,
                    help="PDRolesConfig.cycle_s, the elastic controller's period (0: the fleet's planner.cycle_s)")
+    p.add_argument("--start-from-file", action="store_true",
+                   help="PDRolesConfig.start_colocated=False: elastic starts from the fleet file's roles")
     a = p.parse_args()
     fleet = load_fleet_file(Path(a.fleet))
     wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
@@ -173,7 +175,8 @@ def main() -> int:
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos())))
     ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high,
-                                                        cycle_s=a.pd_cycle_s or None))
+                                                        cycle_s=a.pd_cycle_s or None,
+                                                        start_colocated=not a.start_from_file))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
