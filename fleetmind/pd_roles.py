@@ -6,6 +6,11 @@ idle, the SLO misses of the requests that ended since the last cycle), commands 
 (`drain` one instance, `set_role` on it once idle). The executor (the simulator's
 `fleetsim.disagg`, or a live gateway) only carries them out.
 
+The start (`start_colocated`, the default): the first cycle turns every prefill instance the
+fleet file names (beyond `min_prefill`) to decode, before the first request is placed, so
+elastic begins as the colocated fleet and a prefill pool grows only on the pressure below
+(bench/DISAGG.md "Elastic from colocated"; not watched: there is no goodput before it).
+
 The rule, each cycle:
 - pressure: among requests that ended in the window, the share that missed their TTFT
   bound and the share that missed their TPOT bound (class SLOs). TTFT pressure asks for

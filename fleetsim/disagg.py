@@ -6,9 +6,11 @@
 * `static`: the fleet file's roles; TokenPilot decides per request (`tokenpilot.disagg`).
 * `elastic`: `static`, plus FleetMind's P/D role controller (`fleetmind.pd_roles`) run every
   `PDRolesConfig.cycle_s` (None: `planner.cycle_s`) on the simulator's controller tick (the
-  loop the placement planner runs on). An instance that leaves the prefill role hands the
+  loop the placement planner runs on), and at the first arrival (its start: by default the
+  colocated fleet). An instance that leaves the prefill role hands the
   split requests queued there, unstarted, to their decode instance, which prefills them
-  itself (`PDRuntime._replace_queued`).
+  itself (`PDRuntime._replace_queued`; the router's booking of that prefill moves with it,
+  `TokenPilot.prefill_withdrawn`).
 * `dynamo_conditional`, `llm_d_decider`: the fleet file's roles, the published rules
   (`tokenpilot.disagg_baselines`).
 
