@@ -32,8 +32,9 @@ from gateway.aliases import alias_entries
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
 from gateway.router_refit import RouterRefit
-from gateway.errors import body_too_large, install_handlers
-from gateway.fast_path import Endpoints, GatewayApp
+from gateway.errors import install_handlers
+from gateway.body_limit import BodySizeLimit
+from gateway.fast_path import FastLane, GatewayApp
 from gateway.fleet_metrics import FleetCollector
 from gateway.fleet_state import FleetState
 from gateway.goodput_report import ReportAccess, install_report_routes
@@ -94,67 +95,6 @@ class GatewayContext:
     tokenize_pool: TokenizePool | None = None  # parses large bodies off the event loop (bounded)
     loop_monitor: LoopMonitor | None = None  # event-loop stalls (/metrics; health checks count only responsive time)
     telemetry: Telemetry | None = None  # traces, OTel metrics, access log, SLO misses (gateway.telemetry)
-
-
-class BodySizeLimit:
-    """Pure ASGI middleware: refuse bodies over `max_bytes` with 413 before anything parses them.
-
-    It buffers the (bounded) body and replays it, so the app and the relay's
-    disconnect watch see an ordinary receive channel afterwards.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self._declared_length(scope) > self.max_bytes:
-            await self._reject(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left while still sending: no one to answer
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._reject(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
-
-    @staticmethod
-    def _declared_length(scope: Scope) -> int:
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    return int(value)
-                except ValueError:
-                    return 0
-        return 0
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = body_too_large(self.max_bytes).response({"connection": "close"})
-        await response(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def _client_session(settings: GatewaySettings) -> aiohttp.ClientSession:
@@ -302,9 +242,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     # Added last, so outermost of ours: an overloaded gateway refuses before reading a body.
     app.add_middleware(OverloadLimit, backlog=backlog, on_refused=metrics.refused_overload)
     _add_openai_routes(app, ctx)
-    # The /v1 endpoints' lean path (gateway.fast_path): the same two limits, then the handler.
-    app.fast_stack = OverloadLimit(BodySizeLimit(Endpoints(app, app.fast_routes), max_bytes=max_body_bytes),
-                                   backlog=backlog, on_refused=metrics.refused_overload)
+    # The /v1 endpoints' lean path (gateway.fast_path): the same two limits and the handler, one layer.
+    app.fast_stack = FastLane(app, app.fast_routes, OverloadLimit(app, backlog, metrics.refused_overload),
+                              max_body_bytes)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, replicas.planner, key_store)
     install_key_routes(app, config, key_store, AdminAuth(config, key_store).require)

@@ -4,12 +4,17 @@ Every request through FastAPI crosses nine ASGI layers (server errors, FastAPI's
 and body limit, ours, exception middleware, exit stack, router, route wrapper, dependency
 solving) before its handler runs: about a tenth of the gateway's CPU per streamed request
 (bench/README.md, "Where the time goes"). The /v1 endpoints need none of that — they read
-their body themselves and answer errors as `GatewayError` — so `GatewayApp` sends them here:
-the overload limit, the body-size limit, the handler, and the app's own exception handlers
-(the very functions FastAPI would call, looked up the same way: by the exception's class
-and its bases). Everything else — admin, reports, /metrics, /health, /openapi.json, unknown
-paths — goes through FastAPI as before; the /v1 routes stay declared there too, for the
-OpenAPI document.
+their body themselves and answer errors as `GatewayError` — so `GatewayApp` sends them to
+`FastLane`, one ASGI callable that does, in one coroutine, what the overload limit, the
+body-size limit and the route would: count the request on the overload bounds (refusing it
+with 503 when over one), read the body within its limit (413), call the handler and answer
+its errors with the app's own exception handlers (the very functions FastAPI would call,
+looked up the same way: by the exception's class and its bases). No `send` is wrapped: the
+request leaves the overload backlog's `pending` count when its handler has returned the
+response (the relay returns a stream only once its first event is in), which is when that
+response starts. Everything else — admin, reports, /metrics, /health, /openapi.json,
+unknown paths — goes through FastAPI as before; the /v1 routes stay declared there too, for
+the OpenAPI document.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.body_limit import read_limited_body
+from gateway.overload import OverloadLimit
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -42,32 +50,58 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-class Endpoints:
-    """The innermost ASGI app of the fast path: the route's handler, errors as the app answers them."""
+class BufferedRequest(Request):
+    """A Starlette request whose body has been read already (within its limit): `body()` is it,
+    and `receive` is the client's channel from here on (what the disconnect watch reads)."""
 
-    def __init__(self, app: FastAPI, routes: Mapping[str, Endpoint]) -> None:
+    def __init__(self, scope: Scope, receive: Receive, body: bytes) -> None:
+        super().__init__(scope, receive)
+        self._body = body  # Starlette's own cache of the read body: body(), json() and stream() use it
+
+
+class FastLane:
+    """The whole ASGI way of a POST /v1 request (module docstring)."""
+
+    def __init__(self, app: FastAPI, routes: Mapping[str, Endpoint], overload: OverloadLimit,
+                 max_body_bytes: int) -> None:
         self.app = app
         self.routes = routes
+        self.overload = overload  # its bounds and its refusal (the FastAPI stack's layer, not run here)
+        self.backlog = overload.b
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        b = self.backlog
+        refused = b.refusal()
+        if refused is not None:
+            await self.overload.refuse(scope, receive, send, *refused)
+            return
+        b.inflight += 1
+        b.pending += 1
+        pending = True
         try:
-            response = await self.routes[scope["path"]](request)
-        except Exception as exc:
-            response = await self._answer(request, exc)
-        try:
-            await response(scope, receive, tracked)
-        except Exception as exc:
-            if started:  # mid-response: nothing left to answer with (as Starlette's ServerErrorMiddleware)
-                raise
-            await (await self._answer(request, exc))(scope, receive, send)
+            body = await read_limited_body(scope, receive, send, self.max_body_bytes)
+            if body is None:
+                return  # answered (413), or the client left while sending
+            request = BufferedRequest(scope, receive, body)
+            try:
+                response = await self.routes[scope["path"]](request)
+            except Exception as exc:
+                response = await self._answer(request, exc)
+            b.pending -= 1
+            pending = False
+            try:
+                await response(scope, receive, send)
+            except Exception as exc:
+                if getattr(response, "started", True):
+                    # mid-response (or a response that cannot say): nothing left to answer with,
+                    # as Starlette's ServerErrorMiddleware
+                    raise
+                await (await self._answer(request, exc))(scope, receive, send)
+        finally:
+            b.inflight -= 1
+            if pending:
+                b.pending -= 1
 
     async def _answer(self, request: Request, exc: Exception) -> Response:
         handlers = self.app.exception_handlers

@@ -35,6 +35,14 @@ class Backlog:
     inflight: int = 0
     pending: int = 0
 
+    def refusal(self) -> tuple[str, str] | None:
+        """(which bound, why) when a new request is over a bound; None when it may come in."""
+        if self.pending >= self.max_pending:
+            return "pending", f"{self.pending} requests are waiting for their response to start"
+        if self.inflight >= self.max_inflight:
+            return "inflight", f"{self.inflight} requests are in progress"
+        return None
+
 
 class OverloadLimit:
     """Pure ASGI middleware (no task, no buffering: two counters and a wrapped `send`)."""
@@ -49,12 +57,9 @@ class OverloadLimit:
             await self.app(scope, receive, send)
             return
         b = self.b
-        if b.pending >= b.max_pending:
-            await self._refuse(scope, receive, send, "pending", f"{b.pending} requests are waiting for "
-                                                                "their response to start")
-            return
-        if b.inflight >= b.max_inflight:
-            await self._refuse(scope, receive, send, "inflight", f"{b.inflight} requests are in progress")
+        refused = b.refusal()
+        if refused is not None:
+            await self.refuse(scope, receive, send, *refused)
             return
         b.inflight += 1
         b.pending += 1
@@ -74,7 +79,8 @@ class OverloadLimit:
             if not started:
                 b.pending -= 1
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, bound: str, why: str) -> None:
+    async def refuse(self, scope: Scope, receive: Receive, send: Send, bound: str, why: str) -> None:
+        """The 503 for a request over `bound` (counted in metrics)."""
         if self.on_refused is not None:
             self.on_refused(bound)
         err = overloaded(f"The gateway is overloaded ({why})", "gateway_overloaded", self.b.retry_after_s)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 import aiohttp
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from engine_adapters.base import Instance
@@ -593,8 +593,21 @@ class RelayStream:
         self.d.finish(ok=False, status=str(CLIENT_CLOSED), error="client disconnected", cancelled=True)
 
 
-class RelayStreamingResponse(StreamingResponse):
+# The head of every relayed stream: what Starlette's StreamingResponse would send (its media type
+# gets the charset it adds to text/* types), encoded once for the process.
+_SSE_HEAD = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+_SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+
+
+class RelayStreamingResponse(Response):
     """Streams a RelayStream and stops the moment the client disconnects, whatever the ASGI server.
+
+    Written with direct `send` calls (no Starlette StreamingResponse underneath): the head, then
+    one body message per upstream read (`RelayStream` hands on each read's events as one chunk),
+    the chunk that carries [DONE] with `more_body` False, so that it and the end of the body are
+    one write to the client rather than two. `body_iterator` may be replaced (the Responses API
+    translates the stream); then the end is sent after it is exhausted. `headers` is a plain
+    dict until the head is sent (a fallback adds its header to it).
 
     Starlette only watches for disconnects on servers below ASGI spec 2.4 and otherwise
     notices at the next send (uvicorn's send does not even fail: it drops the bytes); an engine
@@ -603,17 +616,30 @@ class RelayStreamingResponse(StreamingResponse):
     lasts) and always cleans up in `finally`.
     """
 
-    def __init__(self, stream: RelayStream, headers: Mapping[str, str]) -> None:
-        super().__init__(stream.iter_bytes(), media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
+    media_type = "text/event-stream"
+    # Shadows Response's `headers` property: a plain dict per instance, not Starlette's MutableHeaders.
+    headers: dict[str, str] = None  # type: ignore[assignment]
+
+    def __init__(self, stream: RelayStream, headers: Mapping[str, str]) -> None:  # noqa: D107
+        # Response.__init__ is not called: it renders a body and encodes headers this class does not use.
+        self.status_code = 200
+        self.background = None
+        self.headers = dict(headers)
         self._relay_stream = stream
+        self._own = self.body_iterator = stream.iter_bytes()
+        self.started = False  # the head has been sent (FastLane: an error after it cannot be answered)
         self.on_done: Callable[[], None] | None = None  # after the stream is over, whichever way
         self.watch: DisconnectWatch | None = None  # the request's, handed over by `Relay.handle`
+
+    @property
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]
+        return [*_SSE_HEAD, *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
+                _SSE_CONTENT_TYPE]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch if self.watch is not None else DisconnectWatch(receive)
         try:
-            await watch.race(self.stream_response(send))
+            await watch.race(self._write(send))
         except (ClientGone, OSError):
             pass  # the client left: nobody to tell; `close` below aborts the upstream
         finally:
@@ -621,6 +647,18 @@ class RelayStreamingResponse(StreamingResponse):
             await self._relay_stream.close()
             if self.on_done is not None:
                 self.on_done()
+
+    async def _write(self, send: Send) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        stream, own = self._relay_stream, self.body_iterator is self._own
+        ended = False
+        async for chunk in self.body_iterator:  # run to its end, whose clean-up is the iterator's own
+            # The relay's own iterator yields nothing after the read that finished the stream.
+            ended = own and stream.d.stats.done
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _is_sse(resp: aiohttp.ClientResponse) -> bool:

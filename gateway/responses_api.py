@@ -23,12 +23,13 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from fleetcore.sse import SSESplitter, parse_sse_event
 from gateway.auth import Caller
 from gateway.errors import GatewayError, bad_request
 from gateway.json_body import parse_json_object
+from gateway.relay import RelayStreamingResponse
 from gateway.requests import ParsedRequest, json_value_cap, parse_request
 from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 
@@ -302,7 +303,7 @@ async def serve_responses(ctx: GatewayContext, request: Request) -> Response:
     resp = await serve_endpoint(ctx, request, "responses", CHAT_PATH, parse)
     assert body is not None  # parsed before anything was served
     shape = ResponseShape(body, str(body.get("model")))  # the name the client asked for, alias or not
-    if isinstance(resp, StreamingResponse):
+    if isinstance(resp, RelayStreamingResponse):
         # The relay's stream: usage, SLO and report accounting happen there, on the chat chunks.
         resp.body_iterator = translate_stream(resp.body_iterator, EventStream(shape))
         return resp
