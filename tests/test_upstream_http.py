@@ -461,3 +461,38 @@ async def test_closed_client_refuses_new_requests() -> None:
     await client.close()
     with pytest.raises(RuntimeError):
         await client.post("http://127.0.0.1:1/v1/completions", data=b"{}", headers={})
+
+
+def test_under_uvloop() -> None:
+    """`tokenfleet up` runs uvloop (gateway.cli): its transports are not asyncio's classes."""
+    import uvloop
+
+    async def scenario() -> tuple[int, int, type[BaseException] | None]:
+        async def answer(req: Request, w: asyncio.StreamWriter) -> bool:
+            if req.index == 3:
+                w.write(SSE_HEAD + chunk(EVENTS[0]))
+                await w.drain()
+                return False  # cut mid-stream
+            return await sse(req, w)
+
+        up = Upstream(answer)
+        srv = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+        up.port = srv.sockets[0].getsockname()[1]
+        client = UpstreamClient(connect_timeout_s=2.0)
+        try:
+            for _ in range(3):
+                resp = await client.post(up.url(), data=b"{}", headers={"Content-Type": "application/json"})
+                assert await read_stream(resp) == b"".join(EVENTS)
+                await wait_until(lambda: client.idle_count(), 5, "the connection back in the pool")
+            resp = await client.post(up.url(), data=b"{}", headers={})
+            error = None
+            try:
+                await resp.read()
+            except aiohttp.ClientError as e:
+                error = type(e)
+            return up.connections, client.connections_opened, error
+        finally:
+            await client.close()
+            srv.close()
+
+    assert uvloop.run(scenario()) == (1, 1, PayloadIncomplete)
