@@ -1,6 +1,7 @@
 """CPU per streamed request of the relay's upstream client: aiohttp vs `gateway.upstream_http`.
 
     .venv/bin/python bench/upstream_client_cost.py [--requests 2000] [--rounds 7] [--concurrency 8] [--events 16]
+        [--loop uvloop|asyncio]
 
 One loopback SSE server in its own process (an engine's shape: chunked, one chunk per event, the
 terminator in a write of its own after `[DONE]`) answers every POST at once. This process sends
@@ -10,7 +11,8 @@ as the gateway configured it (`TCPConnector(limit=0, keepalive_timeout=30)`, con
 and through `UpstreamClient`, alternating the two round by round in the same run. CPU is this
 process's (`time.process_time`: the client's own work and its event loop), per request; the
 medians over rounds and their ratio are printed, with the connections each client opened
-(keep-alive reuse). No input files: the server's events are generated.
+(keep-alive reuse). `--loop`: the client's event loop (default uvloop, what `tokenfleet up` runs;
+the server always runs asyncio's). No input files: the server's events are generated.
 """
 
 from __future__ import annotations
@@ -98,22 +100,31 @@ async def run_round(client: Any, url: str, requests: int, concurrency: int) -> f
     return (time.process_time() - c0) / requests
 
 
-def aiohttp_session(connect_timeout_s: float) -> aiohttp.ClientSession:
-    """The gateway's session before this client (gateway.app `_client_session` at 1173092)."""
+def aiohttp_session(connect_timeout_s: float, opened: dict[str, int]) -> aiohttp.ClientSession:
+    """The gateway's session before this client (gateway.app `_client_session` at 1173092), with
+    its new connections counted into `opened["aiohttp"]`."""
+    trace = aiohttp.TraceConfig()
+
+    async def created(*_: Any) -> None:
+        opened["aiohttp"] += 1
+
+    trace.on_connection_create_end.append(created)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None, connect=2 * connect_timeout_s,
                                     sock_connect=connect_timeout_s)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-    return aiohttp.ClientSession(timeout=timeout, connector=connector)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector, trace_configs=[trace])
 
 
 async def bench(port: int, args: argparse.Namespace) -> None:
     url = f"http://127.0.0.1:{port}/v1/completions"
-    session = aiohttp_session(5.0)
+    opened = {"aiohttp": 0}
+    session = aiohttp_session(5.0, opened)
     lean = UpstreamClient(5.0)
     clients = {"aiohttp": session, "upstream_http": lean}
     for client in clients.values():  # warm-up: connections, lazy imports
         await run_round(client, url, 200, args.concurrency)
     opened_before = lean.connections_opened
+    opened["aiohttp"] = 0
     cpu: dict[str, list[float]] = {name: [] for name in clients}
     for r in range(args.rounds):
         order = list(clients) if r % 2 == 0 else list(reversed(clients))
@@ -128,6 +139,7 @@ async def bench(port: int, args: argparse.Namespace) -> None:
     for n in clients:
         print(f"  {n:14s} {med[n] * 1e6:7.1f} us   (min {min(cpu[n]) * 1e6:.1f}, max {max(cpu[n]) * 1e6:.1f})")
     print(f"  ratio upstream_http / aiohttp: {med['upstream_http'] / med['aiohttp']:.2f}x")
+    print(f"  aiohttp connections opened during the rounds: {opened['aiohttp']} for {total} requests")
     print(f"  upstream_http connections opened during the rounds: {lean.connections_opened - opened_before} "
           f"for {total} requests")
     await session.close()
@@ -140,6 +152,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--events", type=int, default=16, help="token events per stream before [DONE]")
+    p.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"), help="the client's event loop")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -150,7 +163,12 @@ def main() -> None:
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
-        asyncio.run(bench(port, args))
+        print(f"client loop: {args.loop}", flush=True)
+        if args.loop == "uvloop":
+            import uvloop
+            uvloop.run(bench(port, args))
+        else:
+            asyncio.run(bench(port, args))
     finally:
         server.terminate()
         server.wait(timeout=10)
