@@ -2,7 +2,7 @@
 
 `create_app` wires config, adapters (already launched by the CLI), fleet state,
 policies and the relay. The lifespan owns only what the app itself creates:
-the fleet-state pollers and one pooled aiohttp session; the adapters' engines
+the fleet-state pollers and the relay's pooled upstream client (`gateway.upstream_http`); the adapters' engines
 belong to whoever launched them.
 """
 
@@ -16,10 +16,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_adapters.base import EngineAdapter
 from fleetcore.fleet_config import FleetConfig, GatewaySettings
@@ -60,6 +58,7 @@ from gateway.requests import Kind, ParsedRequest, parse_request
 from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 from gateway.openapi import chat_body, completion_body, embeddings_body, responses_body
 from gateway.tokenize_pool import TokenizePool
+from gateway.upstream_http import UpstreamClient
 from fleetmind.demand import DemandModel
 from fleetmind.placement_cycle import placement_cycle_for
 from slomax import from_fleet as slomax_config
@@ -97,14 +96,11 @@ class GatewayContext:
     telemetry: Telemetry | None = None  # traces, OTel metrics, access log, SLO misses (gateway.telemetry)
 
 
-def _client_session(settings: GatewaySettings) -> aiohttp.ClientSession:
-    # No total timeout: a long generation is not a failure. Reads are bounded per phase (first
-    # byte from the predicted TTFT, then idle between reads) by the relay (`gateway.deadlines`).
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=None, connect=2 * settings.connect_timeout_s,
-                                    sock_connect=settings.connect_timeout_s)
-    # aiohttp's default pool caps at 100 connections, i.e. 100 concurrent streams.
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-    return aiohttp.ClientSession(timeout=timeout, connector=connector)
+def _client_session(settings: GatewaySettings) -> UpstreamClient:
+    # Only the connect has a deadline of its own: a long generation is not a failure. Reads are
+    # bounded per phase (first byte from the predicted TTFT, then idle between reads) by the relay
+    # (`gateway.deadlines`). Active connections are not capped (one per stream); idle ones are.
+    return UpstreamClient(settings.connect_timeout_s)
 
 
 def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],

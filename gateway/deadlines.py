@@ -2,7 +2,7 @@
 
 The fleet file's `gateway:` block sets them (`fleetcore.fleet_config.GatewaySettings`):
 
-- connect: `connect_timeout_s` (aiohttp's own socket-connect timeout, see `gateway.app`);
+- connect: `connect_timeout_s` (the upstream client's own connect deadline, `gateway.upstream_http`);
 - first byte: `max(first_byte_timeout_floor_s, first_byte_timeout_factor x predicted TTFT)`,
   from sending the request to the first whole SSE event (streams) or the response head
   (non-streaming answers, which an engine only sends once the whole generation is done: there

@@ -273,9 +273,10 @@ class PDFlow:
         relay.metrics.set_inflight(iid, relay.state.begin(iid))
         try:
             async with asyncio.timeout(deadline):
-                async with relay.session.post(pre.instance.url + path, data=json.dumps(body).encode(),
-                                              headers={"Content-Type": "application/json",
-                                                       "X-Request-Id": f"{parsed.profile.request_id}-prefill"}) as r:
+                r = await relay.session.post(pre.instance.url + path, data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json",
+                                                      "X-Request-Id": f"{parsed.profile.request_id}-prefill"})
+                async with r:  # released when read, closed on any failure (the engine drops the room)
                     raw = await r.read()
                     if r.status != 200:
                         raise PrefillFailed(f"prefill_http_{r.status}",

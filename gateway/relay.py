@@ -7,7 +7,7 @@
 - Choice: `fleetmind.place` (the simulator's too): the site chooser picks a site, the
   router an instance in that site's pool; failed attempts are excluded, the avoid hint
   gives way when it leaves nothing.
-- Forward: aiohttp to `instance.url + path`, with the model renamed to the served
+- Forward: `gateway.upstream_http` (a lean HTTP/1.1 client) to `instance.url + path`, with the model renamed to the served
   name and, for streams, `stream_options.include_usage` forced on (the usage chunk
   is how the gateway learns output and cached tokens); the client sees that chunk
   only if it asked for it.
@@ -76,6 +76,7 @@ from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
 from gateway.upstream_failure import NotAStream, RetryableFailure, SplitFailed, describe
+from gateway.upstream_http import UpstreamClient, UpstreamResponse
 
 if TYPE_CHECKING:
     from gateway.pd_flow import PDFlow
@@ -281,7 +282,7 @@ class Dispatch:
     watch: UpstreamWatch  # every wait on the engine goes through it (deadlines, shutdown)
     first_byte_at: float  # loop time by which the first byte must have come
     started: float  # relay clock when it was sent: a failure mark older than this is old news
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     stats: StreamStats = field(default_factory=StreamStats)
     finished: bool = False
     # A continuation leg: (relay clock of the request's first token, tokens sent before this leg),
@@ -661,7 +662,7 @@ class RelayStreamingResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _is_sse(resp: aiohttp.ClientResponse) -> bool:
+def _is_sse(resp: UpstreamResponse) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
@@ -695,7 +696,7 @@ class Relay:
         self.decisions = decisions
         self.clock = clock
         self.retry_after_s = retry_after_s
-        self.session: aiohttp.ClientSession | None = None  # set by the app's lifespan
+        self.session: UpstreamClient | None = None  # set by the app's lifespan
         self.worker: str | None = None  # "workerN" when one of `tokenfleet up --workers` (a response header)
         self.deadlines = Deadlines.from_settings(config.gateway)
         self.shutdown = Shutdown(config.gateway.shutdown_grace_s)  # SIGTERM: drain, then end what is left
@@ -951,7 +952,7 @@ class Relay:
             parsed.obs.attempt(target.site, target.site_reason, target.instance, target.route)
         return d
 
-    async def head(self, d: Dispatch, path: str, body: bytes | None = None) -> aiohttp.ClientResponse:
+    async def head(self, d: Dispatch, path: str, body: bytes | None = None) -> UpstreamResponse:
         """Send and wait for the response head within the first-byte deadline. A non-streaming
         answer only comes once the whole generation is done, so past the deadline it may wait on
         while the engine keeps passing its health checks (rechecked each poll)."""
@@ -966,7 +967,7 @@ class Relay:
         return resp
 
     async def _send(self, parsed: ParsedRequest, path: str, instance: Instance,
-                    body: bytes | None = None) -> aiohttp.ClientResponse:
+                    body: bytes | None = None) -> UpstreamResponse:
         if self.session is None:
             raise RuntimeError("the gateway's HTTP session is not started (lifespan not run)")
         headers = {"Content-Type": "application/json", "X-Request-Id": parsed.profile.request_id,
@@ -981,7 +982,7 @@ class Relay:
             raise _connect_failure(instance.instance_id, e) from None
 
     @staticmethod
-    async def error_text(resp: aiohttp.ClientResponse) -> str:
+    async def error_text(resp: UpstreamResponse) -> str:
         try:
             body = await asyncio.wait_for(resp.read(), 2.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):

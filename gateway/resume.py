@@ -21,8 +21,6 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-import aiohttp
-
 from fleetcore.sse import SSE_DONE
 from fleetcore.continuation import ContinuationLimits
 from fleetcore.fleet_config import FleetConfig
@@ -35,6 +33,7 @@ from gateway.errors import redact_addresses
 from gateway.upstream_failure import RetryableFailure, describe
 
 if TYPE_CHECKING:
+    from gateway.upstream_http import UpstreamResponse
     from gateway.admission import AdmissionGate
     from gateway.fleet_state import FleetState
     from gateway.metrics import GatewayMetrics
@@ -67,9 +66,9 @@ class ResumeHost(Protocol):
 
     def new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch: ...
 
-    async def head(self, d: Dispatch, path: str, body: bytes | None = None) -> aiohttp.ClientResponse: ...
+    async def head(self, d: Dispatch, path: str, body: bytes | None = None) -> UpstreamResponse: ...
 
-    async def error_text(self, resp: aiohttp.ClientResponse) -> str: ...
+    async def error_text(self, resp: UpstreamResponse) -> str: ...
 
 
 def continuation_of(host: ResumeHost, parsed: ParsedRequest) -> Continuation | None:
