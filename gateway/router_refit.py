@@ -15,7 +15,6 @@ import logging
 
 from fleetcore.policies import InstanceRouter
 from gateway.background import cancel_and_wait
-from tokenpilot.latency_model import preload_fitter
 
 log = logging.getLogger("tokenfleet.router_refit")
 
@@ -30,7 +29,6 @@ class RouterRefit:
 
     def start(self) -> None:
         if self._task is None:
-            preload_fitter()  # at start-up, not inside the first fit while requests are served
             self._task = asyncio.create_task(self._run(), name="router-refit")
 
     async def once(self) -> bool:

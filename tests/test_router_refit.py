@@ -32,26 +32,3 @@ def test_refit_runs_when_due_and_installs_a_fit() -> None:
         assert task.fits == 1 and tp.latency.ttft is not None and not tp.refit_due()
 
     asyncio.run(main())
-
-
-def test_start_imports_the_fitter_before_serving() -> None:
-    """scikit-learn's import (about a second, GIL mostly held) happens at start-up, not in the
-    first fit's thread while requests are served. A fresh interpreter: pytest's may have it."""
-    import subprocess
-    import sys
-
-    code = (
-        "import asyncio, sys\n"
-        "from gateway.router_refit import RouterRefit\n"
-        "from tokenpilot.priors import prior_from_physics\n"
-        "from tokenpilot.router import TokenPilot\n"
-        "assert 'sklearn.linear_model' not in sys.modules\n"
-        "async def main():\n"
-        "    r = RouterRefit(TokenPilot({'a': prior_from_physics('llama-3.1-8b', 'H100')}), interval_s=60)\n"
-        "    r.start()\n"
-        "    assert 'sklearn.linear_model' in sys.modules\n"
-        "    await r.stop()\n"
-        "asyncio.run(main())\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]

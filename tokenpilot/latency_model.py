@@ -115,13 +115,6 @@ class LearnedLatency:
         return prior * np.exp(np.clip(fit.residual(x), -bound, bound))
 
 
-def preload_fitter() -> None:
-    """Import the fitter's library now. scikit-learn's import takes about a second of CPU with the
-    GIL mostly held; left to the first refit (a worker thread), it stalls a serving event loop that
-    long. A gateway calls this at start-up, before it freezes its long-lived objects."""
-    from sklearn.linear_model import Ridge  # noqa: F401
-
-
 def fit_residuals(x: np.ndarray, y: np.ndarray, min_samples: int, alpha: float,
                   holdout: float = 0.2) -> tuple[Fit | None, Fit | None] | None:
     """Ridge fits of the TTFT and TPOT log residuals, in order of arrival: fitted on the older
