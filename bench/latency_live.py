@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -103,6 +103,14 @@ def vllm_setup(model_dir: Path, python: Path, instances: int, log_dir: Path) -> 
 
 async def one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int,
               seen: dict[str, tuple[float, float, float, float]]) -> tuple[float, ...] | None:
+    try:
+        return await _one(s, url, model, prompt, out, seen)
+    except aiohttp.ClientError:  # counted as not answered (the summary's last column), the run goes on
+        return None
+
+
+async def _one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int,
+               seen: dict[str, tuple[float, float, float, float]]) -> tuple[float, ...] | None:
     body = {"model": model, "prompt": prompt, "max_tokens": out, "stream": True, "ignore_eos": True}
     t0 = time.monotonic()
     async with s.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
@@ -121,7 +129,8 @@ async def one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: 
         return float(predicted) / 1000, first - t0, gw_ttft, pred_tpot, tpot, gw_tpot, prompt_tokens
 
 
-async def run(setup: Setup, model: str, n: int, rate: float) -> list[tuple[float, ...]]:
+async def run(setup: Setup, model: str, n: int, rate: float) -> tuple[list[tuple[float, ...]], int]:
+    """Each answered request's row, and how many were sent."""
     from gateway.embedded import serve_fleet
     from tokenpilot.latency_model import LearnedLatency
 
@@ -163,7 +172,7 @@ async def run(setup: Setup, model: str, n: int, rate: float) -> list[tuple[float
                                                      max(out_lo, min(r.output_length, out_hi)), seen)))
                 await asyncio.sleep(1 / rate)
             got = await asyncio.gather(*tasks)
-    return [g for g in got if g is not None]
+    return [g for g in got if g is not None], len(got)
 
 
 def errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
@@ -172,14 +181,14 @@ def errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return 100 * np.abs(predicted[ok] - observed[ok]) / observed[ok]
 
 
-def summary(model: str, got: np.ndarray) -> str:
+def summary(model: str, got: np.ndarray, sent: int) -> str:
     half = got[len(got) // 2:]
     e, g, t = errors(half[:, P_TTFT], half[:, C_TTFT]), errors(half[:, P_TTFT], half[:, G_TTFT]), \
         errors(half[:, P_TPOT], half[:, G_TPOT])
     med: Callable[[int], float] = lambda col: 1000 * float(np.nanmedian(half[:, col]))
     return (f"| {model} | {len(half)} | {np.median(e):.0f}% | {np.percentile(e, 90):.0f}% | {med(P_TTFT):.0f} "
             f"| {med(C_TTFT):.0f} | {np.median(g):.0f}% | {np.percentile(g, 90):.0f}% | {med(G_TTFT):.0f} "
-            f"| {np.median(t):.0f}% | {np.percentile(t, 90):.0f}% | {med(P_TPOT):.1f} | {med(G_TPOT):.1f} |")
+            f"| {np.median(t):.0f}% | {np.percentile(t, 90):.0f}% | {med(P_TPOT):.1f} | {med(G_TPOT):.1f} | {sent - len(got)} |")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1200)
     p.add_argument("--rate", type=float, default=40.0)
     p.add_argument("--models", default="prior,learned")
+    p.add_argument("--prompt-min", type=int, default=None, help="clip prompts from below (tokens; default: the engine's)")
+    p.add_argument("--prompt-max", type=int, default=None, help="... from above")
     p.add_argument("--instances", type=int, default=1, help="vLLM engines (--engine vllm)")
     p.add_argument("--model-dir", type=Path, default=Path("~/.cache/tokenfleet/tiny-llama").expanduser(),
                    help="the tiny model (--engine vllm; made there if missing)")
@@ -203,15 +214,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vLLM on CPU, {a.instances} instance(s); prompt text: {setup.tokens_per_word:.2f} tokens a word")
     else:
         setup = sim_setup()
+    if a.prompt_min is not None or a.prompt_max is not None:
+        lo, hi = setup.prompt_range
+        setup = replace(setup, prompt_range=(a.prompt_min or lo, a.prompt_max or hi))
     print("| model | requests (second half) | TTFT median err | TTFT P90 err | median predicted ms "
           "| median observed ms | vs gateway's TTFT: median err | P90 err | gateway's median ms "
-          "| TPOT median err | TPOT P90 err | median predicted TPOT ms | median observed TPOT ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| TPOT median err | TPOT P90 err | median predicted TPOT ms | median observed TPOT ms | not answered |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in a.models.split(","):
-        got = np.array(asyncio.run(run(setup, model, a.requests, a.rate)))
+        rows, sent = asyncio.run(run(setup, model, a.requests, a.rate))
+        got = np.array(rows)
         if a.save:
             np.save(f"{a.save}.{model}.npy", got)
-        print(summary(model, got), flush=True)
+        print(summary(model, got, sent), flush=True)
     return 0
 
 
