@@ -24,7 +24,7 @@ class SpeedFactor:
     value: float = 1.0
     rate: float = 0.03  # learning rate in log space: noise averages out over ~30 samples
     max_step: float = 0.05  # |log change| per observation (about x1.05)
-    lo: float = 0.25  # a prior more than 4x off is a wrong prior, not something to learn
+    lo: float = 0.25  # a prior more than 4x off is a wrong prior, not something to learn (callers may widen it)
     hi: float = 4.0
     samples: int = 0
 

@@ -86,6 +86,7 @@ class _Inflight:
     split_prefill: tuple[int, float, float, float, float] | None = None
 
 
+_PREFILL_FACTOR_LO = 1 / 16  # the fastest an instance's prefill may be learned to be, x its prior
 _SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split request: learn no prefill from it
 
 
@@ -248,7 +249,11 @@ class TokenPilot(InstanceRouter):
         k = s.slot(instance_id)
         if k is None:
             k = s.add(instance_id)
-            self._learned.append(_Learned(SpeedFactor(), SpeedFactor()))
+            # The prefill factor may go as fast as the pool's TPOT factor: an engine 4x or more
+            # faster than its prior (a spec the fleet file gets wrong, a sim worker run faster
+            # than real time) pinned it at the default bound, a 20% over-prediction for good
+            # (bench/ROUTING.md, "Over real vLLM on CPU").
+            self._learned.append(_Learned(SpeedFactor(lo=_PREFILL_FACTOR_LO), SpeedFactor()))
             s.m[s.TPOT_FACTOR, k] = self._tpot.value  # the pool's, learned so far
         m = s.m
         m[s.TOKEN_S, k] = prior.prefill_token_s
