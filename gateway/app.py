@@ -239,8 +239,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     app.add_middleware(OverloadLimit, backlog=backlog, on_refused=metrics.refused_overload)
     _add_openai_routes(app, ctx)
     # The /v1 endpoints' lean path (gateway.fast_path): the same two limits and the handler, one layer.
-    app.fast_stack = FastLane(app, app.fast_routes, OverloadLimit(app, backlog, metrics.refused_overload),
-                              max_body_bytes)
+    app.fast_stack = FastLane(app, app.fast_routes, backlog, metrics.refused_overload, max_body_bytes)
     _add_ops_routes(app, ctx)
     install_admin_routes(app, config, policy_admin, relay, replicas.planner, key_store)
     install_key_routes(app, config, key_store, AdminAuth(config, key_store).require)

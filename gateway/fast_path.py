@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.body_limit import read_limited_body
-from gateway.overload import OverloadLimit
+from gateway.overload import Backlog, refuse
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -62,19 +62,19 @@ class BufferedRequest(Request):
 class FastLane:
     """The whole ASGI way of a POST /v1 request (module docstring)."""
 
-    def __init__(self, app: FastAPI, routes: Mapping[str, Endpoint], overload: OverloadLimit,
-                 max_body_bytes: int) -> None:
+    def __init__(self, app: FastAPI, routes: Mapping[str, Endpoint], backlog: Backlog,
+                 on_refused: Callable[[str], None] | None, max_body_bytes: int) -> None:
         self.app = app
         self.routes = routes
-        self.overload = overload  # its bounds and its refusal (the FastAPI stack's layer, not run here)
-        self.backlog = overload.b
+        self.backlog = backlog  # the overload bounds, shared with the FastAPI stack's `OverloadLimit`
+        self.on_refused = on_refused  # (which bound) -> None: metrics
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         b = self.backlog
         refused = b.refusal()
         if refused is not None:
-            await self.overload.refuse(scope, receive, send, *refused)
+            await refuse(b, self.on_refused, scope, receive, send, *refused)
             return
         b.inflight += 1
         b.pending += 1

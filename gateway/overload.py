@@ -80,8 +80,14 @@ class OverloadLimit:
                 b.pending -= 1
 
     async def refuse(self, scope: Scope, receive: Receive, send: Send, bound: str, why: str) -> None:
-        """The 503 for a request over `bound` (counted in metrics)."""
-        if self.on_refused is not None:
-            self.on_refused(bound)
-        err = overloaded(f"The gateway is overloaded ({why})", "gateway_overloaded", self.b.retry_after_s)
-        await err.response()(scope, receive, send)
+        await refuse(self.b, self.on_refused, scope, receive, send, bound, why)
+
+
+async def refuse(backlog: Backlog, on_refused: Callable[[str], None] | None, scope: Scope, receive: Receive,
+                 send: Send, bound: str, why: str) -> None:
+    """The 503 (with Retry-After) for a request over `bound` of `backlog`, counted by `on_refused`:
+    the one refusal of both ways in (`OverloadLimit`, `gateway.fast_path.FastLane`)."""
+    if on_refused is not None:
+        on_refused(bound)
+    err = overloaded(f"The gateway is overloaded ({why})", "gateway_overloaded", backlog.retry_after_s)
+    await err.response()(scope, receive, send)

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import bad_request, install_handlers
 from gateway.fast_path import FastLane
-from gateway.overload import Backlog, OverloadLimit
+from gateway.overload import Backlog
 
 PATH = "/v1/chat/completions"
 
@@ -62,7 +62,7 @@ def _scope(length: int) -> dict[str, Any]:
 def _lane(handler: Any, backlog: Backlog, max_body: int = 1000) -> FastLane:
     app = FastAPI()
     install_handlers(app)
-    return FastLane(app, {PATH: handler}, OverloadLimit(app, backlog), max_body)
+    return FastLane(app, {PATH: handler}, backlog, None, max_body)
 
 
 async def test_the_body_reaches_the_handler_whole_and_the_counts_end_where_they_should() -> None:

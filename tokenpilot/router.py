@@ -461,18 +461,25 @@ class TokenPilot(InstanceRouter):
         rid = profile.request_id
         if rid in self._inflight:  # routed again (a retry elsewhere): the earlier attempt is over
             self._release(self._inflight.pop(rid), rid, now)
-        if profile.stream:  # its first token will say when this prefill is through
-            out_s, head_s = self._outstanding.add(k, rid, prefill_s)
-            out_tok, head_tok = self._outstanding_tok.add(k, rid, uncached)
-            sk.book(s.m, k, prefill_s, uncached, compute_s / self._duty_window(), profile.prompt_tokens, 1.0,
-                    out_s, head_s, out_tok, head_tok, self._outstanding.count(k))
-        else:
-            sk.book(s.m, k, prefill_s, uncached, compute_s / self._duty_window(), profile.prompt_tokens, 0.0,
-                    0.0, 0.0, 0.0, 0.0, 0.0)
+        sk.book(s.m, k, prefill_s, uncached, compute_s / self._duty_window(), profile.prompt_tokens,
+                *self._first_token_tracked(k, profile, prefill_s, uncached))
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
                                         _held(profile, now))
+
+    def _first_token_tracked(self, k: int, profile: RequestProfile, prefill_s: float,
+                             uncached: float) -> tuple[float, float, float, float, float, float]:
+        """The outstanding-prefill arguments of a booking on slot `k` (`sk.book_prefill`'s
+        `streamed, out_s, head_s, out_tok, head_tok, out_n`): a streamed request's first token will
+        say when this prefill is through, so it joins the slot's outstanding set; any other drains
+        by the clock alone (all zero)."""
+        if not profile.stream:
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        rid = profile.request_id
+        out_s, head_s = self._outstanding.add(k, rid, prefill_s)
+        out_tok, head_tok = self._outstanding_tok.add(k, rid, uncached)
+        return 1.0, out_s, head_s, out_tok, head_tok, float(self._outstanding.count(k))
 
     def _settle(self, k: int, now: float) -> None:
         """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
@@ -712,14 +719,9 @@ class TokenPilot(InstanceRouter):
         j = priced.index(self._s.ids[kd])
         prefill_d, compute_d = float(priced.prefill[j]), float(priced.compute[j])
         uncached_d = float(profile.prompt_tokens - priced.cached[j])
-        if profile.stream:  # its first token now comes from this prefill, on the decode instance
-            out_s, head_s = self._outstanding.add(kd, rid, prefill_d)
-            out_tok, head_tok = self._outstanding_tok.add(kd, rid, uncached_d)
-            sk.book_prefill(m, kd, prefill_d, uncached_d, compute_d / self._duty_window(), 1.0,
-                            out_s, head_s, out_tok, head_tok, self._outstanding.count(kd))
-        else:
-            sk.book_prefill(m, kd, prefill_d, uncached_d, compute_d / self._duty_window(), 0.0,
-                            0.0, 0.0, 0.0, 0.0, 0.0)
+        # its first token now comes from this prefill, on the decode instance
+        sk.book_prefill(m, kd, prefill_d, uncached_d, compute_d / self._duty_window(),
+                        *self._first_token_tracked(kd, profile, prefill_d, uncached_d))
 
 
 @dataclass(frozen=True, slots=True)
