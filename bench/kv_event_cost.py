@@ -1,22 +1,36 @@
 """Microbenchmark: what one engine KV event batch costs the router's cache index, on the event loop.
 
     python bench/kv_event_cost.py [--held 200000] [--batches 3000] [--batch-blocks 512]
+    python bench/kv_event_cost.py --baseline-ref 9d5b9e2   # before/after, same process, same stream
 
 One exact-mode instance (its index follows `BlockStored` / `BlockRemoved` events) holds
 `--held` blocks; every batch stores `--batch-blocks` new ones and, once full, removes as many of
 the oldest, as an engine's evictions do. Prints the CPU time of `PrefixCacheIndex.apply_events`
 per batch (p50 / p99 / max, total) and the slowest batches: what the gateway's KV feed
 (`gateway.kv_feed`) holds the loop for, one batch per step. Synthetic, seeded hashes.
+
+`--baseline-ref REF` also loads `tokenpilot/cache_index.py` as it is at commit REF and feeds both
+indexes the same batches in one process, alternating which goes first: on a shared machine the
+two see the same load at the same moment, which separate runs minutes apart do not. The two
+indexes' answers are checked equal at the end (entries, and a match per stored batch sampled).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
 import time
 from collections import deque
+from pathlib import Path
+from typing import Any
 
 from fleetcore.prefix import synthetic_block_hashes
 from tokenpilot.cache_index import PrefixCacheIndex
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -24,25 +38,55 @@ def main() -> None:
     ap.add_argument("--held", type=int, default=200_000, help="blocks the instance holds once full")
     ap.add_argument("--batches", type=int, default=3000)
     ap.add_argument("--batch-blocks", type=int, default=512, help="blocks stored (and removed) per batch")
+    ap.add_argument("--baseline-ref", metavar="REF", help="also time the index of this commit, interleaved")
     args = ap.parse_args()
-    index = PrefixCacheIndex()
+    sides: list[tuple[str, Any]] = [("this checkout", PrefixCacheIndex())]
+    if args.baseline_ref:
+        sides.insert(0, (f"baseline {args.baseline_ref}", _index_at(args.baseline_ref)()))
     held: deque[list[int]] = deque()
-    times: list[float] = []
+    times: list[list[float]] = [[] for _ in sides]
     for seq in range(args.batches):
         stored = synthetic_block_hashes([seq], args.batch_blocks)
         events: list[dict[str, object]] = [{"type": "BlockStored", "block_hashes": stored}]
         held.append(stored)
         if len(held) * args.batch_blocks > args.held:
             events.append({"type": "BlockRemoved", "block_hashes": held.popleft()})
-        t = time.thread_time()
-        index.apply_events("a", seq, events, float(seq))
-        times.append(time.thread_time() - t)
-    slowest = sorted(range(len(times)), key=lambda k: -times[k])[:5]
-    ordered = sorted(times)
-    print(f"{index.entries('a'):,} blocks held, batches of {args.batch_blocks} stored + {args.batch_blocks} removed, "
-          f"CPU time: p50 {ordered[len(ordered) // 2] * 1e3:.2f} ms, p99 {ordered[int(len(ordered) * 0.99)] * 1e3:.2f} ms, "
-          f"max {ordered[-1] * 1e3:.2f} ms, total {sum(times):.2f} s")
-    print("slowest batches (#, ms):", ", ".join(f"#{k} {times[k] * 1e3:.1f}" for k in slowest))
+        order = range(len(sides)) if seq % 2 == 0 else reversed(range(len(sides)))
+        for k in order:
+            t = time.thread_time()
+            sides[k][1].apply_events("a", seq, events, float(seq))
+            times[k].append(time.thread_time() - t)
+    for (name, index), ts in zip(sides, times):
+        slowest = sorted(range(len(ts)), key=lambda k: -ts[k])[:5]
+        ordered = sorted(ts)
+        prefix = f"{name}: " if len(sides) > 1 else ""
+        print(f"{prefix}{index.entries('a'):,} blocks held, batches of {args.batch_blocks} stored + "
+              f"{args.batch_blocks} removed, CPU time: p50 {ordered[len(ordered) // 2] * 1e3:.2f} ms, "
+              f"p99 {ordered[int(len(ordered) * 0.99)] * 1e3:.2f} ms, max {ordered[-1] * 1e3:.2f} ms, "
+              f"total {sum(ts):.2f} s")
+        print(f"{prefix}slowest batches (#, ms):", ", ".join(f"#{k} {ts[k] * 1e3:.1f}" for k in slowest))
+    if len(sides) > 1:
+        base, new = sides[0][1], sides[1][1]
+        assert base.entries("a") == new.entries("a")
+        for seq in range(0, args.batches, max(1, args.batches // 200)):
+            probe = synthetic_block_hashes([seq], args.batch_blocks)
+            assert base.match(probe, ["a"]) == new.match(probe, ["a"]), seq
+        print(f"total CPU, this checkout / baseline: {sum(times[1]) / sum(times[0]):.3f}; answers equal")
+
+
+def _index_at(ref: str) -> Any:
+    """`PrefixCacheIndex` from tokenpilot/cache_index.py at commit `ref` (it imports only numpy and
+    the standard library), as a module of its own."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:tokenpilot/cache_index.py"],
+                          capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="kv-event-cost-")) / "cache_index_baseline.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("cache_index_baseline", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up by name)
+    spec.loader.exec_module(module)
+    return module.PrefixCacheIndex
 
 
 if __name__ == "__main__":

@@ -23,13 +23,23 @@ prefix up to k, so the index keeps only every `stride`-th block (default 8: one
 key per 128 tokens at 16-token blocks). That divides memory and update time by
 `stride` and costs at most `stride - 1` blocks of precision in a match, noise next
 to a prefill's cost. Callers pass and receive ordinary block counts.
+
+Sharded maps. The index's maps (the global mask, each instance's entries) are split by the low
+bits of the block hash into `SHARDS` dicts. CPython rebuilds a dict whose free slots churn uses
+up (inserts of new keys with as many deletions: every ~1,000 KV batches at 200k entries), which
+is O(entries) at once on the event loop: ~17 ms for one 200k-entry dict, ~0.2 ms for a 12.5k
+one. Lookups cost one more index; bulk updates split their keys once (`_split`) and stay C-level
+per shard. The LRU batches are never rebuilt whole either: each keeps a count of its live
+references, and one that falls under a quarter live is filtered alone (`_shrink`), so no step
+is O(entries) (bench/README.md, "KV index at an engine's cache size").
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from itertools import repeat
+from collections import Counter, OrderedDict, deque
+from itertools import compress, repeat
+from operator import is_, is_not
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,28 +49,66 @@ import numpy as np
 MAX_LATER = 1024  # deferred route records kept before they are applied anyway (a bound on memory)
 # Pool membership vectors of match groups kept (`match_blocks`): a few MB at 64-256 instances.
 MAX_MEMBER_VECTORS = 4096
-STALE_SLACK = 1024  # batches are rebuilt when their references exceed 4x the entries plus this
+# Dicts each map is split into, by the low bits of the block hash (xxh64: uniform). Each shard
+# takes a different number of the BUCKETS hash buckets (from 10 to 22 of 256 at 16 shards): equal
+# shards filled and churned at the same rate would all run out of free slots in the same few
+# batches, and their rebuilds, small one by one, would stall those batches together; unequal
+# ones rebuild at different times. More shards cost a C call per shard on every bulk update.
+SHARDS = 32
+BUCKETS = 256
+
+
+def _bucket_map(shards: int, buckets: int) -> bytes:
+    """bucket -> shard, shard k taking about (10 + 12 k / (shards - 1)) / 16 of the average share."""
+    weights = [10 + 12 * k / max(1, shards - 1) for k in range(shards)]
+    total = sum(weights)
+    bounds = [round(buckets * sum(weights[: k + 1]) / total) for k in range(shards)]
+    out, k = bytearray(), 0
+    for b in range(buckets):
+        while b >= bounds[k]:
+            k += 1
+        out.append(k)
+    return bytes(out)
+
+
+_SHARD_OF = _bucket_map(SHARDS, BUCKETS)
+_LOW = BUCKETS - 1
+# The bucket is taken from bits 32-39: a dict places a key by its hash's low bits, and a shard
+# holding only keys whose low bits agree would crowd them into a fraction of its table.
+_SHIFT = 32
+# A batch is filtered down to its live references once fewer than 1/STALE_RATIO of them are:
+# references stay within STALE_RATIO x the entries, and each is filtered O(1) times amortised.
+STALE_RATIO = 4
+
+
+def _shards() -> list[dict[int, int]]:
+    return [{} for _ in range(SHARDS)]
 
 
 @dataclass(slots=True)
 class _InstanceBlocks:
     """One instance's entries with an LRU kept in batches, one batch per request or event.
 
-    `last` maps entry -> the tick that last touched it; `batches` holds (tick, keys)
-    in touch order. Touching a whole request is one C-level dict update plus one
-    append; eviction pops the oldest batch and drops only the keys whose last touch
-    is still that batch's tick. A request's blocks thus age and leave together, and a
-    prefix that a newer request touched stays: prefix closure holds.
+    `last[shard]` maps entry -> the tick that last touched it; `batches` holds tick -> keys
+    in touch order and `live` each batch's references still current (the key's last touch is
+    that batch's tick). Touching a whole request is one C-level dict update per shard plus one
+    insertion; eviction pops the oldest batch and drops only the keys whose last touch is
+    still that batch's tick. A request's blocks thus age and leave together, and a prefix
+    that a newer request touched stays: prefix closure holds.
     """
 
     bit: int
     capacity: int
-    last: dict[int, int] = field(default_factory=dict)
-    batches: deque[tuple[int, Sequence[int]]] = field(default_factory=deque)
+    last: list[dict[int, int]] = field(default_factory=_shards)
+    batches: OrderedDict[int, Sequence[int]] = field(default_factory=OrderedDict)
+    live: dict[int, int] = field(default_factory=dict)
     batch_refs: int = 0
     exact: bool = False
     last_event_at: float = float("-inf")
     last_seq: int = -1
+
+    def held(self) -> int:
+        return sum(map(len, self.last))
 
 
 class PrefixCacheIndex:
@@ -72,7 +120,7 @@ class PrefixCacheIndex:
         self.default_capacity = default_capacity_blocks
         self.stale_after_s = stale_after_s
         self.max_total_blocks = max_total_blocks
-        self._mask: dict[int, int] = {}
+        self._mask: list[dict[int, int]] = _shards()  # block hash -> bitmask of the instances holding it
         self._inst: dict[str, _InstanceBlocks] = {}
         self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
@@ -150,13 +198,13 @@ class PrefixCacheIndex:
         if self._later:
             self.flush()
         e = self._inst.get(instance)
-        return 0 if e is None else len(e.last)
+        return 0 if e is None else e.held()
 
     @property
     def total_entries(self) -> int:
         if self._later:
             self.flush()
-        return len(self._mask)
+        return sum(map(len, self._mask))
 
     def _keys(self, block_hashes: Sequence[int]) -> Sequence[int]:
         s = self.stride
@@ -203,92 +251,111 @@ class PrefixCacheIndex:
         if not keys:
             return
         self._tick += 1
-        last = e.last
-        new = set(keys).difference(last)
-        last.update(dict.fromkeys(keys, self._tick))
-        e.batches.append((self._tick, _packed(keys)))
+        tick, b = self._tick, 1 << e.bit
+        distinct, moved = 0, []
+        for ks, last, mask in zip(_split(keys), e.last, self._mask):
+            if not ks:
+                continue
+            touched = dict.fromkeys(ks, tick)
+            distinct += len(touched)
+            if not mask.keys().isdisjoint(touched):  # some are indexed already (stored blocks rarely are)
+                masks = list(map(mask.get, touched))
+                # e holds a key iff its bit is in the key's mask
+                held = [m is not None and m & b != 0 for m in masks]
+                joins = [m is not None and m & b == 0 for m in masks]
+                if any(joins):  # held by others only: e's bit joins theirs (shared prefixes)
+                    mask.update(zip(compress(touched, joins), map(b.__or__, compress(masks, joins))))
+                # touched again: its previous batch loses it (-1: not held after all, a broken invariant)
+                moved += map(last.get, compress(touched, held), repeat(-1))
+                mask.update(dict.fromkeys(compress(touched, map(is_, masks, repeat(None))), b))
+            else:
+                mask.update(dict.fromkeys(touched, b))
+            last.update(touched)
+        e.batches[tick] = _packed(keys)
+        e.live[tick] = distinct
         e.batch_refs += len(keys)
-        if new:
-            self._set_bit(new, e.bit)
-        if e.batch_refs > 4 * len(last) + STALE_SLACK:
-            self._compact(e)
+        if moved:
+            self._lose(e, moved)
 
-    def _compact(self, e: _InstanceBlocks) -> None:
-        """Rebuild the batch queue from live entries when stale references pile up."""
-        by_tick: dict[int, list[int]] = {}
-        for h, t in e.last.items():
-            by_tick.setdefault(t, []).append(h)
-        e.batches = deque([(t, _packed(keys)) for t, keys in sorted(by_tick.items())])
-        e.batch_refs = len(e.last)
+    def _lose(self, e: _InstanceBlocks, ticks: list[int]) -> None:
+        """References of the batches `ticks` (one per key, repeats) are no longer current: a batch
+        with none left goes, one under 1/STALE_RATIO live is filtered (`_shrink`). Only the
+        batches named are visited: there is no O(entries) rebuild."""
+        first = ticks[0]
+        counts = {first: len(ticks)} if ticks.count(first) == len(ticks) else Counter(ticks)
+        live, batches = e.live, e.batches
+        for tick, n in counts.items():
+            left = live.get(tick)
+            if left is None:  # (a broken invariant: nothing to count down)
+                continue
+            left -= n
+            if left <= 0:
+                del live[tick]
+                e.batch_refs -= len(batches.pop(tick))
+            else:
+                live[tick] = left
+                if left * STALE_RATIO < len(batches[tick]):
+                    self._shrink(e, tick)
+
+    def _shrink(self, e: _InstanceBlocks, tick: int) -> None:
+        """Keep only the live references of batch `tick`, in place (its age does not change)."""
+        keys = e.batches[tick]
+        kept: list[int] = []
+        for ks, last in zip(_split(keys), e.last):
+            if ks:
+                kept += compress(ks, map(tick.__eq__, map(last.get, ks, repeat(-1))))
+        e.batch_refs -= len(keys) - len(kept)
+        e.batches[tick] = _packed(kept)
 
     def _remove(self, e: _InstanceBlocks, hashes: Iterable[int]) -> None:
-        """Engines remove blocks in batches of thousands (KV events, on the event loop): set
-        operations and C-level maps do the bulk; only keys other instances hold too (shared
-        prefixes, few) take a Python step each."""
-        gone = e.last.keys() & hashes
-        if not gone:
-            return
-        deque(map(e.last.__delitem__, gone), 0)
-        mask, b = self._mask, 1 << e.bit
-        # (every key an instance holds has its bit in the mask; `get` with b and `pop` with a
-        # default keep a broken invariant from raising on the event loop)
-        shared = [h for h, m in zip(gone, map(mask.get, gone, repeat(b))) if m != b]
-        if shared:
-            gone.difference_update(shared)
-            clear = ~b
-            for h in shared:
-                m = mask[h] & clear
-                if m:
-                    mask[h] = m
-                else:
-                    del mask[h]
-        deque(map(mask.pop, gone, repeat(None)), 0)
+        """Engines remove blocks in batches of thousands (KV events, on the event loop): C-level
+        maps do the bulk, per shard."""
+        ticks = self._remove_split(e, _split(hashes))
+        if ticks:
+            self._lose(e, ticks)
 
-    def _set_bit(self, hashes: set[int], bit: int) -> None:
-        """Add `bit` to the masks of `hashes`. Most of a request's new keys are new to the
-        whole index (nobody holds them): those go in with one C-level update, and only keys
-        other instances hold too take a Python step each."""
-        mask, b = self._mask, 1 << bit
-        fresh = hashes.difference(mask)  # (set.difference probes a dict; set.intersection would scan it)
-        mask.update(dict.fromkeys(fresh, b))
-        if len(fresh) < len(hashes):
-            for h in hashes.difference(fresh):
-                mask[h] |= b
-
-    def _unset(self, h: int, bit: int) -> None:
-        m = self._mask.get(h, 0) & ~(1 << bit)
-        if m:
-            self._mask[h] = m
-        else:
-            self._mask.pop(h, None)
+    def _remove_split(self, e: _InstanceBlocks, parts: list[list[int]]) -> list[int]:
+        """Remove the keys of `parts` (per shard) from e and e's bit from their masks; the ticks of
+        those e held (keys it did not hold are skipped; one tick per key, repeats included)."""
+        b = 1 << e.bit
+        clear = ~b
+        out: list[int] = []
+        for gone, last, mask in zip(parts, e.last, self._mask):
+            if not gone:
+                continue
+            ticks = list(map(last.pop, gone, repeat(None)))
+            if None in ticks:  # not all held (removals the index never saw, or repeated): only e's count
+                held = list(map(is_not, ticks, repeat(None)))
+                gone, ticks = list(compress(gone, held)), list(compress(ticks, held))
+            # (every key an instance holds has its bit in the mask; `pop` with b as the default
+            # keeps a broken invariant from raising on the event loop)
+            masks = list(map(mask.pop, gone, repeat(b)))
+            if masks.count(b) < len(masks):  # others hold some too (shared prefixes): they keep theirs
+                others = list(map(b.__ne__, masks))
+                mask.update(zip(compress(gone, others), map(clear.__and__, compress(masks, others))))
+            out += ticks
+        return out
 
     def _evict(self, e: _InstanceBlocks, limit: int) -> None:
-        last, batches = e.last, e.batches
-        while len(last) > limit and batches:
-            tick, keys = batches.popleft()
+        batches = e.batches
+        while batches and e.held() > limit:
+            tick, keys = batches.popitem(last=False)
+            e.live.pop(tick, None)
             e.batch_refs -= len(keys)
-            # (`_unset` inlined: this loop runs for every evicted key of every routed request)
-            mask, clear = self._mask, ~(1 << e.bit)
-            held, mask_of = last.get, mask.get
-            for h in keys:
-                if held(h) == tick:
-                    del last[h]
-                    m = mask_of(h, 0) & clear
-                    if m:
-                        mask[h] = m
-                    else:
-                        mask.pop(h, None)
+            # the keys whose last touch is this batch's (the others were touched again since)
+            self._remove_split(e, [list(set(compress(ks, map(tick.__eq__, map(last.get, ks, repeat(-1))))))
+                                   for ks, last in zip(_split(keys), e.last)])
 
     def _bound_total(self, e: _InstanceBlocks) -> None:
         # A hard memory bound even for exact instances whose engines never evict.
-        if len(self._mask) > self.max_total_blocks:
-            self._evict(e, max(0, len(e.last) - (len(self._mask) - self.max_total_blocks)))
+        total = sum(map(len, self._mask))  # (not `total_entries`: this runs inside `flush`)
+        if total > self.max_total_blocks:
+            self._evict(e, max(0, e.held() - (total - self.max_total_blocks)))
 
     def _clear(self, e: _InstanceBlocks) -> None:
-        for h in e.last:
-            self._unset(h, e.bit)
-        e.last.clear()
+        self._remove_split(e, [list(last) for last in e.last])
         e.batches.clear()
+        e.live.clear()
         e.batch_refs = 0
 
     # -- queries ---------------------------------------------------------
@@ -323,20 +390,22 @@ class PrefixCacheIndex:
         and so on. An instance's match is the `keys held` of the last group it belongs to."""
         levels: list[tuple[int, int]] = []
         n = len(keys)
-        get = self._mask.get
-        mask = get(keys[0], 0) & want if n else 0
+        shards, of = self._mask, _SHARD_OF
+        mask = shards[of[keys[0] >> _SHIFT & _LOW]].get(keys[0], 0) & want if n else 0
         lo = 0
         while mask:
             # Everyone in `mask` holds block `lo`; find the last block they all hold.
             a, b = lo, n - 1
             while a < b:
                 mid = (a + b + 1) >> 1
-                if get(keys[mid], 0) & mask == mask:
+                h = keys[mid]
+                if shards[of[h >> _SHIFT & _LOW]].get(h, 0) & mask == mask:
                     a = mid
                 else:
                     b = mid - 1
             levels.append((mask, a + 1))
-            mask, lo = (get(keys[a + 1], 0) & mask if a + 1 < n else 0), a + 1
+            lo = a + 1
+            mask = shards[of[keys[lo] >> _SHIFT & _LOW]].get(keys[lo], 0) & mask if lo < n else 0
         return levels
 
     def match(self, block_hashes: Sequence[int], instances: Iterable[str]) -> dict[str, int]:
@@ -385,6 +454,16 @@ class PrefixCacheIndex:
             below = held
         assert matched is not None
         return matched
+
+
+def _split(keys: Iterable[int]) -> list[list[int]]:
+    """`keys` by shard (the hash's low bits), order kept within each: one Python step per key,
+    which lets every dict operation after it run C-level on one shard."""
+    parts: list[list[int]] = [[] for _ in range(SHARDS)]
+    of = _SHARD_OF
+    for h in keys:
+        parts[of[h >> _SHIFT & _LOW]].append(h)
+    return parts
 
 
 def _packed(keys: Sequence[int]) -> Sequence[int]:
