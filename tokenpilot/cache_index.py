@@ -76,6 +76,9 @@ _LOW = BUCKETS - 1
 # The bucket is taken from bits 32-39: a dict places a key by its hash's low bits, and a shard
 # holding only keys whose low bits agree would crowd them into a fraction of its table.
 _SHIFT = 32
+# Keys per update from which it is split by shard and applied C-level shard by shard (an engine's
+# KV batch: hundreds); fewer (a routed prompt's sparse keys) take one Python step each.
+BULK_MIN = 256
 # A batch is filtered down to its live references once fewer than 1/STALE_RATIO of them are:
 # references stay within STALE_RATIO x the entries, and each is filtered O(1) times amortised.
 STALE_RATIO = 4
@@ -251,7 +254,38 @@ class PrefixCacheIndex:
         if not keys:
             return
         self._tick += 1
-        tick, b = self._tick, 1 << e.bit
+        tick = self._tick
+        distinct, moved = (self._touch_bulk if len(keys) >= BULK_MIN else self._touch_few)(e, keys, tick)
+        e.batches[tick] = _packed(keys)
+        e.live[tick] = distinct
+        e.batch_refs += len(keys)
+        if moved:
+            self._lose(e, moved)
+
+    def _touch_few(self, e: _InstanceBlocks, keys: Sequence[int], tick: int) -> tuple[int, list[int]]:
+        """`keys` (a routed prompt's sparse keys: tens) get `tick`, one Python step each; (distinct
+        keys, previous ticks of those e held already)."""
+        of, lasts, masks, b = _SHARD_OF, e.last, self._mask, 1 << e.bit
+        distinct, moved = 0, []
+        for h in keys:
+            s = of[h >> _SHIFT & _LOW]
+            last = lasts[s]
+            old = last.get(h)
+            if old is None:
+                mask = masks[s]
+                mask[h] = mask.get(h, 0) | b
+            elif old == tick:
+                continue  # a repeat within these keys
+            else:
+                moved.append(old)
+            last[h] = tick
+            distinct += 1
+        return distinct, moved
+
+    def _touch_bulk(self, e: _InstanceBlocks, keys: Sequence[int], tick: int) -> tuple[int, list[int]]:
+        """`_touch_few` for an engine's batch of stored blocks (hundreds): split once, then C-level
+        maps per shard."""
+        b = 1 << e.bit
         distinct, moved = 0, []
         for ks, last, mask in zip(_split(keys), e.last, self._mask):
             if not ks:
@@ -271,11 +305,7 @@ class PrefixCacheIndex:
             else:
                 mask.update(dict.fromkeys(touched, b))
             last.update(touched)
-        e.batches[tick] = _packed(keys)
-        e.live[tick] = distinct
-        e.batch_refs += len(keys)
-        if moved:
-            self._lose(e, moved)
+        return distinct, moved
 
     def _lose(self, e: _InstanceBlocks, ticks: list[int]) -> None:
         """References of the batches `ticks` (one per key, repeats) are no longer current: a batch
@@ -300,23 +330,45 @@ class PrefixCacheIndex:
     def _shrink(self, e: _InstanceBlocks, tick: int) -> None:
         """Keep only the live references of batch `tick`, in place (its age does not change)."""
         keys = e.batches[tick]
-        kept: list[int] = []
-        for ks, last in zip(_split(keys), e.last):
-            if ks:
-                kept += compress(ks, map(tick.__eq__, map(last.get, ks, repeat(-1))))
+        of, lasts = _SHARD_OF, e.last
+        kept = [h for h in keys if lasts[of[h >> _SHIFT & _LOW]].get(h) == tick]
         e.batch_refs -= len(keys) - len(kept)
         e.batches[tick] = _packed(kept)
 
     def _remove(self, e: _InstanceBlocks, hashes: Iterable[int]) -> None:
-        """Engines remove blocks in batches of thousands (KV events, on the event loop): C-level
-        maps do the bulk, per shard."""
-        ticks = self._remove_split(e, _split(hashes))
+        """Engines remove blocks in batches of thousands (KV events, on the event loop)."""
+        if not isinstance(hashes, (list, tuple)):
+            hashes = list(hashes)
+        ticks = self._drop_bulk(e, _split(hashes)) if len(hashes) >= BULK_MIN else self._drop_few(e, hashes)
         if ticks:
             self._lose(e, ticks)
 
-    def _remove_split(self, e: _InstanceBlocks, parts: list[list[int]]) -> list[int]:
-        """Remove the keys of `parts` (per shard) from e and e's bit from their masks; the ticks of
-        those e held (keys it did not hold are skipped; one tick per key, repeats included)."""
+    def _drop_few(self, e: _InstanceBlocks, keys: Iterable[int], tick: int | None = None) -> list[int]:
+        """Take `keys` out of e (those whose last touch is `tick`, when given) and e's bit out of
+        their masks, one Python step each; the ticks of the keys e held (one per key)."""
+        of, lasts, masks, b = _SHARD_OF, e.last, self._mask, 1 << e.bit
+        clear = ~b
+        ticks: list[int] = []
+        for h in keys:
+            s = of[h >> _SHIFT & _LOW]
+            last = lasts[s]
+            t = last.get(h)
+            if t is None or (tick is not None and t != tick):
+                continue
+            del last[h]
+            ticks.append(t)
+            mask = masks[s]
+            # (every key an instance holds has its bit in the mask; the defaults keep a broken
+            # invariant from raising on the event loop)
+            m = mask.get(h, b) & clear
+            if m:
+                mask[h] = m
+            else:
+                mask.pop(h, None)
+        return ticks
+
+    def _drop_bulk(self, e: _InstanceBlocks, parts: list[list[int]]) -> list[int]:
+        """`_drop_few` for keys split by shard (`_split`): C-level maps per shard."""
         b = 1 << e.bit
         clear = ~b
         out: list[int] = []
@@ -327,8 +379,6 @@ class PrefixCacheIndex:
             if None in ticks:  # not all held (removals the index never saw, or repeated): only e's count
                 held = list(map(is_not, ticks, repeat(None)))
                 gone, ticks = list(compress(gone, held)), list(compress(ticks, held))
-            # (every key an instance holds has its bit in the mask; `pop` with b as the default
-            # keeps a broken invariant from raising on the event loop)
             masks = list(map(mask.pop, gone, repeat(b)))
             if masks.count(b) < len(masks):  # others hold some too (shared prefixes): they keep theirs
                 others = list(map(b.__ne__, masks))
@@ -343,8 +393,11 @@ class PrefixCacheIndex:
             e.live.pop(tick, None)
             e.batch_refs -= len(keys)
             # the keys whose last touch is this batch's (the others were touched again since)
-            self._remove_split(e, [list(set(compress(ks, map(tick.__eq__, map(last.get, ks, repeat(-1))))))
-                                   for ks, last in zip(_split(keys), e.last)])
+            if len(keys) < BULK_MIN:
+                self._drop_few(e, keys, tick)
+            else:
+                self._drop_bulk(e, [list(set(compress(ks, map(tick.__eq__, map(last.get, ks, repeat(-1))))))
+                                    for ks, last in zip(_split(keys), e.last)])
 
     def _bound_total(self, e: _InstanceBlocks) -> None:
         # A hard memory bound even for exact instances whose engines never evict.
@@ -353,7 +406,7 @@ class PrefixCacheIndex:
             self._evict(e, max(0, e.held() - (total - self.max_total_blocks)))
 
     def _clear(self, e: _InstanceBlocks) -> None:
-        self._remove_split(e, [list(last) for last in e.last])
+        self._drop_bulk(e, [list(last) for last in e.last])
         e.batches.clear()
         e.live.clear()
         e.batch_refs = 0
