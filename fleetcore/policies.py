@@ -76,6 +76,10 @@ class InstanceRouter(ABC):
         the decision path), the simulator when `refit_due` after an outcome. Default: nothing to fit."""
         return False
 
+    def prepare_refit(self) -> None:
+        """Load what `refit` will need (its libraries), once, before any request is served: the
+        gateway calls it at start-up in a worker thread. Default: nothing to load."""
+
     def on_first_token(self, request_id: str, now: float) -> None:
         """A routed, streamed request's first token arrived (or, late, that of another replica's
         dispatch heard through `note_dispatch`): its prefill is through (a load model reconciles

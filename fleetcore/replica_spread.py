@@ -176,6 +176,9 @@ class SpreadRouter(InstanceRouter):
     def refit(self) -> bool:
         return self.inner.refit()
 
+    def prepare_refit(self) -> None:
+        self.inner.prepare_refit()
+
     def cache_blocks(self, instance_id: str) -> int | None:
         return self.inner.cache_blocks(instance_id)
 

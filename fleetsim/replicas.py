@@ -163,6 +163,10 @@ class ReplicatedRouter(InstanceRouter):
     def refit(self) -> bool:
         return any([r.refit() for r in self.routers if r.refit_due()])
 
+    def prepare_refit(self) -> None:
+        for r in self.routers:
+            r.prepare_refit()
+
     def on_first_token(self, request_id: str, now: float) -> None:
         """The replica that routed it hears at once; the others (which heard of the dispatch) late."""
         k = self._owner.get(request_id)

@@ -196,6 +196,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 placement.start()
             dash_sampler.start()
+            await refit.prepare()  # (before the freeze below: what it imports lives as long)
             refit.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what

@@ -27,6 +27,18 @@ class RouterRefit:
         self.fits = 0  # fits installed (tests, operators)
         self._task: asyncio.Task[None] | None = None
 
+    async def prepare(self) -> None:
+        """Load what the fits need (`InstanceRouter.prepare_refit`: scikit-learn for TokenPilot), in
+        a worker thread, within `timeout_s`: called at start-up, before serving and before the
+        gateway freezes its long-lived objects. The loop keeps running meanwhile (the thread holds
+        the GIL for most of an import, but gives it back every switch interval); had the first fit
+        imported it, requests being served would wait that long. A failure is logged: the fits
+        will fail the same way, and are logged too."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.router.prepare_refit), self.timeout_s)
+        except Exception:
+            log.exception("router refit: could not load the fitter; fits will be retried as due")
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="router-refit")

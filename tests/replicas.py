@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,12 +130,36 @@ class ReplicaFleet:
             self.pids[index] = pid
 
     # -- HAProxy's view -----------------------------------------------------------------
-    def server_status(self) -> dict[str, str]:
-        """HAProxy's status per replica server (`replica0`: UP / DOWN / ...)."""
+    def server_rows(self) -> dict[str, dict[str, str]]:
+        """HAProxy's stats row per replica server (`replica0`: its CSV fields)."""
         with urllib.request.urlopen(self.stats_url + ";csv", timeout=5) as r:
             text = r.read().decode().lstrip("# ")
-        return {row["svname"]: row["status"] for row in csv.DictReader(io.StringIO(text))
+        return {row["svname"]: row for row in csv.DictReader(io.StringIO(text))
                 if row["pxname"] == "gateways" and row["svname"] not in ("FRONTEND", "BACKEND")}
+
+    def server_status(self) -> dict[str, str]:
+        """HAProxy's status per replica server (`replica0`: UP / DOWN / UP 1/2 ...)."""
+        return {name: row["status"] for name, row in self.server_rows().items()}
+
+    def wait_up(self, servers: Iterable[str], timeout_s: float, haproxy: subprocess.Popen[bytes] | None = None) -> None:
+        """Until HAProxy takes traffic to every one of `servers` because a health check of it passed
+        (`passed_check`); fails with HAProxy's view otherwise (or at once if `haproxy` exits)."""
+        want = set(servers)
+        deadline = time.monotonic() + timeout_s
+        rows: dict[str, dict[str, str]] = {}
+        while True:
+            try:
+                rows = self.server_rows()
+                if want <= rows.keys() and all(passed_check(rows[s]) for s in want):
+                    return
+            except OSError:  # the stats page is not up yet
+                pass
+            if haproxy is not None and haproxy.poll() is not None:
+                raise AssertionError(f"haproxy exited: {haproxy.stderr.read().decode() if haproxy.stderr else ''}")
+            if time.monotonic() > deadline:
+                seen = {s: (r.get("status"), r.get("check_status")) for s, r in rows.items()}
+                raise AssertionError(f"HAProxy did not pass a check of every one of {sorted(want)} in {timeout_s} s: {seen}")
+            time.sleep(0.1)
 
     def wait_status(self, server: str, prefix: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -149,6 +173,14 @@ class ReplicaFleet:
 
     def tree(self) -> set[int]:
         return descendants(self.proc.pid)
+
+
+def passed_check(row: Mapping[str, str]) -> bool:
+    """HAProxy's stats row says the server is fully UP and its last health check passed. Not
+    just "UP": HAProxy starts every server as "UP 1/2" before checking it (check status INI), so
+    traffic sent then reaches a replica whose first check may yet fail (a replica still in its
+    start-up: a timeout), and the server is DOWN until `rise` checks pass again."""
+    return row.get("status") == "UP" and row.get("check_status", "").lstrip("* ") == "L7OK"
 
 
 def _reader(proc: subprocess.Popen[str], q: queue.Queue[str | None]) -> None:
@@ -193,18 +225,7 @@ def replica_fleet(n: int = 3, fleet: Path = FLEET, extra: list[str] | None = Non
             cfg.write_text(cfg.read_text() + stats_section(f"127.0.0.1:{stats_port}"))
             haproxy = subprocess.Popen([exe, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE)
-            deadline = time.monotonic() + 20
-            while True:  # up when every replica passed its health checks
-                try:
-                    if all(s.startswith("UP") for s in fleet_.server_status().values()):
-                        break
-                except OSError:
-                    pass
-                if haproxy.poll() is not None:
-                    raise AssertionError(f"haproxy exited: {haproxy.stderr.read().decode() if haproxy.stderr else ''}")
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"HAProxy did not see every replica up: {fleet_.server_status()}")
-                time.sleep(0.1)
+            fleet_.wait_up([f"replica{i}" for i in range(n)], 20, haproxy)  # up: a health check of each passed
             yield fleet_
         finally:
             if haproxy is not None:

@@ -151,6 +151,7 @@ def test_policy_change_through_one_replica_routes_on_every_replica_within_2s(fle
 def test_sigkilled_replica_loses_only_its_own_streams(fleet: ReplicaFleet) -> None:
     victim = 1
     old_pid = fleet.pids[victim]
+    fleet.wait_up(["replica0", "replica1", "replica2"], 15)  # the streams below must reach all three
 
     async def main() -> tuple[list[Stream], list[Stream]]:
         async with httpx.AsyncClient(timeout=60) as c:
@@ -180,7 +181,7 @@ def test_sigkilled_replica_loses_only_its_own_streams(fleet: ReplicaFleet) -> No
     fleet.wait_line(lambda s: s.startswith(f"tokenfleet: replica {victim} ") and "restarting" in s, 10)
     fleet.wait_line(lambda s: s.startswith(f"tokenfleet: gateway  replica {victim} "), 60)
     assert fleet.pids[victim] != old_pid
-    fleet.wait_status(f"replica{victim}", "UP", 15)
+    fleet.wait_up([f"replica{victim}"], 15)
     with httpx.Client(timeout=30) as c:
         assert c.get(fleet.urls[victim] + "/health").status_code == 200
 

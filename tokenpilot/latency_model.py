@@ -96,6 +96,12 @@ class LearnedLatency:
         n = self.samples
         return self._x[:n].copy(), self._y[:n].copy()
 
+    def prepare(self) -> None:
+        """Import the fitter's library now (`refit` would on its first call). scikit-learn's import
+        takes ~0.9 s of CPU with the GIL held most of it: left to the first refit, a worker thread
+        mid-serving, it stalls the event loop that long (bench/README.md, "First refit")."""
+        from sklearn.linear_model import Ridge  # noqa: F401
+
     def refit(self) -> bool:
         """Fit both residual models on the buffer and install them; False when data is thin."""
         x, y = self.training_data()

@@ -530,6 +530,9 @@ class TokenPilot(InstanceRouter):
         self._memo.clear()
         return self.latency.refit()
 
+    def prepare_refit(self) -> None:
+        self.latency.prepare()
+
     # -- feedback --------------------------------------------------------------
     def observe(self, outcome: RequestOutcome) -> None:
         rec = self._inflight.pop(outcome.request_id, None)
