@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
 
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
+from gateway.app import create_app
+from gateway.embedded import serve_app
 from gateway.router_refit import RouterRefit
 from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.priors import prior_from_physics
@@ -32,3 +40,58 @@ def test_refit_runs_when_due_and_installs_a_fit() -> None:
         assert task.fits == 1 and tp.latency.ttft is not None and not tp.refit_due()
 
     asyncio.run(main())
+
+
+class _Recording(TokenPilot):
+    """TokenPilot noting where `prepare_refit` ran (and failing it when told to)."""
+
+    fail = False
+
+    def __init__(self) -> None:
+        super().__init__({"a": prior_from_physics("llama-3.1-8b", "H100")}, config=TokenPilotConfig(explore=0.0))
+        self.prepared_on: list[int] = []
+
+    def prepare_refit(self) -> None:
+        self.prepared_on.append(threading.get_ident())
+        if self.fail:
+            raise ImportError("no scikit-learn here")
+
+
+def test_prepare_loads_the_fitter_in_a_worker_thread_and_survives_a_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """Start-up loads the fitter off the loop's thread (its import holds the GIL for most of a
+    second: the loop keeps ticking between switch intervals); a failure is logged, not raised."""
+    async def main() -> int:
+        ok, bad = _Recording(), _Recording()
+        bad.fail = True
+        await RouterRefit(ok).prepare()
+        await RouterRefit(bad).prepare()
+        assert len(ok.prepared_on) == 1 and len(bad.prepared_on) == 1
+        assert threading.get_ident() not in ok.prepared_on + bad.prepared_on
+        return len(ok.prepared_on)
+
+    assert asyncio.run(main()) == 1
+    assert "could not load the fitter" in caplog.text
+
+
+def test_tokenpilot_prepare_imports_scikit_learn() -> None:
+    """What `prepare_refit` loads is what the first fit would have imported. A fresh interpreter:
+    pytest's may have it already."""
+    code = (
+        "import sys\n"
+        "from tokenpilot.priors import prior_from_physics\n"
+        "from tokenpilot.router import TokenPilot\n"
+        "assert 'sklearn.linear_model' not in sys.modules\n"
+        "TokenPilot({'a': prior_from_physics('llama-3.1-8b', 'H100')}).prepare_refit()\n"
+        "assert 'sklearn.linear_model' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+async def test_gateway_start_up_prepares_the_refit_before_serving(
+        fake_adapter: Any, instance_factory: Any, config_factory: Any, refused_url: str) -> None:
+    router = _Recording()
+    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", refused_url)])], router=router)
+    assert router.prepared_on == []
+    async with serve_app(app):  # the lifespan has run when it serves
+        assert len(router.prepared_on) == 1 and router.prepared_on[0] != threading.get_ident()
