@@ -2,6 +2,7 @@
 
     python bench/kv_event_cost.py [--held 200000] [--batches 3000] [--batch-blocks 512]
     python bench/kv_event_cost.py --baseline-ref 9d5b9e2   # before/after, same process, same stream
+    python bench/kv_event_cost.py --routes 6000 --baseline-ref 9d5b9e2   # routed prompts instead
 
 One exact-mode instance (its index follows `BlockStored` / `BlockRemoved` events) holds
 `--held` blocks; every batch stores `--batch-blocks` new ones and, once full, removes as many of
@@ -13,12 +14,18 @@ per batch (p50 / p99 / max, total) and the slowest batches: what the gateway's K
 indexes the same batches in one process, alternating which goes first: on a shared machine the
 two see the same load at the same moment, which separate runs minutes apart do not. The two
 indexes' answers are checked equal at the end (entries, and a match per stored batch sampled).
+
+`--routes N`: the other way the index is fed, approximate mode: N routed prompts over 64
+instances (bench/decision_cost.py's Mooncake-like prompts, 512-token blocks, stride-8 keys, the
+LRU at its default capacity); per prompt, the CPU time of the decision's `match` and of
+`record_route` (what the gateway applies after dispatch), the first third left out as warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import random
 import subprocess
 import sys
 import tempfile
@@ -39,7 +46,11 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=3000)
     ap.add_argument("--batch-blocks", type=int, default=512, help="blocks stored (and removed) per batch")
     ap.add_argument("--baseline-ref", metavar="REF", help="also time the index of this commit, interleaved")
+    ap.add_argument("--routes", type=int, default=0, help="time N routed prompts instead of KV event batches")
     args = ap.parse_args()
+    if args.routes:
+        routes(args)
+        return
     sides: list[tuple[str, Any]] = [("this checkout", PrefixCacheIndex())]
     if args.baseline_ref:
         sides.insert(0, (f"baseline {args.baseline_ref}", _index_at(args.baseline_ref)()))
@@ -72,6 +83,48 @@ def main() -> None:
             probe = synthetic_block_hashes([seq], args.batch_blocks)
             assert base.match(probe, ["a"]) == new.match(probe, ["a"]), seq
         print(f"total CPU, this checkout / baseline: {sum(times[1]) / sum(times[0]):.3f}; answers equal")
+
+
+def routes(args: argparse.Namespace) -> None:
+    sides: list[tuple[str, Any]] = [("this checkout", PrefixCacheIndex())]
+    if args.baseline_ref:
+        sides.insert(0, (f"baseline {args.baseline_ref}", _index_at(args.baseline_ref)()))
+    rng = random.Random(0)
+    ids = [f"i{k}" for k in range(64)]
+    convs: list[list[int]] = []
+    next_id = 1
+    times = [([], []) for _ in sides]  # (match, record_route) per side
+    for n in range(args.routes):
+        if convs and rng.random() < 0.4:  # (the prompts of bench/decision_cost.py)
+            blocks = rng.choice(convs) + list(range(next_id, next_id + rng.randrange(1, 6)))
+        else:
+            blocks = [0] + list(range(next_id, next_id + rng.randrange(2, 48)))
+        next_id += 64
+        convs.append(blocks)
+        if len(convs) > 2000:
+            convs.pop(0)
+        hashes, who = synthetic_block_hashes(blocks, 32), rng.choice(ids)
+        for k in range(len(sides)) if n % 2 == 0 else reversed(range(len(sides))):
+            index = sides[k][1]
+            t = time.thread_time()
+            index.match(hashes, ids)
+            t1 = time.thread_time()
+            index.record_route(who, hashes, float(n))
+            t2 = time.thread_time()
+            if n >= args.routes // 3:
+                times[k][0].append(t1 - t)
+                times[k][1].append(t2 - t1)
+        if len(sides) > 1:
+            assert sides[0][1].match(hashes, ids) == sides[1][1].match(hashes, ids), n
+    for (name, index), (match, record) in zip(sides, times):
+        print(f"{name}: {index.total_entries:,} entries; per routed prompt, CPU time: match p50 "
+              f"{sorted(match)[len(match) // 2] * 1e6:.1f} us, mean {sum(match) / len(match) * 1e6:.1f} us; "
+              f"record_route p50 {sorted(record)[len(record) // 2] * 1e6:.1f} us, "
+              f"mean {sum(record) / len(record) * 1e6:.1f} us, max {max(record) * 1e3:.2f} ms")
+    if len(sides) > 1:
+        (_, (m0, r0)), (_, (m1, r1)) = zip(sides, times)
+        print(f"this checkout / baseline, total CPU: match {sum(m1) / sum(m0):.3f}, record_route "
+              f"{sum(r1) / sum(r0):.3f}; answers equal")
 
 
 def _index_at(ref: str) -> Any:

@@ -263,24 +263,22 @@ class PrefixCacheIndex:
             self._lose(e, moved)
 
     def _touch_few(self, e: _InstanceBlocks, keys: Sequence[int], tick: int) -> tuple[int, list[int]]:
-        """`keys` (a routed prompt's sparse keys: tens) get `tick`, one Python step each; (distinct
-        keys, previous ticks of those e held already)."""
+        """`keys` (a routed prompt's sparse keys: tens to hundreds) get `tick`, one Python step
+        each; (distinct keys, previous ticks of those e held already)."""
         of, lasts, masks, b = _SHARD_OF, e.last, self._mask, 1 << e.bit
-        distinct, moved = 0, []
+        moved: list[int] = []
         for h in keys:
             s = of[h >> _SHIFT & _LOW]
-            last = lasts[s]
-            old = last.get(h)
-            if old is None:
+            old = lasts[s].setdefault(h, tick)
+            if old is tick:  # new to e (or a repeat of a key just added: its mask has e's bit)
                 mask = masks[s]
-                mask[h] = mask.get(h, 0) | b
-            elif old == tick:
-                continue  # a repeat within these keys
-            else:
+                m = mask.setdefault(h, b)
+                if m is not b and not m & b:  # held by others only: e's bit joins theirs
+                    mask[h] = m | b
+            else:  # touched again: its previous batch loses it
+                lasts[s][h] = tick
                 moved.append(old)
-            last[h] = tick
-            distinct += 1
-        return distinct, moved
+        return len(set(keys)), moved
 
     def _touch_bulk(self, e: _InstanceBlocks, keys: Sequence[int], tick: int) -> tuple[int, list[int]]:
         """`_touch_few` for an engine's batch of stored blocks (hundreds): split once, then C-level
