@@ -24,12 +24,14 @@ LRU at its default capacity); per prompt, the CPU time of the decision's `match`
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -54,20 +56,26 @@ def main() -> None:
     sides: list[tuple[str, Any]] = [("this checkout", PrefixCacheIndex())]
     if args.baseline_ref:
         sides.insert(0, (f"baseline {args.baseline_ref}", _index_at(args.baseline_ref)()))
-    held: deque[list[int]] = deque()
+    # The engine's view of what it holds, as arrays: lists of ints kept by this script would be
+    # scanned by every garbage collection, whose pauses would land in the timed calls.
+    held: deque[array[int]] = deque()
     times: list[list[float]] = [[] for _ in sides]
+    pauses = _Pauses()
     for seq in range(args.batches):
         stored = synthetic_block_hashes([seq], args.batch_blocks)
         events: list[dict[str, object]] = [{"type": "BlockStored", "block_hashes": stored}]
-        held.append(stored)
+        held.append(array("Q", stored))
         if len(held) * args.batch_blocks > args.held:
-            events.append({"type": "BlockRemoved", "block_hashes": held.popleft()})
+            events.append({"type": "BlockRemoved", "block_hashes": list(held.popleft())})
         order = range(len(sides)) if seq % 2 == 0 else reversed(range(len(sides)))
         for k in order:
+            pauses.timing = k
             t = time.thread_time()
             sides[k][1].apply_events("a", seq, events, float(seq))
             times[k].append(time.thread_time() - t)
-    for (name, index), ts in zip(sides, times):
+            pauses.timing = None
+    pauses.close()
+    for side, ((name, index), ts) in enumerate(zip(sides, times)):
         slowest = sorted(range(len(ts)), key=lambda k: -ts[k])[:5]
         ordered = sorted(ts)
         prefix = f"{name}: " if len(sides) > 1 else ""
@@ -76,6 +84,7 @@ def main() -> None:
               f"p99 {ordered[int(len(ordered) * 0.99)] * 1e3:.2f} ms, max {ordered[-1] * 1e3:.2f} ms, "
               f"total {sum(ts):.2f} s")
         print(f"{prefix}slowest batches (#, ms):", ", ".join(f"#{k} {ts[k] * 1e3:.1f}" for k in slowest))
+        print(f"{prefix}garbage collections inside the timed batches: {pauses.summary(side)}")
     if len(sides) > 1:
         base, new = sides[0][1], sides[1][1]
         assert base.entries("a") == new.entries("a")
@@ -83,6 +92,36 @@ def main() -> None:
             probe = synthetic_block_hashes([seq], args.batch_blocks)
             assert base.match(probe, ["a"]) == new.match(probe, ["a"]), seq
         print(f"total CPU, this checkout / baseline: {sum(times[1]) / sum(times[0]):.3f}; answers equal")
+
+
+class _Pauses:
+    """Garbage collections that ran inside a timed call, per side (a collection pauses whichever
+    code allocates when the threshold is crossed: it is part of that call's time)."""
+
+    def __init__(self) -> None:
+        self.timing: int | None = None
+        self._started = 0.0
+        self.seen: dict[int, list[tuple[int, float]]] = {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if self.timing is None:
+            return
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self.seen.setdefault(self.timing, []).append((info["generation"], time.thread_time() - self._started))
+
+    def summary(self, side: int) -> str:
+        parts = []
+        for gen in range(3):
+            p = [d for g, d in self.seen.get(side, []) if g == gen]
+            if p:
+                parts.append(f"gen {gen}: {len(p)} (max {max(p) * 1e3:.2f} ms)")
+        return ", ".join(parts) or "none"
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def routes(args: argparse.Namespace) -> None:
