@@ -24,14 +24,15 @@ key per 128 tokens at 16-token blocks). That divides memory and update time by
 `stride` and costs at most `stride - 1` blocks of precision in a match, noise next
 to a prefill's cost. Callers pass and receive ordinary block counts.
 
-Sharded maps. The index's maps (the global mask, each instance's entries) are split by the low
-bits of the block hash into `SHARDS` dicts. CPython rebuilds a dict whose free slots churn uses
-up (inserts of new keys with as many deletions: every ~1,000 KV batches at 200k entries), which
-is O(entries) at once on the event loop: ~17 ms for one 200k-entry dict, ~0.2 ms for a 12.5k
-one. Lookups cost one more index; bulk updates split their keys once (`_split`) and stay C-level
-per shard. The LRU batches are never rebuilt whole either: each keeps a count of its live
-references, and one that falls under a quarter live is filtered alone (`_shrink`), so no step
-is O(entries) (bench/README.md, "KV index at an engine's cache size").
+Sharded maps. The index's maps (the global mask, each instance's entries) are split by 8 bits
+of the block hash into `SHARDS` unequal dicts. CPython rebuilds a dict whose free slots churn
+uses up (inserts of new keys with as many deletions: every ~1,000 KV batches at 200k entries),
+which is O(entries) at once on the event loop: ~17 ms for one 200k-entry dict, well under a
+millisecond for a shard of one. Lookups cost one more index; an engine's batch is split by shard
+once (`_split`) and applied C-level per shard, a routed prompt's few keys one Python step each.
+The LRU batches are never rebuilt whole either: each keeps a count of its live references, and
+one that falls under 1/STALE_RATIO live is filtered alone (`_shrink`), so no step is
+O(entries) (bench/README.md, "KV index at an engine's cache size: sharded maps").
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ import numpy as np
 MAX_LATER = 1024  # deferred route records kept before they are applied anyway (a bound on memory)
 # Pool membership vectors of match groups kept (`match_blocks`): a few MB at 64-256 instances.
 MAX_MEMBER_VECTORS = 4096
-# Dicts each map is split into, by the low bits of the block hash (xxh64: uniform). Each shard
-# takes a different number of the BUCKETS hash buckets (from 10 to 22 of 256 at 16 shards): equal
+# Dicts each map is split into, by 8 bits of the block hash (xxh64: uniform; `_SHIFT`). Each shard
+# takes a different number of the BUCKETS hash buckets (5 to 11 of 256 at 32 shards): equal
 # shards filled and churned at the same rate would all run out of free slots in the same few
 # batches, and their rebuilds, small one by one, would stall those batches together; unequal
-# ones rebuild at different times. More shards cost a C call per shard on every bulk update.
+# ones rebuild at different times. 32 keeps a shard of a 200k-entry map under ~9k entries (a
+# rebuild well under a millisecond); more shards cost C calls per shard on every bulk update.
 SHARDS = 32
 BUCKETS = 256
 
