@@ -46,3 +46,51 @@ def test_lookup_headers_answer_as_starlettes_headers() -> None:
     req = BufferedRequest({"type": "http", "headers": raw, "method": "POST", "path": "/v1/completions"},
                           None, b"{}")  # type: ignore[arg-type]
     assert isinstance(req.headers, LookupHeaders) and req.headers.get("authorization") == "Bearer k1"
+
+
+class _DownAdapter:
+    """Only what `InstanceState.up` asks of an adapter: whether the process is known dead."""
+
+    def __init__(self) -> None:
+        self.dead: set[str] = set()
+
+    def down(self, instance: object) -> bool:
+        return getattr(instance, "instance_id", "") in self.dead
+
+
+def test_fleet_view_is_rebuilt_whenever_an_input_changes_and_reused_otherwise() -> None:
+    from engine_adapters.base import LoadSnapshot
+    from gateway.fleet_state import FleetState, InstanceState, build_view
+    from tests.conftest import make_config, make_instance
+
+    config = make_config()
+    state = FleetState(config, [])
+    adapter = _DownAdapter()
+    for i, site in enumerate(("use1", "euw1", "use1")):
+        inst = make_instance(f"i{i}", f"http://x/{i}", site=site)
+        state._states[inst.instance_id] = InstanceState(adapter, inst, ready=True)  # type: ignore[arg-type]
+
+    def check() -> object:
+        v = state.view()
+        assert v == build_view(config, state._states.values())  # what it always was
+        return v
+
+    v0 = check()
+    assert state.view() is v0  # nothing changed: the same (immutable) view
+    st = state._states["i1"]
+    steps = [lambda: state.begin("i1"), lambda: state.end("i1"), lambda: setattr(st, "remote_inflight", 2),
+             lambda: setattr(st, "load", LoadSnapshot(True, num_running=3, kv_usage=0.5)),
+             lambda: setattr(st, "load", LoadSnapshot(True, num_running=4, kv_usage=0.5)),
+             lambda: setattr(st, "draining", True), lambda: setattr(st, "ready", False),
+             lambda: adapter.dead.add("i0"), lambda: adapter.dead.discard("i0"),
+             lambda: setattr(st, "instance", make_instance("i1", "http://y/1", site="euw1")),
+             lambda: state._states.pop("i2")]
+    last = v0
+    for step in steps:
+        step()
+        v = check()
+        assert v is not last and v != last  # each step changes what the policies see
+        assert state.view() is v
+        last = v
+    st.load = LoadSnapshot(True, num_running=4, kv_usage=0.5)  # a new scrape with the same figures
+    assert check() is last
