@@ -331,7 +331,8 @@ class Dispatch:
     def _outcome(self, ok: bool, error: str | None, cancelled: bool) -> RequestOutcome:
         now = self.relay.clock()
         arrival = self.parsed.profile.arrival
-        counts, out_tokens = self.stats.counts(), self.stats.output_tokens()
+        counts = self.stats.counts()  # read once: `output_tokens()` is its completion_tokens or the count
+        out_tokens = counts.completion_tokens if counts.completion_tokens is not None else self.stats.token_events
         first, last = self.stats.first_token_at, self.stats.last_token_at
         if not self.parsed.stream:
             # a whole answer read as a stream (to be continuable) is judged as a whole answer, as
