@@ -58,7 +58,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.first_byte import ATTEMPTS_BEFORE_FIRST_BYTE
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
-from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, plain_token_text, usage_of_body
+from fleetcore.sse import PlainTokens, SSESplitter, StreamStats, parse_sse_event, usage_of_body
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
@@ -400,6 +400,7 @@ class RelayStream:
         self.first_token_at: float | None = None  # relay clock of the request's first token (any leg)
         self._splitter = SSESplitter()
         self._pending = b""
+        self._plain = PlainTokens()  # `plain_token_text`, mostly from the stream's first plain event
 
     def switch(self, dispatch: Dispatch) -> None:
         """Read on from a continuation leg."""
@@ -425,7 +426,7 @@ class RelayStream:
         rename = self.d.parsed.requested_model
         cont = self.cont
         now = self.d.relay.clock()  # one read's events arrived together
-        # Plain token events pass on as bytes, unparsed (`plain_token_text`), where nothing needs
+        # Plain token events pass on as bytes, unparsed (`plain_token_text` via `PlainTokens`), where nothing needs
         # the object: no rename, not a continuation leg, no engine ids to strip, and the
         # continuation's record already holds the first chunk's id.
         plain_ok = rename is None and not self.splicing and (
@@ -433,7 +434,7 @@ class RelayStream:
         for raw in events:
             if stats.done:
                 break
-            if plain_ok and (text := plain_token_text(raw)) is not None:
+            if plain_ok and (text := self._plain.text(raw)) is not None:
                 stats.token(now)
                 if cont is not None:
                     cont.sent.add(text, None)
