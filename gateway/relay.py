@@ -68,6 +68,8 @@ from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamW
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
                             sse_error_event, upstream_failed, upstream_timeout)
 from gateway.fleet_state import FleetState
+from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
+from gateway.head_hold import HeadHold
 from gateway.hedge import HedgeMetrics, hedge_delay, open_hedged
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
@@ -642,7 +644,7 @@ class RelayStreamingResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch if self.watch is not None else DisconnectWatch(receive)
         try:
-            await watch.race(self._write(send))
+            await watch.race(self._write(send, scope.get(HEAD_HOLD)))
         except (ClientGone, OSError):
             pass  # the client left: nobody to tell; `close` below aborts the upstream
         finally:
@@ -651,17 +653,29 @@ class RelayStreamingResponse(Response):
             if self.on_done is not None:
                 self.on_done()
 
-    async def _write(self, send: Send) -> None:
+    async def _write(self, send: Send, hold: HeadHold | None = None) -> None:
         self.started = True
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         stream, own = self._relay_stream, self.body_iterator is self._own
-        ended = False
-        async for chunk in self.body_iterator:  # run to its end, whose clean-up is the iterator's own
-            # The relay's own iterator yields nothing after the read that finished the stream.
-            ended = own and stream.d.stats.done
-            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-        if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # The relay's own iterator hands its prefetched first chunk on without waiting: the head
+        # may wait for it and leave in the same write (`gateway.head_hold`). Nothing else is held.
+        holding = hold is not None and own and bool(stream._pending)
+        if holding:
+            hold.hold()  # type: ignore[union-attr]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            ended = False
+            async for chunk in self.body_iterator:  # run to its end, whose clean-up is the iterator's own
+                # The relay's own iterator yields nothing after the read that finished the stream.
+                ended = own and stream.d.stats.done
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                if holding:  # that write carried the head: nothing is held from here on
+                    holding = False
+                    hold.release()  # type: ignore[union-attr]
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if holding:
+                hold.release()  # type: ignore[union-attr]
 
 
 def _is_sse(resp: UpstreamResponse) -> bool:

@@ -94,3 +94,104 @@ def test_fleet_view_is_rebuilt_whenever_an_input_changes_and_reused_otherwise() 
         last = v
     st.load = LoadSnapshot(True, num_running=4, kv_usage=0.5)  # a new scrape with the same figures
     assert check() is last
+
+
+class _Transport:
+    """Records writes and closes, as the socket would see them."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_head_hold_joins_the_held_write_with_the_next_and_keeps_the_bytes_in_order() -> None:
+    from gateway.head_hold import HeadHold
+
+    t = _Transport()
+    h = HeadHold(t)  # type: ignore[arg-type]
+    h.write(b"a")  # not holding: straight through
+    h.hold()
+    h.write(b"HEAD")
+    assert t.writes == [b"a"]  # kept back
+    h.write(b"BODY")
+    h.write(b"MORE")
+    assert t.writes == [b"a", b"HEADBODY", b"MORE"]  # one write for head and first body; then plain
+    h.release()  # nothing held: nothing written
+    assert t.writes == [b"a", b"HEADBODY", b"MORE"] and not h.is_closing()
+
+
+def test_head_hold_writes_what_it_holds_on_release_and_before_closing() -> None:
+    from gateway.head_hold import HeadHold
+
+    t = _Transport()
+    h = HeadHold(t)  # type: ignore[arg-type]
+    h.hold()
+    h.write(b"HEAD")
+    h.release()
+    assert t.writes == [b"HEAD"]
+    h.write(b"x")
+    assert t.writes == [b"HEAD", b"x"]  # released: no longer holding
+    h.hold()
+    h.write(b"HEAD2")
+    h.close()
+    assert t.writes == [b"HEAD", b"x", b"HEAD2"] and t.closed
+
+
+async def test_a_relayed_stream_sends_its_head_and_first_events_in_one_write() -> None:
+    from gateway.head_hold import SCOPE_KEY, HeadHold
+    from gateway.relay import RelayStreamingResponse
+
+    class _Stats:
+        done = True
+
+    class _Dispatch:
+        stats = _Stats()
+
+    class _Stream:
+        """What RelayStreamingResponse reads of a RelayStream: its first chunk, prefetched."""
+
+        d = _Dispatch()
+        _pending = b"data: x\n\n"
+
+        async def iter_bytes(self):  # type: ignore[no-untyped-def]
+            chunk, self._pending = self._pending, b""
+            yield chunk
+
+        async def close(self) -> None:
+            return None
+
+    t = _Transport()
+    hold = HeadHold(t)  # type: ignore[arg-type]
+    wire: list[bytes] = []
+
+    async def send(message: dict) -> None:  # type: ignore[type-arg]
+        # as uvicorn's cycle does: one transport write per message (the head, then each body)
+        if message["type"] == "http.response.start":
+            hold.write(b"HEAD")
+        else:
+            hold.write(message["body"] + (b"" if message["more_body"] else b"END"))
+        wire.append(message["type"])
+
+    async def receive() -> dict:  # type: ignore[type-arg]
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    resp = RelayStreamingResponse(_Stream(), {"x-request-id": "r"})  # type: ignore[arg-type]
+    await resp({"type": "http", SCOPE_KEY: hold}, receive, send)
+    assert wire == ["http.response.start", "http.response.body"]
+    assert t.writes == [b"HEADdata: x\n\nEND"]  # head and the first (here: last) chunk together
+
+    t2 = _Transport()
+    resp2 = RelayStreamingResponse(_Stream(), {})  # type: ignore[arg-type]
+    hold = HeadHold(t2)  # type: ignore[arg-type]
+    await resp2({"type": "http"}, receive, send)  # no hold in the scope (another server): as before
+    assert t2.writes == [b"HEAD", b"data: x\n\nEND"]
