@@ -650,8 +650,12 @@ class RelayStreamingResponse(Response):
         finally:
             await watch.aclose()
             await self._relay_stream.close()
-            if self.on_done is not None:
-                self.on_done()
+            # Taken off before it runs: the callback usually holds this response (telemetry's
+            # `done` reads its status), and left here that cycle would outlive the request until
+            # the cyclic collector found it, with the whole stream state (~30 objects) behind it.
+            on_done, self.on_done = self.on_done, None
+            if on_done is not None:
+                on_done()
 
     async def _write(self, send: Send, hold: HeadHold | None = None) -> None:
         self.started = True

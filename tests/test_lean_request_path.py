@@ -195,3 +195,48 @@ async def test_a_relayed_stream_sends_its_head_and_first_events_in_one_write() -
     hold = HeadHold(t2)  # type: ignore[arg-type]
     await resp2({"type": "http"}, receive, send)  # no hold in the scope (another server): as before
     assert t2.writes == [b"HEAD", b"data: x\n\nEND"]
+
+
+async def test_a_finished_stream_is_freed_without_the_cyclic_collector() -> None:
+    # Telemetry's `on_done` reads the response's status: a closure over the response, stored on
+    # it. The response drops it once run, so the stream's state goes with the last reference
+    # instead of waiting, promoted through the generations, for a collection.
+    import gc
+    import weakref
+
+    from gateway.relay import RelayStreamingResponse
+
+    class _Stats:
+        done = True
+
+    class _Dispatch:
+        stats = _Stats()
+
+    class _Stream:
+        d = _Dispatch()
+        _pending = b"data: x\n\n"
+
+        async def iter_bytes(self):  # type: ignore[no-untyped-def]
+            yield self._pending
+
+        async def close(self) -> None:
+            return None
+
+    async def send(message: dict) -> None:  # type: ignore[type-arg]
+        return None
+
+    async def receive() -> dict:  # type: ignore[type-arg]
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    ran: list[int] = []
+    gc.disable()
+    try:
+        resp = RelayStreamingResponse(_Stream(), {})  # type: ignore[arg-type]
+        resp.on_done = lambda: ran.append(resp.status_code)  # the cycle telemetry makes
+        await resp({"type": "http"}, receive, send)
+        assert ran == [200] and resp.on_done is None
+        gone = weakref.ref(resp)
+        del resp
+        assert gone() is None  # freed by its reference count alone
+    finally:
+        gc.enable()
