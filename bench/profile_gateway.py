@@ -101,7 +101,6 @@ def child(port: int, engine_url: str, stats_path: str) -> None:
     signal.signal(signal.SIGTERM, _exit)
     # import before profiling, so the split is serving, not start-up (lazy imports still show)
     sys.path.insert(0, str(ROOT))
-    import sklearn.linear_model  # noqa: F401  (start-up's: `RouterRefit.prepare` imports it before serving)
     import uvicorn  # noqa: F401
 
     import gateway.app

@@ -196,7 +196,6 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 placement.start()
             dash_sampler.start()
-            refit.prepare()  # before the freeze below: the fit's imports are start-up's, not a request's
             refit.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what

@@ -11,7 +11,6 @@ buffer and installs its coefficients in one assignment. The simulator calls the 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 
 from fleetcore.policies import InstanceRouter
@@ -27,14 +26,6 @@ class RouterRefit:
         self.router, self.interval_s, self.timeout_s = router, interval_s, timeout_s
         self.fits = 0  # fits installed (tests, operators)
         self._task: asyncio.Task[None] | None = None
-
-    def prepare(self) -> None:
-        """Import what a fit needs, now (the app's start-up, before it freezes the collector) when
-        the router learns. Left to the first fit, scikit-learn's import (~0.9 s of CPU, ~54,000
-        objects) ran on the fit's thread while requests were served, holding the GIL for most of
-        it, and after `gc.freeze()`: its objects stayed for every full collection to scan."""
-        if type(self.router).refit is not InstanceRouter.refit:
-            importlib.import_module("sklearn.linear_model")  # what tokenpilot.latency_model fits with
 
     def start(self) -> None:
         if self._task is None:

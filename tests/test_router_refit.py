@@ -32,19 +32,3 @@ def test_refit_runs_when_due_and_installs_a_fit() -> None:
         assert task.fits == 1 and tp.latency.ttft is not None and not tp.refit_due()
 
     asyncio.run(main())
-
-
-def test_prepare_imports_the_fit_library_for_a_learning_router_only(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import importlib
-
-    from tokenpilot.registry import make_router
-
-    imported: list[str] = []
-    real = importlib.import_module
-    monkeypatch.setattr(importlib, "import_module", lambda name, *a: imported.append(name) or real(name, *a))
-    prior = prior_from_physics("llama-3.1-8b", "H100")
-    RouterRefit(TokenPilot({"a": prior})).prepare()
-    assert imported == ["sklearn.linear_model"]  # at start-up, not in the first fit's thread
-    imported.clear()
-    RouterRefit(make_router("round_robin")).prepare()  # nothing to fit: nothing imported
-    assert imported == []
