@@ -8,7 +8,8 @@ the gateway's event loop. Measured here: that work alone (`fleetcore.sse`: SSESp
 parse_sse_event, StreamStats.account) over a vLLM-shaped chat stream, in three read
 patterns (one event per read, the usual; 16 events per read, a burst; every event split
 across two reads), the relay's fast path for plain token events (`plain_token_text`, no
-json.loads), and parsing alone. Prints the best of `--repeat` runs, ns per event.
+json.loads), the same through a stream's template (`PlainTokens`, what the relay runs), and
+parsing alone. Prints the best of `--repeat` runs, ns per event.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import time
 from collections.abc import Callable
 
-from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, plain_token_text
+from fleetcore.sse import PlainTokens, SSESplitter, StreamStats, parse_sse_event, plain_token_text
 
 
 def stream(n: int) -> list[bytes]:
@@ -49,13 +50,15 @@ def relay_pass(reads: list[bytes], tokens: int) -> int:
     return n
 
 
-def relay_pass_plain(reads: list[bytes], tokens: int) -> int:
+def relay_pass_plain(reads: list[bytes], tokens: int,
+                     read: Callable[[bytes], str | None] = plain_token_text) -> int:
     """The same with the relay's fast path (`plain_token_text`: token events read from their bytes,
-    their text kept as a continuation's record keeps it); the rest parsed as above."""
+    their text kept as a continuation's record keeps it); the rest parsed as above. `read`: how a
+    token event is read (the relay's own: a stream's `PlainTokens().text`)."""
     sp, stats, sent, n = SSESplitter(), StreamStats(), [], 0
     for data in reads:
         for raw in sp.feed(data):
-            text = plain_token_text(raw)
+            text = read(raw)
             if text is not None:
                 stats.token(0.0)
                 sent.append(text)
@@ -97,11 +100,13 @@ def main() -> None:
         ("relay, each event in 2 reads", lambda: relay_pass(split, n)),
         ("relay fast path, 1 per read", lambda: relay_pass_plain(one, n)),
         ("relay fast path, 16 per read", lambda: relay_pass_plain(burst, n)),
+        ("fast path + template, 1 per read", lambda: relay_pass_plain(one, n, PlainTokens().text)),
+        ("fast path + template, 16 per read", lambda: relay_pass_plain(burst, n, PlainTokens().text)),
         ("parse_sse_event alone", lambda: parse_only(one)),
     ]
     for name, fn in rows:
         fn()  # warm-up
-        print(f"{name:<30} {best_ns(fn, args.repeat):8.0f} ns/event")
+        print(f"{name:<34} {best_ns(fn, args.repeat):8.0f} ns/event")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,64 @@ def plain_token_text(raw: bytes) -> str | None:
     return None  # content null, or a list: not this path
 
 
+# Text values a template may not take (`PlainTokens`): with the quotes around it, each would make
+# one of the keys `plain_token_text` looks for (`"error"`, `"usage"`, ...) that the template's own
+# event did not have, so that function would count it and might answer differently.
+_KEY_WORDS = frozenset((b"error", b"tool_calls", b"function_call", b"token_ids", b"finish_reason", b"usage",
+                        b"index", b"content", b"text"))
+
+
+def _template_safe(text: bytes) -> bool:
+    """Whether `text` between a template's halves reads as the template's own text did: no quote,
+    backslash or newline (each changes what the scans see), none of the key words, not
+    `reasoning...` (`"reasoning` is refused as a prefix)."""
+    return (b'"' not in text and b"\\" not in text and b"\n" not in text
+            and text not in _KEY_WORDS and not text.startswith(b"reasoning"))
+
+
+class PlainTokens:
+    """`plain_token_text` for the events of one stream, most of them without its scans.
+
+    An engine sends every token event of a stream alike: the same id, model, creation time and
+    keys, only the text changing. Once an event has proved plain by the full reading, what lies
+    before and after its text is kept as a template; a later event that is those bytes around a
+    text `_template_safe` admits is plain too, with that text: every scan of `plain_token_text` sees
+    in it what it saw in the template's event (the text holds no byte a scan looks for, and no
+    key begins or ends inside it), so its answer is the same. Anything else takes the full
+    reading, which may make its event the new template. One per stream (bounded: one template)."""
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self) -> None:
+        self._head = b""  # `data: {...,"text":"` of the template event; b"": none yet
+        self._tail = b""  # `",...}\n\n` after its text
+
+    def text(self, raw: bytes) -> str | None:
+        head, tail = self._head, self._tail
+        if head and len(raw) > len(head) + len(tail) and raw.startswith(head) and raw.endswith(tail):
+            mid = raw[len(head):len(raw) - len(tail)]
+            if _template_safe(mid):
+                try:
+                    return mid.decode("utf-8")
+                except UnicodeDecodeError:
+                    return None  # as plain_token_text: not this path
+        got = plain_token_text(raw)
+        if got is not None:
+            self._learn(raw, got)
+        return got
+
+    def _learn(self, raw: bytes, text: str) -> None:
+        mid = text.encode("utf-8")
+        for key in _TEXT_KEYS:  # where plain_token_text found the text: the first key present
+            i = raw.find(key)
+            if i >= 0:
+                start = i + len(key)
+                end = start + len(mid)
+                if raw[start:end] == mid and raw[end:end + 1] == b'"' and _template_safe(mid):
+                    self._head, self._tail = raw[:start], raw[end:]
+                return
+
+
 def _data_event(text: str) -> SSEEvent:
     if text.strip() == "[DONE]":
         return SSEEvent(text, done=True)

@@ -89,7 +89,9 @@ class AdmissionGate:
         shared = self.shared_budgets
         # The key's own budgets first (gateway.key_budgets): 429 before the tenant's are touched.
         keys = self.key_budgets
-        key_charge = await keys.admit(parsed.key_id, profile, entered, shared) if keys is not None else None
+        # (a request without a key created by API has no key budget: no coroutine to run for it)
+        key_charge = (await keys.admit(parsed.key_id, profile, entered, shared)
+                      if keys is not None and parsed.key_id is not None else None)
         try:
             parsed, avoid = await self._enter(parsed, race, entered)
         except BaseException:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -50,6 +52,37 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+class LookupHeaders(Headers):
+    """Starlette's request headers, looked up in a dict built at the first lookup.
+
+    Starlette's `Headers` scans the raw list for every lookup and, through `Mapping.get`, raises
+    and catches a KeyError for every header that is absent; a /v1 request asks for about seven
+    (request id, key, task type, region, class, trace context), most of them absent. The answers
+    are the same: the first value of a name, names compared as the raw (ASGI: lower-case) bytes
+    against the asked name in lower case."""
+
+    def _first(self) -> dict[str, str]:
+        table: dict[str, str] | None = self.__dict__.get("_by_name")
+        if table is None:
+            table = {}
+            for k, v in self._list:
+                table.setdefault(k.decode("latin-1"), v.decode("latin-1"))
+            self.__dict__["_by_name"] = table
+        return table
+
+    def __getitem__(self, key: str) -> str:
+        try:
+            return self._first()[key.lower()]
+        except KeyError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self._first().get(key.lower(), default)
+
+    def __contains__(self, key: Any) -> bool:
+        return key.lower() in self._first()
+
+
 class BufferedRequest(Request):
     """A Starlette request whose body has been read already (within its limit): `body()` is it,
     and `receive` is the client's channel from here on (what the disconnect watch reads)."""
@@ -57,6 +90,7 @@ class BufferedRequest(Request):
     def __init__(self, scope: Scope, receive: Receive, body: bytes) -> None:
         super().__init__(scope, receive)
         self._body = body  # Starlette's own cache of the read body: body(), json() and stream() use it
+        self._headers = LookupHeaders(scope=scope)  # what `request.headers` returns (Starlette's cache)
 
 
 class FastLane:

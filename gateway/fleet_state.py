@@ -231,6 +231,8 @@ class FleetState:
         self._states: dict[str, InstanceState] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._supervisor: asyncio.Task[None] | None = None
+        self._view: FleetView | None = None  # the last `view()` and what it was built from
+        self._view_key: tuple[object, ...] = ()
 
     # lifecycle
 
@@ -457,7 +459,18 @@ class FleetState:
         return instance_snapshot(st) if st is not None else None
 
     def view(self) -> FleetView:
-        return build_view(self.config, self._states.values())
+        """`build_view` of the states now; the previous view again when nothing it is built from
+        changed since (a request asks three times: admission, placement, the release's poll)."""
+        states = self._states.values()
+        # Every input of `instance_snapshot`, per instance in order: a view is a pure function of
+        # these (and of the config's sites, fixed for this object), so equal keys mean equal views.
+        # Tuples compare item by item, identity first: the same Instance and LoadSnapshot objects
+        # cost a pointer comparison; `up` asks the adapter, as build_view does.
+        key = tuple((st.instance, st.up, st.draining, st.inflight + st.remote_inflight, st.load) for st in states)
+        if key != self._view_key or self._view is None:
+            self._view = build_view(self.config, states)
+            self._view_key = key
+        return self._view
 
     def counts(self) -> ReadyCounts:
         """Serving instances; models the fleet file deploys count even when none is known."""

@@ -43,6 +43,8 @@ from uvicorn.server import ServerState
 
 from fleetcore.fleet_config import GatewaySettings
 from gateway.errors import INVALID_REQUEST, SERVER_ERROR, error_body
+from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
+from gateway.head_hold import HeadHold
 
 log = logging.getLogger("tokenfleet.listener")
 
@@ -340,7 +342,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         assert self._listener is not None
         self._in_headers = False
         self._cancel_timer()
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle and self.cycle is not None:  # this request's: head and first events in one write
+            hold = HeadHold(self.transport)
+            self.cycle.transport = hold  # type: ignore[assignment]
+            self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
         # Cancelled by on_message_complete, at once for a request without a body.
         self._arm(self._listener.limits.body_timeout_s, self._body_timeout)
 

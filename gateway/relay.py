@@ -58,7 +58,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.first_byte import ATTEMPTS_BEFORE_FIRST_BYTE
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
-from fleetcore.sse import SSESplitter, StreamStats, parse_sse_event, plain_token_text, usage_of_body
+from fleetcore.sse import PlainTokens, SSESplitter, StreamStats, parse_sse_event, usage_of_body
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
@@ -68,6 +68,8 @@ from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamW
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
                             sse_error_event, upstream_failed, upstream_timeout)
 from gateway.fleet_state import FleetState
+from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
+from gateway.head_hold import HeadHold
 from gateway.hedge import HedgeMetrics, hedge_delay, open_hedged
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
@@ -331,7 +333,8 @@ class Dispatch:
     def _outcome(self, ok: bool, error: str | None, cancelled: bool) -> RequestOutcome:
         now = self.relay.clock()
         arrival = self.parsed.profile.arrival
-        counts, out_tokens = self.stats.counts(), self.stats.output_tokens()
+        counts = self.stats.counts()  # read once: `output_tokens()` is its completion_tokens or the count
+        out_tokens = counts.completion_tokens if counts.completion_tokens is not None else self.stats.token_events
         first, last = self.stats.first_token_at, self.stats.last_token_at
         if not self.parsed.stream:
             # a whole answer read as a stream (to be continuable) is judged as a whole answer, as
@@ -399,6 +402,7 @@ class RelayStream:
         self.first_token_at: float | None = None  # relay clock of the request's first token (any leg)
         self._splitter = SSESplitter()
         self._pending = b""
+        self._plain = PlainTokens()  # `plain_token_text`, mostly from the stream's first plain event
 
     def switch(self, dispatch: Dispatch) -> None:
         """Read on from a continuation leg."""
@@ -424,7 +428,7 @@ class RelayStream:
         rename = self.d.parsed.requested_model
         cont = self.cont
         now = self.d.relay.clock()  # one read's events arrived together
-        # Plain token events pass on as bytes, unparsed (`plain_token_text`), where nothing needs
+        # Plain token events pass on as bytes, unparsed (`plain_token_text` via `PlainTokens`), where nothing needs
         # the object: no rename, not a continuation leg, no engine ids to strip, and the
         # continuation's record already holds the first chunk's id.
         plain_ok = rename is None and not self.splicing and (
@@ -432,7 +436,7 @@ class RelayStream:
         for raw in events:
             if stats.done:
                 break
-            if plain_ok and (text := plain_token_text(raw)) is not None:
+            if plain_ok and (text := self._plain.text(raw)) is not None:
                 stats.token(now)
                 if cont is not None:
                     cont.sent.add(text, None)
@@ -640,26 +644,42 @@ class RelayStreamingResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch if self.watch is not None else DisconnectWatch(receive)
         try:
-            await watch.race(self._write(send))
+            await watch.race(self._write(send, scope.get(HEAD_HOLD)))
         except (ClientGone, OSError):
             pass  # the client left: nobody to tell; `close` below aborts the upstream
         finally:
             await watch.aclose()
             await self._relay_stream.close()
-            if self.on_done is not None:
-                self.on_done()
+            # Taken off before it runs: the callback usually holds this response (telemetry's
+            # `done` reads its status), and left here that cycle would outlive the request until
+            # the cyclic collector found it, with the whole stream state (~30 objects) behind it.
+            on_done, self.on_done = self.on_done, None
+            if on_done is not None:
+                on_done()
 
-    async def _write(self, send: Send) -> None:
+    async def _write(self, send: Send, hold: HeadHold | None = None) -> None:
         self.started = True
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         stream, own = self._relay_stream, self.body_iterator is self._own
-        ended = False
-        async for chunk in self.body_iterator:  # run to its end, whose clean-up is the iterator's own
-            # The relay's own iterator yields nothing after the read that finished the stream.
-            ended = own and stream.d.stats.done
-            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-        if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # The relay's own iterator hands its prefetched first chunk on without waiting: the head
+        # may wait for it and leave in the same write (`gateway.head_hold`). Nothing else is held.
+        holding = hold is not None and own and bool(stream._pending)
+        if holding:
+            hold.hold()  # type: ignore[union-attr]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            ended = False
+            async for chunk in self.body_iterator:  # run to its end, whose clean-up is the iterator's own
+                # The relay's own iterator yields nothing after the read that finished the stream.
+                ended = own and stream.d.stats.done
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                if holding:  # that write carried the head: nothing is held from here on
+                    holding = False
+                    hold.release()  # type: ignore[union-attr]
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if holding:
+                hold.release()  # type: ignore[union-attr]
 
 
 def _is_sse(resp: UpstreamResponse) -> bool:

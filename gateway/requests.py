@@ -11,8 +11,8 @@ failure is a 400 naming the offending `param`.
 from __future__ import annotations
 
 import math
+import os
 import re
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,9 +61,11 @@ class ParsedRequest:
 
 
 def new_request_id(headers: Mapping[str, str]) -> str:
-    """The client's `X-Request-Id` when it is sane (for end-to-end tracing), else a fresh one."""
-    given = headers.get("x-request-id", "")
-    return given if _REQUEST_ID.match(given) else f"req-{uuid.uuid4().hex}"
+    """The client's `X-Request-Id` when it is sane (for end-to-end tracing), else a fresh one:
+    `req-` and 32 hex digits of os.urandom, as unguessable as uuid4's (128 random bits, not 122)
+    at a fifth of its cost (uuid4 builds a UUID object around the same system call)."""
+    given = headers.get("x-request-id")
+    return given if given and _REQUEST_ID.match(given) else "req-" + os.urandom(16).hex()
 
 
 def json_value_cap(config: FleetConfig) -> int:

@@ -5,6 +5,7 @@ body stalls."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -35,6 +36,17 @@ def test_builtin_pieces_cover_the_text_and_are_short(text: str) -> None:
     assert all(len(p) <= tokens.MAX_PIECE_CHARS for p in pieces)
     assert len(pieces) >= tokens.min_tokens(len(text))
     assert tokens.encode_upto(text, 7) == tokens.encode(text)[:8]
+
+
+@settings(max_examples=300, deadline=None)
+@given(TEXT, st.integers(min_value=-2, max_value=450))
+def test_encode_upto_is_the_piece_by_piece_reference_at_every_limit(text: str, limit: int) -> None:
+    # encode_upto takes findall when the text is too short to pass the cap, finditer otherwise:
+    # both must give the ids of the first limit + 1 pieces, as one token_id call per piece does
+    reference = [tokens.token_id(m.group())
+                 for m in itertools.islice(tokens._PIECE.finditer(text), max(0, limit) + 1)]
+    assert tokens.encode_upto(text, limit) == reference
+    assert tokens.encode(text) == [tokens.token_id(p) for p in tokens.split_pieces(text)]
 
 
 def test_long_words_and_whitespace_runs_split() -> None:

@@ -6,8 +6,11 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetcore.sse import (
+    PlainTokens,
     SSESplitter,
     StreamReader,
     StreamStats,
@@ -296,3 +299,45 @@ def test_plain_token_event_read_without_json_agrees_with_the_full_parse(raw: byt
 @pytest.mark.parametrize("raw", NOT_PLAIN)
 def test_anything_but_a_plain_token_event_takes_the_full_parse(raw: bytes) -> None:
     assert plain_token_text(raw) is None
+
+
+# --- PlainTokens: plain_token_text from a stream's template ---------------------------------
+
+# Texts a template must refuse or pass exactly as plain_token_text does: the key words, quotes,
+# escapes, newlines, invalid UTF-8, the empty text, and ordinary pieces.
+_WORDS = [b"error", b"usage", b"index", b"content", b"text", b"finish_reason", b"tool_calls", b"token_ids",
+          b"function_call", b"reasoning", b"reasoning_content", b"xreasoning", b'"', b"\\", b"\n", b"\xff",
+          b"\xc3\xa9", b"", b" tok", b"null", b":", b",", b"}", b"{", b"0", b"ab\"cd", b" the"]
+_TEXT_BYTES = st.lists(st.sampled_from(_WORDS) | st.binary(max_size=6), max_size=4).map(b"".join)
+
+
+def _event_around(text: bytes, shape: int) -> bytes:
+    """A token event of one of the engines' shapes with `text` as its raw value bytes."""
+    head, tail = [
+        (b'data: {"id":"cmpl-9","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"',
+         b'","logprobs":null,"finish_reason":null}],"usage":null}\n\n'),
+        (b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", '
+         b'"choices": [{"index": 0, "delta": {"content": "', b'"}, "logprobs": null, "finish_reason": null}]}\n\n'),
+        (b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":"',
+         b'"},"finish_reason":"stop"}]}\n\n'),  # a finish: never plain, whatever the text
+    ][shape]
+    return head + text + tail
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(_TEXT_BYTES, st.integers(0, 2)), min_size=1, max_size=12))
+def test_plain_tokens_answer_as_plain_token_text_on_every_event_of_a_stream(events: list[tuple[bytes, int]]) -> None:
+    reader = PlainTokens()
+    for text, shape in events:
+        raw = _event_around(text, shape)
+        assert reader.text(raw) == plain_token_text(raw)
+
+
+def test_plain_tokens_learn_a_template_and_read_later_events_from_it() -> None:
+    reader = PlainTokens()
+    first, later = _event_around(b" first", 0), _event_around(b" later", 0)
+    assert reader.text(first) == " first"
+    assert reader._head and reader._tail  # learned from the first plain event
+    assert reader.text(later) == " later"
+    for odd in (b"error", b"reasoning more", b"a\\nb", b""):  # the template refuses; the full reading decides
+        assert reader.text(_event_around(odd, 0)) == plain_token_text(_event_around(odd, 0))
