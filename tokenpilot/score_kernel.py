@@ -55,8 +55,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN) = range(13)
-PARAMS = 13  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W) = range(14)
+PARAMS = 14  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
 def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
@@ -100,7 +100,7 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
     running, waiting, kv_usage: the snapshots'; matched: prefix blocks cached there."""
     prompt, block_size, now, window = p[P_PROMPT], p[P_BLOCK_SIZE], p[P_NOW], p[P_WINDOW]
     remaining, slo, max_duty = p[P_REMAINING], p[P_TPOT_SLO], p[P_MAX_DUTY]
-    iw, lw = p[P_INTERFERENCE_W], p[P_LOCALITY_W]
+    iw, lw, sw = p[P_INTERFERENCE_W], p[P_LOCALITY_W], p[P_STALL_W]
     cap_prompt = _max(prompt - 1.0, 0.0)  # (max(prompt - 1, 0) on ints: exact as floats)
     n = k.shape[0]
     kv_max, cap_min = -np.inf, np.inf
@@ -159,6 +159,10 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # its remaining output; only what pushes it past its TPOT budget costs goodput.
         slack = (slo - tpot_now) * remaining
         interference = (streams if iw == 1.0 else iw * streams) * _max(0.0, compute - _max(slack, 0.0))
+        if sw != 0.0:  # (off: the sum as it always was)
+            # Within their slack the streams still wait: `compute` seconds of stall each, which
+            # is e2e time as the request's own decode is (priced at the same rate there).
+            interference = interference + sw * streams * compute
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
         locality = (cached if lw == 1.0 else lw * cached) * token_s
