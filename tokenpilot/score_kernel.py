@@ -55,8 +55,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W) = range(14)
-PARAMS = 14  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W, P_STALL_SLACK) = range(15)
+PARAMS = 15  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
 def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
@@ -162,7 +162,8 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         if sw != 0.0:  # (off: the sum as it always was)
             # Within their slack the streams still wait: `compute` seconds of stall each, which
             # is e2e time as the request's own decode is (priced at the same rate there).
-            interference = interference + sw * streams * compute
+            stalled = _min(compute, _max(slack, 0.0)) if p[P_STALL_SLACK] != 0.0 else compute
+            interference = interference + sw * streams * stalled
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
         locality = (cached if lw == 1.0 else lw * cached) * token_s
