@@ -55,8 +55,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W, P_STALL_SLACK) = range(15)
-PARAMS = 15  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W, P_STALL_SLACK, P_DECODE_BAND) = range(16)
+PARAMS = 16  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
 def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
@@ -76,11 +76,17 @@ def finish(o: np.ndarray, ttft: np.ndarray, own_step: np.ndarray, kv_cost: np.nd
     (the physics', or the learned model's with `learned_cost`) and the KV pressure (`with_kv`
     0: none anywhere, and adding its zeros is left out, as it always was)."""
     out = 2 * p[P_REMAINING]
-    slo, dw, dsw = p[P_TPOT_SLO], p[P_DECODE_W], p[P_DECODE_SLO_W]
+    slo, dw, dsw, band = p[P_TPOT_SLO], p[P_DECODE_W], p[P_DECODE_SLO_W], p[P_DECODE_BAND]
+    floor = -np.inf
+    if band != 0.0:  # time per token within `band` of the best candidate's counts as the best's
+        floor = np.inf
+        for j in range(o.shape[1]):
+            floor = _min(floor, own_step[j])
+        floor = floor * (1.0 + band)
     for j in range(o.shape[1]):
         own = own_step[j]
         over = _max(0.0, own - slo)
-        decode = out * (dw * own + (over if dsw == 1.0 else dsw * over))
+        decode = out * (dw * (own if band == 0.0 else _max(own, floor)) + (over if dsw == 1.0 else dsw * over))
         cost = ttft[j] + o[O_INTERFERENCE, j]
         if with_kv != 0.0:
             cost = cost + kv_cost[j]
