@@ -72,6 +72,7 @@ class TokenPilotConfig:
     # Tie band: candidates within this share of the best cost (of its magnitude) count as tied,
     # and the one holding the longest cached prefix wins among them. 0: off.
     tie_band: float = 0.0
+    tie_ttft_safe: bool = False  # ... among those no slower to the first token than the best
     explore: float = 0.01
     explore_slack: float = 1.25
     max_decisions_kept: int = 256
@@ -340,7 +341,10 @@ class TokenPilot(InstanceRouter):
         best = int(cost.argmin())  # (the method: no dispatch through np.argmin's wrapper)
         band = self.config.tie_band
         if band > 0.0:
-            near = np.flatnonzero(cost <= cost[best] + band * abs(cost[best]))
+            within = cost <= cost[best] + band * abs(cost[best])
+            if self.config.tie_ttft_safe:  # ... and no slower to the first token than the best
+                within &= terms[1] <= terms[1][best]
+            near = np.flatnonzero(within)
             if len(near) > 1:
                 cached = terms[6][near]
                 top = near[cached == cached.max()]
