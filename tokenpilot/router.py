@@ -69,6 +69,7 @@ class TokenPilotConfig:
     # Own decode: a time per token within this share of the best candidate's is priced as the
     # best's (differences below the TPOT model's error are no evidence). 0: off.
     decode_band: float = 0.0
+    own_decode_no_duty: bool = False  # its own decode stretched by its own prefill only, not the instance's recent duty
     # Tie band: candidates within this share of the best cost (of its magnitude) count as tied,
     # and the one holding the longest cached prefix wins among them. 0: off.
     tie_band: float = 0.0
@@ -400,7 +401,8 @@ class TokenPilot(InstanceRouter):
         n = len(pool)
         p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
                       cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
-                      cfg.decode_slo_weight, 0.0, 0.0, cfg.stall_weight, float(cfg.stall_within_slack), cfg.decode_band),
+                      cfg.decode_slo_weight, 0.0, 0.0, cfg.stall_weight, float(cfg.stall_within_slack), cfg.decode_band,
+                      float(cfg.own_decode_no_duty)),
                      dtype=np.float64)  # (sk.P_*: P_KV_MAX and P_CAPACITY_MIN are answers)
         # the snapshots' fields, read once each
         running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)

@@ -55,8 +55,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W, P_STALL_SLACK, P_DECODE_BAND) = range(16)
-PARAMS = 16  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W, P_STALL_SLACK, P_DECODE_BAND, P_OWN_NO_DUTY) = range(17)
+PARAMS = 17  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
 def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
@@ -178,6 +178,8 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # its SLO); without this term, requests whose prefill is cheap everywhere would
         # all tie on TTFT and pile onto one instance.
         own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - duty_after)
+        if p[P_OWN_NO_DUTY] != 0.0:  # (experiment: its own decode without the recent prefill duty's stretch)
+            own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - _min(max_duty, compute / window))
         positive = _max(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
         capacity = m[CAPACITY_BLOCKS, s]
         kv_max = _max(kv_max, kv_usage[j])
