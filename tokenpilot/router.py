@@ -62,18 +62,6 @@ class TokenPilotConfig:
     duty_max_s: float = 20.0
     max_duty: float = 0.9
     decode_slo_weight: float = 1.0  # ... of its decoding beyond the TPOT budget
-    # Seconds of TTFT worth one second of stall this prefill causes the streams decoding there
-    # while they are within their TPOT budget (past it, `interference_weight` prices it). 0: free.
-    stall_weight: float = 0.0
-    stall_within_slack: bool = False  # ... priced only up to the streams' slack (past it is interference)
-    # Own decode: a time per token within this share of the best candidate's is priced as the
-    # best's (differences below the TPOT model's error are no evidence). 0: off.
-    decode_band: float = 0.0
-    own_decode_no_duty: bool = False  # its own decode stretched by its own prefill only, not the instance's recent duty
-    # Tie band: candidates within this share of the best cost (of its magnitude) count as tied,
-    # and the one holding the longest cached prefix wins among them. 0: off.
-    tie_band: float = 0.0
-    tie_ttft_safe: bool = False  # ... among those no slower to the first token than the best
     explore: float = 0.01
     explore_slack: float = 1.25
     max_decisions_kept: int = 256
@@ -332,25 +320,8 @@ class TokenPilot(InstanceRouter):
         if not pool:
             return None
         _, _, terms = self._terms(profile, pool, now)
-        best = self._best(terms)
+        best = int(terms[0].argmin())  # (the method: no dispatch through np.argmin's wrapper)
         return float(terms[1][best]), int(terms[6][best])
-
-    def _best(self, terms: tuple[np.ndarray, ...]) -> int:
-        """The candidate a decision picks: lowest cost (pool order is instance-id order: ties go
-        to the smallest id), or with `tie_band` the longest cached prefix among those within it."""
-        cost = terms[0]
-        best = int(cost.argmin())  # (the method: no dispatch through np.argmin's wrapper)
-        band = self.config.tie_band
-        if band > 0.0:
-            within = cost <= cost[best] + band * abs(cost[best])
-            if self.config.tie_ttft_safe:  # ... and no slower to the first token than the best
-                within &= terms[1] <= terms[1][best]
-            near = np.flatnonzero(within)
-            if len(near) > 1:
-                cached = terms[6][near]
-                top = near[cached == cached.max()]
-                best = int(top[cost[top].argmin()])
-        return best
 
     def prefix_match(self, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
                      now: float) -> list[int] | None:
@@ -370,7 +341,7 @@ class TokenPilot(InstanceRouter):
             return RouteDecision(None, why)
         ids, slots, terms = self._terms(profile, pool, now)
         cost = terms[0]
-        best = self._best(terms)
+        best = int(cost.argmin())  # pool order is instance-id order: ties go to the smallest id
         chosen, reason = best, "lowest predicted cost"
         if cfg.explore > 0 and len(pool) > 1 and self._rng.random() < cfg.explore:
             near = [k for k in np.flatnonzero(cost <= cost[best] * cfg.explore_slack + 0.01) if k != best]
@@ -401,9 +372,7 @@ class TokenPilot(InstanceRouter):
         n = len(pool)
         p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
                       cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
-                      cfg.decode_slo_weight, 0.0, 0.0, cfg.stall_weight, float(cfg.stall_within_slack), cfg.decode_band,
-                      float(cfg.own_decode_no_duty)),
-                     dtype=np.float64)  # (sk.P_*: P_KV_MAX and P_CAPACITY_MIN are answers)
+                      cfg.decode_slo_weight, 0.0, 0.0), dtype=np.float64)  # (sk.P_*: the last two are answers)
         # the snapshots' fields, read once each
         running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
         waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)

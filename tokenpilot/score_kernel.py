@@ -55,8 +55,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_STALL_W, P_STALL_SLACK, P_DECODE_BAND, P_OWN_NO_DUTY) = range(17)
-PARAMS = 17  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN) = range(13)
+PARAMS = 13  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
 def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
@@ -76,17 +76,11 @@ def finish(o: np.ndarray, ttft: np.ndarray, own_step: np.ndarray, kv_cost: np.nd
     (the physics', or the learned model's with `learned_cost`) and the KV pressure (`with_kv`
     0: none anywhere, and adding its zeros is left out, as it always was)."""
     out = 2 * p[P_REMAINING]
-    slo, dw, dsw, band = p[P_TPOT_SLO], p[P_DECODE_W], p[P_DECODE_SLO_W], p[P_DECODE_BAND]
-    floor = -np.inf
-    if band != 0.0:  # time per token within `band` of the best candidate's counts as the best's
-        floor = np.inf
-        for j in range(o.shape[1]):
-            floor = _min(floor, own_step[j])
-        floor = floor * (1.0 + band)
+    slo, dw, dsw = p[P_TPOT_SLO], p[P_DECODE_W], p[P_DECODE_SLO_W]
     for j in range(o.shape[1]):
         own = own_step[j]
         over = _max(0.0, own - slo)
-        decode = out * (dw * (own if band == 0.0 else _max(own, floor)) + (over if dsw == 1.0 else dsw * over))
+        decode = out * (dw * own + (over if dsw == 1.0 else dsw * over))
         cost = ttft[j] + o[O_INTERFERENCE, j]
         if with_kv != 0.0:
             cost = cost + kv_cost[j]
@@ -106,7 +100,7 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
     running, waiting, kv_usage: the snapshots'; matched: prefix blocks cached there."""
     prompt, block_size, now, window = p[P_PROMPT], p[P_BLOCK_SIZE], p[P_NOW], p[P_WINDOW]
     remaining, slo, max_duty = p[P_REMAINING], p[P_TPOT_SLO], p[P_MAX_DUTY]
-    iw, lw, sw = p[P_INTERFERENCE_W], p[P_LOCALITY_W], p[P_STALL_W]
+    iw, lw = p[P_INTERFERENCE_W], p[P_LOCALITY_W]
     cap_prompt = _max(prompt - 1.0, 0.0)  # (max(prompt - 1, 0) on ints: exact as floats)
     n = k.shape[0]
     kv_max, cap_min = -np.inf, np.inf
@@ -165,11 +159,6 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # its remaining output; only what pushes it past its TPOT budget costs goodput.
         slack = (slo - tpot_now) * remaining
         interference = (streams if iw == 1.0 else iw * streams) * _max(0.0, compute - _max(slack, 0.0))
-        if sw != 0.0:  # (off: the sum as it always was)
-            # Within their slack the streams still wait: `compute` seconds of stall each, which
-            # is e2e time as the request's own decode is (priced at the same rate there).
-            stalled = _min(compute, _max(slack, 0.0)) if p[P_STALL_SLACK] != 0.0 else compute
-            interference = interference + sw * streams * stalled
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
         locality = (cached if lw == 1.0 else lw * cached) * token_s
@@ -178,8 +167,6 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # its SLO); without this term, requests whose prefill is cheap everywhere would
         # all tie on TTFT and pile onto one instance.
         own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - duty_after)
-        if p[P_OWN_NO_DUTY] != 0.0:  # (experiment: its own decode without the recent prefill duty's stretch)
-            own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - _min(max_duty, compute / window))
         positive = _max(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
         capacity = m[CAPACITY_BLOCKS, s]
         kv_max = _max(kv_max, kv_usage[j])
