@@ -11,7 +11,10 @@ attainment and TTFT percentiles, then the ratio on/off. The learned model ranks 
 is fitted: until its first fit both runs decide alike. With `--set FIELD=VALUE` (a
 `TokenPilotConfig` field, repeatable) the second run has those fields changed instead, so any
 change of TokenPilot's knobs is A/B'd over every row the same way (`--rows rr75` keeps the rows
-whose name contains "rr75", the issue's load point).
+whose name contains "rr75", the issue's load point). `--seed N` seeds every router of the run
+(TokenPilot's 1% exploration, the peers' random tie breaks), so a change is judged over several
+draws; `--peers` also runs the peers (default: the issue's five) on the same requests and seed and
+gives each TokenPilot run's goodput over the best of them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from fleetsim.simulator import FleetSimulator, HashCache, prepare  # noqa: E402
 from tokenpilot.router import TokenPilot, TokenPilotConfig  # noqa: E402
 
 
+PEERS = ("sglang_cache_aware", "dynamo_kv", "llm_d", "aibrix_prefix", "least_loaded")  # issue 19's targets
+
+
 def table_rows(gen_dir: str, traces: str = "traces") -> list[tuple[str, str, float, int | None]]:
     """(name, trace path, rate scale, max requests) of every `run` line of routing_tables.sh."""
     out = []
@@ -54,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", default="")
     p.add_argument("--max", type=int, default=2000)
     p.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
+    p.add_argument("--seed", type=int, default=0, help="every router's seed")
+    p.add_argument("--peers", nargs="?", const=",".join(PEERS), default="",
+                   help="also run these peers (comma list; default the issue's five) and give goodput / best peer")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="compare the default with these TokenPilotConfig fields changed (default: learned_cost=True)")
     a = p.parse_args(argv)
@@ -66,24 +75,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = "rr75" in want and {"rr75"}
     if sub:
         want.discard("rr75")
-    print("| row | ranking | goodput tok/s | SLO % | TTFT p50 ms | TTFT p95 ms | goodput on/off |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    peers = [x for x in a.peers.split(",") if x]
+    vs = " | best peer | goodput / best peer" if peers else ""
+    print(f"| row | ranking | goodput tok/s | SLO % | TTFT p50 ms | TTFT p95 ms | span s | goodput on/off{vs} |")
+    print("|---|---|---:|---:|---:|---:|---:|---:" + ("|---|---:" if peers else "") + "|")
     for name, trace, scale, _ in table_rows(a.gen_dir, str(REPO / "traces")):
         if (want or sub) and name not in want and not (sub and "rr75" in name):
             continue
         inputs = prepare(scale_rate(head(load_trace(trace), a.max), scale).requests, fleet, hash_cache=HashCache())
+        best = None
+        for peer in peers:
+            g = summarize_all(FleetSimulator(fleet, make_policy(peer, a.seed, fleet)).run(inputs).records,
+                              slos)["goodput_tok_s"]
+            if best is None or g > best[1]:
+                best = (peer, g)
         got = []
         for learned in (False, True):
-            router = make_policy("tokenpilot", 0, fleet)
+            router = make_policy("tokenpilot", a.seed, fleet)
             assert isinstance(router, TokenPilot)
             if learned:
                 router.config = replace(router.config, **changes)
             s = summarize_all(FleetSimulator(fleet, router).run(inputs).records, slos)
             got.append(s)
             ratio = f"{s['goodput_tok_s'] / got[0]['goodput_tok_s']:.3f}x" if learned else ""
+            vs = f" | {best[0]} {best[1]:.0f} | {s['goodput_tok_s'] / best[1]:.4f}x" if best else ""
             print(f"| {name} | {label if learned else 'default'} | {s['goodput_tok_s']:.0f} "
                   f"| {100 * s['slo_attainment']:.1f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p95']:.0f} "
-                  f"| {ratio} |", flush=True)
+                  f"| {s['span_s']:.2f} | {ratio}{vs} |", flush=True)
     return 0
 
 
