@@ -174,6 +174,8 @@ def main() -> int:
                    help="PDRolesConfig.split_demand=True: elastic grows its prefill pool from split demand")
     p.add_argument("--demand-grow", type=float, default=PDRolesConfig().demand_grow,
                    help="PDRolesConfig.demand_grow: unserved split demand (prefill instances' worth) that grows the pool")
+    p.add_argument("--kv-rate-s", type=float, default=PDRolesConfig().kv_rate_s,
+                   help="PDRolesConfig.kv_rate_s: the decode-KV projection's rate over readings this old (0: since the last cycle)")
     a = p.parse_args()
     fleet = pd_fleet(load_fleet_file(Path(a.fleet)), a.disagg)  # (`off`: as it is; else its P/D token budget)
     wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
@@ -185,7 +187,7 @@ def main() -> int:
                                                         cycle_s=a.pd_cycle_s or None,
                                                         start_colocated=not a.start_from_file,
                                                         split_demand=a.split_demand,
-                                                        demand_grow=a.demand_grow))
+                                                        demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,

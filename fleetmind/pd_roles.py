@@ -216,7 +216,9 @@ class PDRoleController:
     _streak_n: int = 0
     _calm_until: float = 0.0
     _blocked: dict[tuple[Role, Role], float] = field(default_factory=dict)
-    _kv_seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))  # (when, decode KV)
+    # (when, decode KV) since the decode pool last changed size
+    _kv_seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    _kv_pool: int = -1  # the decode pool's size those readings were taken at
     _kv_ahead: float = 0.0  # decode KV projected `kv_horizon_s` ahead (this cycle's)
     _span: float = 0.0  # seconds since the previous cycle (the window's)
 
@@ -329,6 +331,13 @@ class PDRoleController:
         u = _decode_kv(instances)
         ahead = u
         seen = self._kv_seen
+        n = sum(i.role == "decode" for i in instances)
+        if n != self._kv_pool:
+            # A pool of another size has another mean: the step a flip makes in it is no rate
+            # (2-4 instances to prefill lift the mean at once, which read as 61-74% ahead at 38-53%
+            # and took them back within one cycle on long documents, bench/DISAGG.md "Split demand").
+            seen.clear()
+            self._kv_pool = n
         while len(seen) > 1 and now - seen[1][0] >= self.config.kv_rate_s:
             seen.popleft()  # (the newest reading old enough is kept as the base)
         if seen and now > seen[0][0]:
