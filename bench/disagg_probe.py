@@ -176,13 +176,16 @@ def main() -> int:
                    help="PDRolesConfig.demand_grow: unserved split demand (prefill instances' worth) that grows the pool")
     p.add_argument("--kv-rate-s", type=float, default=PDRolesConfig().kv_rate_s,
                    help="PDRolesConfig.kv_rate_s: the decode-KV projection's rate over readings this old (0: since the last cycle)")
+    p.add_argument("--local-decode-as-split", action="store_true",
+                   help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
     a = p.parse_args()
     fleet = pd_fleet(load_fleet_file(Path(a.fleet)), a.disagg)  # (`off`: as it is; else its P/D token budget)
     wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
-                                                               slos=dict(fleet.admission.slos())))
+                                                               slos=dict(fleet.admission.slos()),
+                                                               local_decode_as_split=a.local_decode_as_split))
     ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high,
                                                         cycle_s=a.pd_cycle_s or None,
                                                         start_colocated=not a.start_from_file,
