@@ -32,7 +32,7 @@ LOADS: tuple[tuple[str, tuple[float, ...]], ...] = (
 
 
 def probe(trace: str, scale: float, disagg: str, extra: list[str], code: Path | None,
-          max_requests: int | None) -> dict:
+          max_requests: int | None) -> dict:  # (extra: the probe's flags, e.g. --fleet)
     """One probe run's summary row (the line with `goodput_tok_s`)."""
     cmd = [sys.executable, str(ROOT / "bench/disagg_probe.py"), "--trace", trace, "--disagg", disagg,
            "--rate-scale", f"{scale:g}", "--every", "600", *extra]
@@ -42,9 +42,15 @@ def probe(trace: str, scale: float, disagg: str, extra: list[str], code: Path | 
     if code is not None:
         env["PYTHONPATH"] = str(code)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
+    row = None
+    flips = []
     for line in out.splitlines():
         if line.startswith("{") and "goodput_tok_s" in line:
-            return json.loads(line)
+            row = json.loads(line)
+        elif line.startswith("flip "):
+            flips.append(json.loads(line[5:]))
+    if row is not None:
+        return {**row, "flips": flips}
     raise RuntimeError(f"no summary row from {' '.join(cmd)}")
 
 
@@ -59,15 +65,22 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--start-from-file", action="store_true",
                    help="the 'elastic now' runs start from the fleet file's roles (the probe's flag)")
+    p.add_argument("--fleet", default=None, help="the fleet file of every run (the probe's default: deploy/sim/pd32.yaml)")
+    p.add_argument("--off-at", default=None, metavar="FLEET",
+                   help="one more column: `off` on this fleet file (e.g. pd32.yaml with max_num_batched_tokens set "
+                        "to its pd_max_num_batched_tokens: colocated at the P/D fleet's token budget)")
     a = p.parse_args()
-    extra = ["--start-from-file"] if a.start_from_file else []
+    fleet = ["--fleet", a.fleet] if a.fleet else []
+    extra = (["--start-from-file"] if a.start_from_file else []) + fleet
     traces = {"agent": (a.agent, None), "mooncake": (MOONCAKE, 4000), "longdoc": (a.longdoc, None)}
     only = set(a.only.split(",")) if a.only else {w for w, _ in LOADS}
     cols: list[tuple[str, str, list[str], Path | None]] = []
     if not a.no_off:
-        cols.append(("off", "off", [], None))
+        cols.append(("off", "off", fleet, None))
+    if a.off_at is not None:
+        cols.append(("off at budget", "off", ["--fleet", a.off_at], None))
     if a.before is not None:
-        cols.append(("elastic before", "elastic", [], a.before.resolve()))
+        cols.append(("elastic before", "elastic", fleet, a.before.resolve()))
     cols.append(("elastic now", "elastic", extra, None))
     jobs = [(w, s, c) for w, scales in LOADS if w in only for s in scales for c in cols]
     with ThreadPoolExecutor(a.jobs) as pool:
@@ -88,6 +101,20 @@ def main() -> int:
                 cells = [cells[0]] + [f"{x:.0f} ({x / off:.2f}x)" for x in g[1:]]
                 cells.append(f"{g[-1] / off:.2f}x")
             print(f"| {w} x{s:g} | " + " | ".join(cells) + " |")
+    if "off" in names:  # the targets' other ratios, 'elastic now' against 'off'
+        print()
+        print("| workload, load | goodput | TTFT p95 | TPOT p95 | split % | flips |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for w, scales in LOADS:
+            for s in scales:
+                if w not in only:
+                    continue
+                off, now = got[(w, s, "off")], got[(w, s, names[-1])]
+                r = [now["goodput_tok_s"] / off["goodput_tok_s"], now["ttft_ms"]["p95"] / off["ttft_ms"]["p95"],
+                     now["tpot_ms"]["p95"] / off["tpot_ms"]["p95"]]
+                flips = sum(1 for f in now.get("flips", []) if f["kind"] == "flip")
+                print(f"| {w} x{s:g} | " + " | ".join(f"{x:.2f}x" for x in r)
+                      + f" | {100 * now.get('split_share', 0.0):.1f} | {flips} |")
     if a.json:
         Path(a.json).write_text(json.dumps([{"workload": w, "rate_scale": s, "column": n, **r}
                                             for (w, s, n), r in got.items()], default=str))

@@ -22,7 +22,7 @@ from typing import Any
 
 from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy
-from fleetsim.disagg import PDRuntime, make_disagg_policy, pd_controllers, pd_row
+from fleetsim.disagg import PDRuntime, make_disagg_policy, pd_controllers, pd_fleet, pd_row
 from fleetmind.pd_roles import PDRolesConfig
 from tokenpilot.disagg import DisaggConfig
 from fleetsim.metrics import summarize_all
@@ -78,7 +78,10 @@ class TailTracer(PDRuntime):
             n["reason"] = d.reason
             return d
 
-        self.policy = type("Traced", (), {"decide": staticmethod(traced), "name": policy.name})()
+        # (the rest of the policy as it is: the withdrawn-leg booking, the split demand)
+        self.policy = type("Traced", (), {"decide": staticmethod(traced), "name": policy.name,
+                                          "prefill_withdrawn": staticmethod(policy.prefill_withdrawn),
+                                          "take_demand": staticmethod(policy.take_demand)})()
 
     def dispatch(self, r: Any, now: float, view: Any, avoid: Any) -> None:
         n = self.notes.setdefault(r.inp.request_id, {})
@@ -167,16 +170,27 @@ def main() -> int:
                    help="PDRolesConfig.cycle_s, the elastic controller's period (0: the fleet's planner.cycle_s)")
     p.add_argument("--start-from-file", action="store_true",
                    help="PDRolesConfig.start_colocated=False: elastic starts from the fleet file's roles")
+    p.add_argument("--split-demand", action="store_true",
+                   help="PDRolesConfig.split_demand=True: elastic grows its prefill pool from split demand")
+    p.add_argument("--demand-grow", type=float, default=PDRolesConfig().demand_grow,
+                   help="PDRolesConfig.demand_grow: unserved split demand (prefill instances' worth) that grows the pool")
+    p.add_argument("--kv-rate-s", type=float, default=PDRolesConfig().kv_rate_s,
+                   help="PDRolesConfig.kv_rate_s: the decode-KV projection's rate over readings this old (0: since the last cycle)")
+    p.add_argument("--local-decode-as-split", action="store_true",
+                   help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
     a = p.parse_args()
-    fleet = load_fleet_file(Path(a.fleet))
+    fleet = pd_fleet(load_fleet_file(Path(a.fleet)), a.disagg)  # (`off`: as it is; else its P/D token budget)
     wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
-                                                               slos=dict(fleet.admission.slos())))
+                                                               slos=dict(fleet.admission.slos()),
+                                                               local_decode_as_split=a.local_decode_as_split))
     ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high,
                                                         cycle_s=a.pd_cycle_s or None,
-                                                        start_colocated=not a.start_from_file))
+                                                        start_colocated=not a.start_from_file,
+                                                        split_demand=a.split_demand,
+                                                        demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,

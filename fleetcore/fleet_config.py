@@ -85,6 +85,15 @@ class EngineConfigSpec(_Strict):
     max_model_len: int = Field(default=32768, gt=0)
     block_size: int = Field(default=16, gt=0)
     max_num_batched_tokens: int = Field(default=8192, gt=0)
+    # The per-step token budget of this model's engines when the fleet runs prefill/decode
+    # (`tokenfleet simulate --disagg` other than `off`, which ignores roles and this): a decode
+    # instance then admits a local prefill's chunks within it, so every step its running streams
+    # share stays short (a step with an 8,192-token chunk of Llama-3.1-70B on 2 x H200 takes ~1 s,
+    # one with 2,048 ~0.25 s, a decode step ~25 ms). Real engines set it at launch: vLLM
+    # `--max-num-batched-tokens` (decodes are scheduled first, prefill chunks fill the rest),
+    # SGLang `--chunked-prefill-size`. Static per instance, so a role flip keeps it. None:
+    # `max_num_batched_tokens` (bench/DISAGG.md "Decode-side chunk budget").
+    pd_max_num_batched_tokens: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=256, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
 

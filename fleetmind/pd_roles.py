@@ -25,6 +25,10 @@ The rule, each cycle:
 - step: the share of requests the pressure is about, times the pool that gives instances
   up, rounded, between 1 and `max_step` instances at once (a bad split is fixed in a few
   cycles, a small imbalance moves one instance);
+- split demand (`split_demand`, off by default): the P/D decision's count of requests a split
+  onto an idle prefill instance would have served better but that no prefill instance took
+  (`tokenpilot.disagg.SplitDemand`), in prefill instances' worth, is prefill pressure ahead of
+  the TTFT/TPOT shares, and TPOT pressure leaves alone a prefill pool its splits keep busy;
 - memory: a pool whose mean KV usage is above `max_source_kv` gives no instance up (its
   streams would have nowhere to go: decode KV fills before decode compute does);
 - urgency (`urgent_kv`): decode KV at or above `decode_kv_high + kv_band`, now or
@@ -111,8 +115,12 @@ class PDRolesConfig:
     # 1,684), Mooncake x5.5 1,738 (1,415), long documents x7 1,503 (1,336); 1 s and 3 s were
     # worse on at least one of them (bench/DISAGG.md "Agent loops x14").
     cycle_s: float | None = 2.0
-    # Urgency reads the decode KV this far ahead, at the rate it rose since the last cycle.
+    # Urgency reads the decode KV this far ahead, at the rate it rose since the reading at least
+    # `kv_rate_s` old (the oldest kept, early on). With a 2 s period the rate since the last cycle
+    # alone was noise times 15: one prefill pool's hand-over, +2% in 2 s, read as 91% ahead on
+    # Mooncake and took the pool back at 38% (bench/DISAGG.md "Split demand").
     kv_horizon_s: float = 30.0
+    kv_rate_s: float = 10.0
     # The fleet the controller starts from: True turns every prefill instance the fleet file
     # names (beyond `min_prefill`) to decode on the first cycle, before any request is placed,
     # so elastic starts as the colocated fleet and a prefill pool grows only on the pressure
@@ -120,6 +128,19 @@ class PDRolesConfig:
     # x14 with all 16 prefill instances turned decode at 0.5 s measured 0.94x colocated, at 10 s
     # 0.28x (bench/DISAGG.md "Agent loops x14"). False: start from the file's roles.
     start_colocated: bool = True
+    # Split demand (`SLOWindow.starved_prefill_s`): prefill seconds per second of requests that a
+    # split onto an idle prefill instance would have served better, placed locally because no
+    # prefill instance could take them, are prefill instances the fleet lacks. At or above
+    # `demand_grow` (instances' worth) it is prefill pressure, ahead of TTFT and TPOT shares (a
+    # TPOT miss a local prefill caused asks for a prefill instance, not a decode one), and the
+    # step is that many instances (up to `max_step`). TPOT pressure takes a prefill instance
+    # only while the pool less one still runs the splits' prefill seconds at `demand_util`.
+    # Off by default: it grew 1-4 prefill instances early and lost goodput on all three
+    # workloads (Mooncake x5.5 1,247 against 1,452 tok/s without it, long documents x7 500
+    # against 1,660, agent loops x14 1,907 against 5,198; bench/DISAGG.md "Split demand").
+    split_demand: bool = False
+    demand_grow: float = 0.5
+    demand_util: float = 0.8
     # Gradual flips: the instance takes its new role at once and finishes its in-flight work
     # where it is (a decode instance turned prefill keeps decoding its streams; a prefill
     # instance turned decode still sends the KV it holds). Off: drain first, switch once idle.
@@ -145,6 +166,14 @@ class SLOWindow:
     ttft_missed: int
     tpot_missed: int
     decode_blocked: int = 0  # prefilled requests that waited for KV room on a decode instance
+    # The P/D decision's split demand over the window (`tokenpilot.disagg.SplitDemand`): requests
+    # placed, those a split onto an idle prefill instance would have served better but that ran
+    # locally (no prefill instance, or all too busy), their prefill compute seconds, and the
+    # prefill compute seconds of the requests that did split.
+    placed: int = 0
+    split_starved: int = 0
+    starved_prefill_s: float = 0.0
+    split_prefill_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,13 +216,17 @@ class PDRoleController:
     _streak_n: int = 0
     _calm_until: float = 0.0
     _blocked: dict[tuple[Role, Role], float] = field(default_factory=dict)
-    _kv_seen: tuple[float, float] | None = None  # (when, decode KV) at the previous cycle
+    # (when, decode KV) since the decode pool last changed size
+    _kv_seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    _kv_pool: int = -1  # the decode pool's size those readings were taken at
     _kv_ahead: float = 0.0  # decode KV projected `kv_horizon_s` ahead (this cycle's)
+    _span: float = 0.0  # seconds since the previous cycle (the window's)
 
     def cycle(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
         first = self._last_t is None
         span = now - self._last_t if self._last_t is not None else 0.0
         self._last_t = now
+        self._span = span
         if span > 0:
             self._history.append((now, window.met / span, window.ended))
         self._project(now, instances)
@@ -297,10 +330,20 @@ class PDRoleController:
         comes after the caches it should have kept are gone (bench/DISAGG.md)."""
         u = _decode_kv(instances)
         ahead = u
-        if self._kv_seen is not None and now > self._kv_seen[0]:
-            rate = (u - self._kv_seen[1]) / (now - self._kv_seen[0])
+        seen = self._kv_seen
+        n = sum(i.role == "decode" for i in instances)
+        if n != self._kv_pool:
+            # A pool of another size has another mean: the step a flip makes in it is no rate
+            # (2-4 instances to prefill lift the mean at once, which read as 61-74% ahead at 38-53%
+            # and took them back within one cycle on long documents, bench/DISAGG.md "Split demand").
+            seen.clear()
+            self._kv_pool = n
+        while len(seen) > 1 and now - seen[1][0] >= self.config.kv_rate_s:
+            seen.popleft()  # (the newest reading old enough is kept as the base)
+        if seen and now > seen[0][0]:
+            rate = (u - seen[0][1]) / (now - seen[0][0])
             ahead = u + max(0.0, rate) * self.config.kv_horizon_s
-        self._kv_seen = (now, u)
+        seen.append((now, u))
         self._kv_ahead = min(1.0, ahead)
 
     def _urgent(self) -> bool:
@@ -354,16 +397,25 @@ class PDRoleController:
         pool = [i for i in instances if i.role == src and not i.draining]
         if len(pool) <= self._min(src) or sum(i.kv_usage for i in pool) / len(pool) > cfg.max_source_kv:
             return []
-        share_t, share_p = window.ttft_missed / window.ended, window.tpot_missed / window.ended
-        share_b = window.decode_blocked / window.ended
+        ended = max(window.ended, 1)
+        share_t, share_p = window.ttft_missed / ended, window.tpot_missed / ended
+        share_b = window.decode_blocked / ended
         kv_over = _decode_kv(instances) - cfg.decode_kv_high
-        size = share_b if share_b > cfg.margin else max(kv_over, 0.0) if want == "decode" and kv_over > 0 \
-            else abs(share_t - share_p)
-        step = max(1, min(cfg.max_step, len(pool) - self._min(src), round(size * len(pool))))
+        starved = self._starved(window)
+        demand = want == "prefill" and starved >= cfg.demand_grow
+        if demand:  # that many instances' worth of prefill found no prefill instance
+            size_n = math.ceil(starved)
+        else:
+            size = share_b if share_b > cfg.margin else max(kv_over, 0.0) if want == "decode" and kv_over > 0 \
+                else abs(share_t - share_p)
+            size_n = round(size * len(pool))
+        step = max(1, min(cfg.max_step, len(pool) - self._min(src), size_n))
         picks = tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))[:step])
-        why = "TTFT" if want == "prefill" else "decode KV" if share_b > cfg.margin or kv_over > 0 else "TPOT"
+        why = "split demand" if demand else "TTFT" if want == "prefill" \
+            else "decode KV" if share_b > cfg.margin or kv_over > 0 else "TPOT"
         reason = (f"{why} pressure: TTFT missed {share_t:.0%}, TPOT missed {share_p:.0%}, "
-                  f"waited for decode KV {share_b:.0%} of {window.ended}, decode KV {_decode_kv(instances):.0%}")
+                  f"waited for decode KV {share_b:.0%} of {window.ended}, decode KV {_decode_kv(instances):.0%}, "
+                  f"split demand unserved {starved:.1f} instances ({window.split_starved} of {window.placed})")
         return self._start(now, picks, src, want, reason)
 
     def _start(self, now: float, picks: tuple[str, ...], src: Role, want: Role, reason: str) -> list[RoleCommand]:
@@ -378,22 +430,46 @@ class PDRoleController:
         self._event(now, "drain", ",".join(picks), want, reason)
         return [RoleCommand("drain", i) for i in picks]
 
+    def _starved(self, w: SLOWindow) -> float:
+        """Prefill instances' worth of split demand no prefill instance took (0 when the rule is
+        off or too few requests were placed to say)."""
+        cfg = self.config
+        if not cfg.split_demand or w.placed < cfg.min_samples or self._span <= 0:
+            return 0.0
+        return w.starved_prefill_s / self._span
+
+    def _pool_needed(self, w: SLOWindow, instances: Sequence[RoleInstance]) -> bool:
+        """Whether the prefill pool less one instance would run the splits' prefill seconds past
+        `demand_util` (then TPOT pressure takes none of it: its streams' misses come from local
+        prefills, which a smaller pool makes more of)."""
+        cfg = self.config
+        if not cfg.split_demand or self._span <= 0:
+            return False
+        n = sum(i.role == "prefill" for i in instances)
+        return w.split_prefill_s / self._span > (n - 1) * cfg.demand_util
+
     def _pressure(self, w: SLOWindow, instances: Sequence[RoleInstance]) -> Direction | None:
         cfg = self.config
+        kv = _decode_kv(instances)
+        if w.ended >= cfg.min_samples:
+            if w.decode_blocked / w.ended > cfg.margin:  # prefill is waiting on decode
+                return "decode"
+            if kv > cfg.decode_kv_high:  # the decode pool's memory is the bound: more of it
+                return "decode"
+        elif kv > cfg.decode_kv_high:
+            return None
+        # Decode instances prefill too (locally): taking one for prefill only pays while the
+        # decode pool has KV to spare for the streams it would have held.
+        kv_spare = kv < cfg.decode_kv_high - cfg.kv_band
+        if self._starved(w) >= cfg.demand_grow:
+            return "prefill" if kv_spare else None
         if w.ended < cfg.min_samples:
             return None
-        if w.decode_blocked / w.ended > cfg.margin:  # prefill is waiting on decode
-            return "decode"
-        kv = _decode_kv(instances)
-        if kv > cfg.decode_kv_high:  # the decode pool's memory is the bound: more of it
-            return "decode"
         diff = (w.ttft_missed - w.tpot_missed) / w.ended
         if diff > cfg.margin:
-            # Decode instances prefill too (locally): taking one for prefill only pays while
-            # the decode pool has KV to spare for the streams it would have held.
-            return "prefill" if kv < cfg.decode_kv_high - cfg.kv_band else None
+            return "prefill" if kv_spare else None
         if -diff > cfg.margin:
-            return "decode"
+            return None if self._pool_needed(w, instances) else "decode"
         return None
 
     def _goodput(self, start: float, end: float) -> float:

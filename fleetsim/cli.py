@@ -48,7 +48,7 @@ from .metrics import RequestRecord, summarize, summarize_all
 from .failures import DEFAULT_STALL_S, FailureModel
 from .planning import DEFAULT_STARTUP_S, PlannerLoop
 from .plots import PlotUnavailable, Run, require_matplotlib, write_plots
-from .disagg import DISAGG_MODES, PDRuntime, make_disagg_policy, pd_controllers, pd_row
+from .disagg import DISAGG_MODES, PDRuntime, make_disagg_policy, pd_controllers, pd_fleet, pd_row
 from .replicas import ReplicatedRouter
 from .report import (
     build_report,
@@ -414,10 +414,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     runs: list[Run] = []
     policies = PolicySet(fleet.region_policies)
+    base_fleet = fleet
     slos = fleet.admission.slos()  # the fleet's SLO map: what admission, FleetMind and the report judge by
     for placement in placements:
         for name, admission, mode in ((n, a, m) for n in names for a in admissions for m in modes):
             random.seed(args.seed)  # for any policy that draws from the module RNG
+            fleet = pd_fleet(base_fleet, mode)  # (`off`: the fleet file's; P/D modes: its P/D token budget)
             try:
                 router = make_policy(name, args.seed, fleet)
                 if args.gateways > 1:  # replica i: its own router, seeded apart

@@ -37,7 +37,7 @@ from fleetcore.interconnect import LinkQueue, kv_bytes, link_between
 from fleetcore.slo import ClassSLO
 from fleetcore.types import FleetView, Role
 from fleetmind.pd_roles import PDRoleController, PDRolesConfig, RoleInstance, SLOWindow
-from tokenpilot.disagg import DisaggConfig, DisaggPolicy, TokenPilotDisagg
+from tokenpilot.disagg import DisaggConfig, DisaggPolicy, SplitDemand, TokenPilotDisagg
 from tokenpilot.disagg_baselines import DynamoConditional, LlmDDecider
 from tokenpilot.router import TokenPilot
 
@@ -48,6 +48,19 @@ DISAGG_MODES: tuple[str, ...] = ("off", "static", "elastic", "dynamo_conditional
 # A decode instance with no room for a transfer's blocks is asked again this often (the
 # transfers waiting for it queue FIFO behind the first).
 RECEIVE_RETRY_S = 0.02
+
+
+def pd_fleet(fleet: FleetConfig, mode: str) -> FleetConfig:
+    """The fleet a `--disagg` mode runs: for every mode but `off` (which ignores roles), each model's
+    engines take its `pd_max_num_batched_tokens` as their token budget, where one is set (engines
+    and the router's priors both read the fleet, so they agree). `off`: the fleet as it is."""
+    if mode == "off" or all(m.engine.pd_max_num_batched_tokens is None for m in fleet.models):
+        return fleet
+    models = [m if m.engine.pd_max_num_batched_tokens is None else
+              m.model_copy(update={"engine": m.engine.model_copy(
+                  update={"max_num_batched_tokens": m.engine.pd_max_num_batched_tokens})})
+              for m in fleet.models]
+    return fleet.model_copy(update={"models": models})
 
 
 def make_disagg_policy(mode: str, router: object, config: DisaggConfig | None = None) -> DisaggPolicy | None:
@@ -366,7 +379,10 @@ class PDRolesLoop:
                     tpot_missed += 1
         self._open = still
         blocked, pd.stats.waited_ended = pd.stats.waited_ended, 0
-        return SLOWindow(ended, met, ttft_missed, tpot_missed, blocked)
+        take = getattr(pd.policy, "take_demand", None)  # (a policy without split demand: none)
+        dm = take() if take is not None else SplitDemand()
+        return SLOWindow(ended, met, ttft_missed, tpot_missed, blocked, dm.placed, dm.starved,
+                         dm.starved_prefill_s, dm.split_prefill_s)
 
 
 def pd_controllers(mode: str, fleet: FleetConfig, config: PDRolesConfig | None = None) -> list[tuple[float, Any]]:

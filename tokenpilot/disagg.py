@@ -28,7 +28,18 @@ send the KV to a `decode` or `mixed` instance over the interconnect. For each re
 
 so a short uncached prompt stays local (its prefill barely disturbs decoding there), a long
 one goes to a prefill instance when the interference it would cause costs more than the
-transfer, and a congested link keeps it local. Cache reuse counts on the prefill side and,
+transfer, and a congested link keeps it local. The interference term is the TPOT harm of a
+local prefill: with chunked prefill every step that carries one of its chunks stretches every
+running stream's step, so it costs (its compute) x (the streams there) less the slack their
+TPOT budget leaves them (`tokenpilot.score_kernel.score`).
+
+Split demand (`SplitDemand`, read by the elastic role controller, `fleetmind.pd_roles`): for
+every request the decision also asks whether a split onto an *idle* prefill instance would have
+paid — the local option's TPOT harm on its streams plus what they slow its prefill by, against
+an idle link's transfer and the second hop — and counts those it placed locally all the same
+(there was no prefill instance, or every one was too busy). Their prefill seconds per second
+are the prefill instances the fleet lacks: the growth signal of an elastic prefill pool that
+starts empty (bench/DISAGG.md "Split demand"). Counting changes no decision. Cache reuse counts on the prefill side and,
 for local prefill, on the decode side (both come from the router's prefix index).
 
 The baselines (`tokenpilot.disagg_baselines`) share the skeleton (`RuleDisagg`): choose the
@@ -74,8 +85,19 @@ class PDDecision:
         return self.prefill is not None and self.prefill != self.decode
 
 
+@dataclass(slots=True)
+class SplitDemand:
+    """What the P/D decisions since the last read asked of the prefill pool (module doc)."""
+
+    placed: int = 0  # requests placed
+    starved: int = 0  # ... for which a split onto an idle prefill instance would have paid, placed locally
+    starved_prefill_s: float = 0.0  # their prefill compute seconds (what prefill instances would have run)
+    split_prefill_s: float = 0.0  # prefill compute seconds of the requests that split
+
+
 class DisaggPolicy(Protocol):
     name: str
+    demand: SplitDemand
 
     def decide(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], transfers: Transfers,
                now: float) -> PDDecision: ...
@@ -99,6 +121,14 @@ class DisaggConfig:
     # prompts queued a minute at the prefill pool in overload (the TTFT tail, bench/DISAGG.md).
     ttft_miss_weight: float = 0.0
     slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+    # Price the local option's own decode, against a split, without the duty of its own prefill
+    # (`TokenPilotDisagg.decide`). Off by default: the live P/D tests and `bench/pd_live.py` split
+    # long prompts beside a few light streams, which only that duty paid for (bench/DISAGG.md
+    # "Split demand": what the tests would need instead).
+    local_decode_as_split: bool = False
+    # Split demand (`SplitDemand`) counts no request whose split would recompute more than this
+    # x its local prefill's compute (`_Placer._would_split`).
+    demand_recompute: float = 1.25
 
 
 def _as_priced(pool: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
@@ -137,6 +167,53 @@ class _Placer:
     def __init__(self, router: TokenPilot, config: DisaggConfig | None = None) -> None:
         self.router = router
         self.config = config or DisaggConfig()
+        self.demand = SplitDemand()
+
+    def take_demand(self) -> SplitDemand:
+        """The split demand since the last call (and a fresh count from now)."""
+        d, self.demand = self.demand, SplitDemand()
+        return d
+
+    def _would_split(self, profile: RequestProfile, priced: Priced, j: int, prefill: Sequence[int],
+                     transfers: Transfers, now: float) -> float | None:
+        """The prefill compute seconds an *idle* prefill instance would spend on this request if
+        splitting onto it and sending the KV to candidate `j` costs less than prefilling on `j`;
+        else None. Local: its prefill on `j` (slowed by `j`'s streams) and its interference (their
+        steps stretched past the TPOT budget). Split: the bare compute on a prefill instance with
+        the best prefix any prefill candidate holds (none without one), an idle link's transfer of
+        what `j` does not cache (from `j`'s site: the link's time, not a sender's queue) and the
+        second hop. Queues are left out on both sides (a prefill pool has one too). A split that
+        would recompute more than `demand_recompute` x the local prefill's compute (the prefix is
+        cached where it decodes: agent histories) is no demand: in an overloaded fleet that extra
+        compute is capacity taken from other requests, which the per-request cost does not see."""
+        if (profile.max_tokens or 2) < 2:
+            return None
+        cached = max((float(priced.cached[p]) for p in prefill), default=0.0)
+        compute = self.router.prefill_compute_s(priced.ids[j], profile.prompt_tokens - cached, cached)
+        if compute > self.config.demand_recompute * float(priced.compute[j]):
+            return None
+        local = float(priced.prefill[j] + priced.interference[j])
+        iid = priced.ids[j]
+        split = compute + self.config.split_overhead_s
+        if local <= split:
+            return None
+        split += transfers.predict_s(iid, iid, _uncached_at(profile, priced, j), now)
+        return compute if local > split else None
+
+    def _count(self, profile: RequestProfile, priced: Priced, j: int, transfers: Transfers, now: float,
+               d: PDDecision) -> PDDecision:
+        """Book decision `d` (local on `j`, or split) into the split demand."""
+        dm = self.demand
+        dm.placed += 1
+        if d.split:
+            assert d.prefill is not None
+            dm.split_prefill_s += float(priced.compute[priced.index(d.prefill)])
+            return d
+        compute = self._would_split(profile, priced, j, _roles(priced)[1], transfers, now)
+        if compute is not None:
+            dm.starved += 1
+            dm.starved_prefill_s += compute
+        return d
 
     def _price(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
                now: float) -> tuple[Priced, list[int], list[int]]:
@@ -204,8 +281,9 @@ class TokenPilotDisagg(_Placer):
         cost = self._local_cost(profile, priced, kv) + self._late(profile, priced.ttft)
         best_local = min(whole, key=lambda j: (cost[j], j))
         if not prefill or (profile.max_tokens or 2) < 2:
-            return self._local(profile, priced, best_local, now, "local: no prefill instance" if not prefill
-                               else "local: one output token, nothing to decode elsewhere")
+            return self._count(profile, priced, best_local, transfers, now,
+                               self._local(profile, priced, best_local, now, "local: no prefill instance"
+                                           if not prefill else "local: one output token, nothing to decode elsewhere"))
         cfg = self.config
         pre = _prefill_cost(priced)
         # A decode instance that receives the KV does not prefill: price its stream as such
@@ -225,11 +303,21 @@ class TokenPilotDisagg(_Placer):
                     best = (total, p, d, xfer)
         assert best is not None
         total, p, d, xfer = best
-        if total < float(cost[best_local]):
-            return self._split(profile, priced, p, d, xfer, now,
-                               f"split: predicted cost {total:.3f} s < {float(cost[best_local]):.3f} s local")
-        return self._local(profile, priced, best_local, now,
-                           f"local: predicted cost {float(cost[best_local]):.3f} s <= {total:.3f} s split")
+        local = float(cost[best_local])
+        if cfg.local_decode_as_split:
+            # The local option's own decode priced as the split's is: without the duty its own
+            # prefill adds (`duty_after`). That prefill is over before its first token, so it
+            # stretches the steps of the streams already there (the interference term), not its
+            # own; priced with it, a long prompt on an idle fleet splits for nothing (16k tokens,
+            # no stream anywhere: 3.89 s split against 4.33 s local, `tests/test_pd_demand.py`).
+            local += float(streams.decode[streams.index(priced.ids[best_local])] - priced.decode[best_local])
+        if total < local:
+            pick = self._split(profile, priced, p, d, xfer, now,
+                               f"split: predicted cost {total:.3f} s < {local:.3f} s local")
+        else:
+            pick = self._local(profile, priced, best_local, now,
+                               f"local: predicted cost {local:.3f} s <= {total:.3f} s split")
+        return self._count(profile, priced, best_local, transfers, now, pick)
 
 
 class RuleDisagg(_Placer):

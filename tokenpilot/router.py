@@ -638,6 +638,15 @@ class TokenPilot(InstanceRouter):
         whole = np.full(len(pool), -(-profile.prompt_tokens // max(profile.block_size, 1)), dtype=float)
         return Priced(ids, tuple(pool), self._score(profile, pool, self._pool_slots(ids), whole, now))
 
+    def prefill_compute_s(self, instance_id: str, uncached: float, cached: float) -> float:
+        """The bare compute of prefilling `uncached` tokens after `cached` ones on this instance
+        (linear layers per token + attention over the context so far: the `compute` term of
+        `score_kernel.score`, at its learned speed), for an instance that runs nothing else.
+        Read-only."""
+        s = self._s
+        k = self._slot(instance_id)
+        return float(uncached * s.m[s.TOKEN_EFF, k] + s.m[s.ATTN_EFF, k] * uncached * (cached + uncached / 2))
+
     def committed_kv(self, profile: RequestProfile, priced: Priced) -> np.ndarray:
         """Each candidate's KV in use or promised, as a share of its capacity: the larger of what
         its engine reports and what was sent there and has not ended (prompts, plus the half of a
