@@ -147,28 +147,32 @@ def test_head_hold_writes_what_it_holds_on_release_and_before_closing() -> None:
     assert t.writes == [b"HEAD", b"x", b"HEAD2"] and t.closed
 
 
+class _Stats:
+    done = True
+
+
+class _Dispatch:
+    stats = _Stats()
+
+
+class _Stream:
+    """What RelayStreamingResponse reads of a RelayStream: its one chunk, prefetched, and its dispatch."""
+
+    def __init__(self) -> None:
+        self.d = _Dispatch()
+        self._pending = b"data: x\n\n"
+
+    async def iter_bytes(self):  # type: ignore[no-untyped-def]
+        chunk, self._pending = self._pending, b""
+        yield chunk
+
+    async def close(self) -> None:
+        return None
+
+
 async def test_a_relayed_stream_sends_its_head_and_first_events_in_one_write() -> None:
     from gateway.head_hold import SCOPE_KEY, HeadHold
     from gateway.relay import RelayStreamingResponse
-
-    class _Stats:
-        done = True
-
-    class _Dispatch:
-        stats = _Stats()
-
-    class _Stream:
-        """What RelayStreamingResponse reads of a RelayStream: its first chunk, prefetched."""
-
-        d = _Dispatch()
-        _pending = b"data: x\n\n"
-
-        async def iter_bytes(self):  # type: ignore[no-untyped-def]
-            chunk, self._pending = self._pending, b""
-            yield chunk
-
-        async def close(self) -> None:
-            return None
 
     t = _Transport()
     hold = HeadHold(t)  # type: ignore[arg-type]
@@ -205,22 +209,6 @@ async def test_a_finished_stream_is_freed_without_the_cyclic_collector() -> None
     import weakref
 
     from gateway.relay import RelayStreamingResponse
-
-    class _Stats:
-        done = True
-
-    class _Dispatch:
-        stats = _Stats()
-
-    class _Stream:
-        d = _Dispatch()
-        _pending = b"data: x\n\n"
-
-        async def iter_bytes(self):  # type: ignore[no-untyped-def]
-            yield self._pending
-
-        async def close(self) -> None:
-            return None
 
     async def send(message: dict) -> None:  # type: ignore[type-arg]
         return None
