@@ -35,9 +35,8 @@ import numpy as np
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot import score_kernel as sk
-from tokenpilot.backlog import Outstanding, reconcile
+from tokenpilot.backlog import Outstanding
 from tokenpilot.cache_index import PrefixCacheIndex
-from tokenpilot.forward import drain_rate
 from tokenpilot.latency_model import LearnedLatency
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
@@ -483,20 +482,10 @@ class TokenPilot(InstanceRouter):
 
     def _settle(self, k: int, now: float) -> None:
         """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
-        s, m = self._s, self._s.m
-        elapsed = max(0.0, now - m[s.DECAYED_AT, k])
-        m[s.BACKLOG_UNTRACKED, k] = max(0.0, m[s.BACKLOG_UNTRACKED, k] - elapsed)
-        m[s.BACKLOG, k] = max(0.0, m[s.BACKLOG, k] - elapsed)
-        m[s.DUTY, k] *= np.exp(elapsed / -self._duty_window())
-        m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
-        m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
-        # (the drain rate from the slot's own streams: the engine's count is not at hand here)
-        decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
-        drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k],
-                                             m[s.BUDGET, k], m[s.TOKEN_EFF, k], m[s.KV_EFF, k], m[s.OVERHEAD_S, k]))
-        m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
-        m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
-                                        m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
+        m = self._s.m
+        elapsed = max(0.0, now - float(m[sk.DECAYED_AT, k]))
+        # (numpy's exp, as the scoring takes it; the rest compiled: `score_kernel.settle`)
+        sk.settle(m, k, now, elapsed, float(np.exp(elapsed / -self._duty_window())))
 
     def _through(self, k: int, request_id: str, now: float) -> None:
         """The request's prefill is through (first token), or it ended: it leaves the outstanding set."""

@@ -1,0 +1,149 @@
+"""TokenPilot's per-request bookkeeping made cheaper (branch i14-place), against the code it replaced.
+
+Each oracle below is the function as it was at 6e5af05, kept verbatim: `_settle` (Python on numpy
+scalars; now `score_kernel.settle`, compiled), `LearnedLatency._log_ratio` (np.clip of one float;
+now Python's min/max) and `LearnedLatency.correct` / `Fit.residual` (np.clip, the bound's log and
+the column views per call; now the clip ufunc, the log once, the views once). Both sides run on
+the same random states, NaN, inf, zeros and negative values included; results must be the same
+floats (NaN where NaN, the sign of zeros too). The decision replays (tests/test_score_once.py)
+check whole decisions.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tokenpilot.backlog import reconcile
+from tokenpilot.forward import drain_rate
+from tokenpilot.latency_model import N_FEATURES, Fit, LearnedLatency
+from tokenpilot.priors import prior_from_physics
+from tokenpilot.router import TokenPilot, TokenPilotConfig
+
+
+def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape:
+        return False
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan], b[~nan])
+                and np.array_equal(np.signbit(a[~nan]), np.signbit(b[~nan])))
+
+
+# -- _settle ----------------------------------------------------------------------------------
+
+def _reference_settle(tp: TokenPilot, m: np.ndarray, k: int, now: float) -> None:
+    """`TokenPilot._settle` at 6e5af05, on the matrix `m`."""
+    s = tp._s
+    elapsed = max(0.0, now - m[s.DECAYED_AT, k])
+    m[s.BACKLOG_UNTRACKED, k] = max(0.0, m[s.BACKLOG_UNTRACKED, k] - elapsed)
+    m[s.BACKLOG, k] = max(0.0, m[s.BACKLOG, k] - elapsed)
+    m[s.DUTY, k] *= np.exp(elapsed / -tp._duty_window())
+    m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
+    m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
+    decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
+    drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k],
+                                         m[s.BUDGET, k], m[s.TOKEN_EFF, k], m[s.KV_EFF, k], m[s.OVERHEAD_S, k]))
+    m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
+    m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
+                                    m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
+
+
+_ODD = (0.0, -0.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e-300, 1e300)
+
+
+def _random_router(rng: random.Random, n: int, odd: float) -> TokenPilot:
+    priors = [prior_from_physics("llama-3.1-8b", "H100"), prior_from_physics("llama-3.1-70b", "H200", 2),
+              prior_from_physics("llama-3.1-8b", "H100", max_batched_tokens=1000)]
+    tp = TokenPilot({f"i{j}": rng.choice(priors) for j in range(n)}, config=TokenPilotConfig())
+    s, m = tp._s, tp._s.m
+    rows = (s.BACKLOG, s.BACKLOG_UNTRACKED, s.DUTY, s.DECAYED_AT, s.CONTEXT, s.STREAMS, s.OUT_S, s.HEAD_S,
+            s.BACKLOG_TOK, s.UNTRACKED_TOK, s.OUT_TOK, s.HEAD_TOK, s.OUT_N, s.PREFILL_FACTOR, s.DECODE_FACTOR)
+    for j in range(n):
+        busy = rng.random() < 0.7
+        m[s.BACKLOG, j] = rng.uniform(0, 3) if busy else 0.0
+        m[s.BACKLOG_UNTRACKED, j] = rng.uniform(0, 1) if busy else 0.0
+        m[s.DUTY, j] = rng.uniform(0, 0.95)
+        m[s.DECAYED_AT, j] = rng.uniform(90, 110)
+        m[s.STREAMS, j] = rng.randrange(0, 50) if busy else 0
+        m[s.CONTEXT, j] = m[s.STREAMS, j] * rng.uniform(100, 8000)
+        m[s.OUT_S, j] = rng.uniform(0, 2) if busy else 0.0
+        m[s.HEAD_S, j] = m[s.OUT_S, j] * rng.random()
+        m[s.BACKLOG_TOK, j], m[s.UNTRACKED_TOK, j] = rng.uniform(0, 3e4), rng.uniform(0, 5e3)
+        m[s.OUT_TOK, j] = rng.uniform(0, 2e4) if busy else 0.0
+        m[s.HEAD_TOK, j] = m[s.OUT_TOK, j] * rng.random()
+        m[s.OUT_N, j] = rng.randrange(0, 10)
+        m[s.PREFILL_FACTOR, j], m[s.DECODE_FACTOR, j] = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+        if rng.random() < 0.3:  # an odd value somewhere
+            m[rng.choice(rows), j] = odd
+        s.refresh(j)
+    tp._mean_compute = rng.uniform(0.01, 2.0)
+    return tp
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_settle_equals_the_python_it_replaced(seed: int) -> None:
+    rng = random.Random(seed)
+    tp = _random_router(rng, 16, _ODD[seed % len(_ODD)])
+    with np.errstate(all="ignore"):
+        for _ in range(200):
+            k = rng.randrange(16)
+            now = rng.choice((100.0, rng.uniform(80, 130), float(tp._s.m[tp._s.DECAYED_AT, k]),
+                              rng.choice(_ODD)))
+            want = tp._s.m.copy()
+            _reference_settle(tp, want, k, now)
+            tp._settle(k, now)
+            assert _same(want, tp._s.m), (k, now)
+
+
+# -- the learned latency model ----------------------------------------------------------------
+
+def _reference_log_ratio(lat: LearnedLatency, observed: float | None, prior: float) -> float:
+    if observed is None or not observed > 0 or not prior > 0:
+        return float("nan")
+    bound = np.log(lat.max_ratio)
+    return float(np.clip(np.log(observed / prior), -bound, bound))
+
+
+def _reference_correct(lat: LearnedLatency, fit: Fit | None, prior: np.ndarray, x: np.ndarray) -> np.ndarray:
+    if fit is None:
+        return prior
+    bound = np.log(lat.max_ratio)
+    residual = ((x - fit.mean[:, None]) / fit.scale[:, None]).T @ fit.coef + fit.intercept
+    return prior * np.exp(np.clip(residual, -bound, bound))
+
+
+def test_log_ratio_equals_np_clip_of_it() -> None:
+    rng = random.Random(3)
+    values = [None, *_ODD, 1e-9, 5e-4, 0.002, 1.0, 30.0]
+    with np.errstate(all="ignore"):
+        for ratio in (4.0, 1.5, 100.0):
+            lat = LearnedLatency(max_ratio=ratio)
+            for _ in range(3000):
+                obs = rng.choice(values) if rng.random() < 0.3 else rng.uniform(0, 2) * rng.choice((1e-3, 1, 1e3))
+                prior = rng.choice(values[1:]) if rng.random() < 0.3 else rng.uniform(0, 2) * rng.choice((1e-3, 1))
+                got, want = lat._log_ratio(obs, prior), _reference_log_ratio(lat, obs, prior)
+                assert type(got) is float and _same(got, want), (obs, prior, got, want)
+        lat.max_ratio = 2.0  # changed after construction: the bound follows
+        assert lat._log_ratio(1000.0, 1.0) == float(np.log(2.0))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_correct_equals_the_numpy_code_it_replaced(n: int) -> None:
+    nrng = np.random.default_rng(n)
+    lat = LearnedLatency()
+    for trial in range(60):
+        fit = Fit(nrng.normal(size=N_FEATURES), nrng.uniform(0.5, 2, size=N_FEATURES),
+                  nrng.normal(size=N_FEATURES) * (0.05 if trial % 3 else 5.0), float(nrng.normal()), 1000)
+        x = np.ascontiguousarray(nrng.normal(size=(N_FEATURES, n)) * nrng.choice((0.1, 10.0)))
+        prior = nrng.uniform(0, 1, size=n)
+        if trial % 4 == 3:
+            x[nrng.integers(N_FEATURES), nrng.integers(n)] = nrng.choice(np.array(_ODD))
+            prior[nrng.integers(n)] = nrng.choice(np.array(_ODD))
+        if trial == 10:
+            lat.max_ratio = 1.25
+        with np.errstate(all="ignore"):
+            assert _same(lat.correct(fit, prior, x), _reference_correct(lat, fit, prior, x))
+    assert lat.correct(None, prior, x) is prior
