@@ -65,8 +65,9 @@ def _try(profile: RequestProfile, view: FleetView, now: float, chooser: SiteChoo
     site = chooser.choose(profile, view, now, exclude_instances=excluded)
     if site.site is None:
         return Choice(site, None, None, excluded)
-    pool = tuple(i for i in view.site(site.site).pool(profile.model, profile.model_version)
-                 if i.instance_id not in excluded)
+    pool = view.site(site.site).pool(profile.model, profile.model_version)
+    if excluded:
+        pool = tuple([i for i in pool if i.instance_id not in excluded])
     route = router.route(profile, pool, now)
     chosen = next((i for i in pool if i.instance_id == route.instance_id), None) \
         if route.instance_id is not None else None

@@ -199,12 +199,7 @@ class _Slots:
 
     def refresh(self, k: int) -> None:
         """Recompute slot `k`'s derived rows after its prior or learned speeds changed."""
-        m = self.m
-        m[self.TOKEN_EFF, k] = m[self.TOKEN_S, k] * m[self.PREFILL_FACTOR, k]
-        m[self.ATTN_EFF, k] = m[self.ATTN_S, k] * m[self.PREFILL_FACTOR, k]
-        m[self.KV_EFF, k] = m[self.KV_S, k] * m[self.DECODE_FACTOR, k]
-        m[self.OVERHEAD_DF, k] = m[self.OVERHEAD_S, k] * m[self.DECODE_FACTOR, k]
-        self.refresh_context(k)
+        sk.refresh(self.m, k)  # (compiled: four products and the context per stream)
 
     def refresh_context(self, k: int) -> None:
         """... after only its streams and context changed (every routed request)."""
@@ -373,9 +368,9 @@ class TokenPilot(InstanceRouter):
                       cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
                       cfg.decode_slo_weight, 0.0, 0.0), dtype=np.float64)  # (sk.P_*: the last two are answers)
         # the snapshots' fields, read once each
-        running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
-        waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)
-        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=n)
+        # (one array, three C-contiguous rows: each value converted as np.fromiter converts it)
+        running, waiting, kv_usage = np.array([c.num_running for c in pool] + [c.num_waiting for c in pool]
+                                              + [c.kv_usage for c in pool], dtype=float).reshape(3, n)
         if matched_blocks.dtype != np.float64 or not matched_blocks.flags.c_contiguous:
             matched_blocks = np.ascontiguousarray(matched_blocks, dtype=np.float64)
         o = np.empty((sk.OUT_ROWS, n))

@@ -199,6 +199,16 @@ def refresh_context(m: np.ndarray, k: int) -> None:
     m[CONTEXT_PER_STREAM, k] = m[CONTEXT, k] / _max(m[STREAMS, k], 1.0)
 
 
+@njit(void(float64[:, ::1], intp), **JIT)
+def refresh(m: np.ndarray, k: int) -> None:
+    """Slot `k`'s derived rows after its prior or learned speeds changed (`_Slots.refresh`)."""
+    m[TOKEN_EFF, k] = m[TOKEN_S, k] * m[PREFILL_FACTOR, k]
+    m[ATTN_EFF, k] = m[ATTN_S, k] * m[PREFILL_FACTOR, k]
+    m[KV_EFF, k] = m[KV_S, k] * m[DECODE_FACTOR, k]
+    m[OVERHEAD_DF, k] = m[OVERHEAD_S, k] * m[DECODE_FACTOR, k]
+    refresh_context(m, k)
+
+
 @njit(void(float64[:, ::1], intp, float64, float64, float64, float64, float64, float64, float64, float64,
            float64), **JIT)
 def book_prefill(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: float,
