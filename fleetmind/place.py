@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, RouteDecision, SiteDecision
+from fleetmind.site_choice import ready_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ def _try(profile: RequestProfile, view: FleetView, now: float, chooser: SiteChoo
     site = chooser.choose(profile, view, now, exclude_instances=excluded)
     if site.site is None:
         return Choice(site, None, None, excluded)
-    pool = view.site(site.site).pool(profile.model, profile.model_version)
+    pool = ready_pool(view.site(site.site), profile.model, profile.model_version)
     if excluded:
         pool = tuple([i for i in pool if i.instance_id not in excluded])
     route = router.route(profile, pool, now)

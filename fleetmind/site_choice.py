@@ -52,6 +52,27 @@ def rtt_ms(site: _HasRtt, client_region: str | None) -> float:
     return rtt
 
 
+_POOLS: dict[tuple[str, str, str | None], tuple[SiteSnapshot, tuple[InstanceSnapshot, ...]]] = {}
+MAX_POOLS = 1024  # (site, model, version) kept; emptied when full
+
+
+def ready_pool(site: SiteSnapshot, model: str, version: str | None) -> tuple[InstanceSnapshot, ...]:
+    """`site.pool(model, version)`, computed once per site snapshot: the fleet view hands out the
+    same snapshot objects while nothing in them changed (`gateway.fleet_state.FleetState.view`), and
+    a request asks for its pool twice (the site chooser, then `fleetmind.place` for the router),
+    ~6 us each at 64 instances. A snapshot is frozen, so the same object has the same pool; the
+    entry holds the snapshot it was made from, so an id is never taken for another object's."""
+    key = (site.name, model, version)
+    hit = _POOLS.get(key)
+    if hit is not None and hit[0] is site:
+        return hit[1]
+    pool = site.pool(model, version)
+    if len(_POOLS) >= MAX_POOLS:
+        _POOLS.clear()
+    _POOLS[key] = (site, pool)
+    return pool
+
+
 class NearestReadySite(SiteChooser):
     """Baseline: the nearest site with a ready instance; no residency policy, no load."""
 
@@ -216,7 +237,7 @@ class FleetMind(SiteChooser):
         for site in view.sites:
             if site.name not in res.allowed:
                 continue
-            pool = site.pool(profile.model, profile.model_version)
+            pool = ready_pool(site, profile.model, profile.model_version)
             if exclude:
                 pool = tuple([i for i in pool if i.instance_id not in exclude])
             if not pool:

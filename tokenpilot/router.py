@@ -232,6 +232,9 @@ class TokenPilot(InstanceRouter):
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
         self.decisions: deque[tuple[str, RouteDecision]] = deque(maxlen=self.config.max_decisions_kept)
+        # the last tuple of candidates, the config it was read with, its eligible ones and their ids
+        self._eligible_of: tuple[tuple[InstanceSnapshot, ...], TokenPilotConfig,
+                                 tuple[InstanceSnapshot, ...], tuple[str, ...]] | None = None
         self._memo: ScoreMemo[tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]] = ScoreMemo()
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
@@ -282,21 +285,31 @@ class TokenPilot(InstanceRouter):
         return k
 
     # -- the decision --------------------------------------------------------
-    def _eligible(self, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    def _eligible(self, candidates: Sequence[InstanceSnapshot]) -> tuple[InstanceSnapshot, ...]:
+        # The same tuple of (frozen) snapshots has the same eligible ones: the site chooser's
+        # `predict` and then `route` get the one pool object (`fleetmind.site_choice.ready_pool`),
+        # and while the fleet view stands still, so do the next requests. One entry, with its ids.
+        kept = self._eligible_of
+        if kept is not None and kept[0] is candidates and kept[1] is self.config:
+            return kept[2]
         hw = self.config.kv_high_water
-        below = [c for c in candidates if c.ready and not c.draining and c.role != "decode" and c.kv_usage < hw]
-        if below:
-            return below
-        # Every instance above the high-water mark: the engines will queue the request, which
-        # beats refusing it; send it where KV is least full rather than nowhere.
-        up = [c for c in candidates if c.ready and not c.draining and c.role != "decode"]
-        return [min(up, key=lambda c: (c.kv_usage, c.instance_id))] if up else []
+        below = tuple([c for c in candidates
+                       if c.ready and not c.draining and c.role != "decode" and c.kv_usage < hw])
+        if not below:
+            # Every instance above the high-water mark: the engines will queue the request, which
+            # beats refusing it; send it where KV is least full rather than nowhere.
+            up = [c for c in candidates if c.ready and not c.draining and c.role != "decode"]
+            below = (min(up, key=lambda c: (c.kv_usage, c.instance_id)),) if up else ()
+        if type(candidates) is tuple:  # (a list may change in place under the same identity)
+            self._eligible_of = (candidates, self.config, below, tuple([c.instance_id for c in below]))
+        return below
 
     def _terms(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
                now: float) -> tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]:
         """(pool ids, their slots, the score terms): the prefix match runs before unknown
         instances are registered, as it always has, so index bits are handed out in the same order."""
-        ids = tuple([c.instance_id for c in pool])
+        kept = self._eligible_of
+        ids = kept[3] if kept is not None and kept[2] is pool else tuple([c.instance_id for c in pool])
         kept = self._memo.get(profile, ids, pool, now)  # the site chooser scored this pool already
         if kept is not None:
             return kept
