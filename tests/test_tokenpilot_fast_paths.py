@@ -147,3 +147,31 @@ def test_correct_equals_the_numpy_code_it_replaced(n: int) -> None:
         with np.errstate(all="ignore"):
             assert _same(lat.correct(fit, prior, x), _reference_correct(lat, fit, prior, x))
     assert lat.correct(None, prior, x) is prior
+
+
+# -- the score terms, made when read --------------------------------------------------------
+
+def test_terms_read_one_by_one_are_the_tuple_of_terms() -> None:
+    from tokenpilot.router import _terms_of
+    from fleetcore.types import InstanceSnapshot, RequestProfile
+
+    rng = random.Random(5)
+    tp = _random_router(rng, 7, 1.0)
+    pool = [InstanceSnapshot(f"i{j}", "s", "m", "v", f"http://i{j}", num_running=j, kv_usage=0.1 * j) for j in range(7)]
+    nrng = np.random.default_rng(5)
+    tp.latency.ttft = Fit(nrng.normal(size=N_FEATURES), nrng.uniform(0.5, 2, size=N_FEATURES),
+                          0.05 * nrng.normal(size=N_FEATURES), 0.1, 1000)
+    with np.errstate(all="ignore"):
+        ids, k, terms = tp._terms(RequestProfile("r", "m", 700, stream=True), pool, 120.0)
+    o = terms[-1]
+    want = _terms_of(o, terms[1], terms[9])
+    assert len(terms) == len(want) == 16
+    for i in range(-16, 16):
+        assert terms[i] is want[i] or (terms[i].base is o and _same(terms[i], want[i])
+                                       and terms[i].shape == want[i].shape), i
+    assert all(a is b or _same(a, b) for a, b in zip(terms, want))
+    assert all(_same(a, b) for a, b in zip(terms[2:9], want[2:9])) and len(terms[:3]) == 3
+    with pytest.raises(IndexError):
+        terms[16]
+    with pytest.raises(IndexError):
+        terms[-17]
