@@ -19,17 +19,8 @@ import pytest
 from tokenpilot.backlog import reconcile
 from tokenpilot.forward import drain_rate
 from tokenpilot.latency_model import N_FEATURES, Fit, LearnedLatency
-from tokenpilot.priors import prior_from_physics
 from tokenpilot.router import TokenPilot, TokenPilotConfig
-
-
-def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if a.shape != b.shape:
-        return False
-    nan = np.isnan(a)
-    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan], b[~nan])
-                and np.array_equal(np.signbit(a[~nan]), np.signbit(b[~nan])))
+from tests.test_tokenpilot_score_kernel import _router, _same
 
 
 # -- _settle ----------------------------------------------------------------------------------
@@ -55,31 +46,15 @@ _ODD = (0.0, -0.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e-300, 1e30
 
 
 def _random_router(rng: random.Random, n: int, odd: float) -> TokenPilot:
-    priors = [prior_from_physics("llama-3.1-8b", "H100"), prior_from_physics("llama-3.1-70b", "H200", 2),
-              prior_from_physics("llama-3.1-8b", "H100", max_batched_tokens=1000)]
-    tp = TokenPilot({f"i{j}": rng.choice(priors) for j in range(n)}, config=TokenPilotConfig())
+    """A state such as traffic leaves (the scoring test's), with an odd value here and there."""
+    tp, _ = _router(rng, n, TokenPilotConfig())
     s, m = tp._s, tp._s.m
     rows = (s.BACKLOG, s.BACKLOG_UNTRACKED, s.DUTY, s.DECAYED_AT, s.CONTEXT, s.STREAMS, s.OUT_S, s.HEAD_S,
             s.BACKLOG_TOK, s.UNTRACKED_TOK, s.OUT_TOK, s.HEAD_TOK, s.OUT_N, s.PREFILL_FACTOR, s.DECODE_FACTOR)
     for j in range(n):
-        busy = rng.random() < 0.7
-        m[s.BACKLOG, j] = rng.uniform(0, 3) if busy else 0.0
-        m[s.BACKLOG_UNTRACKED, j] = rng.uniform(0, 1) if busy else 0.0
-        m[s.DUTY, j] = rng.uniform(0, 0.95)
-        m[s.DECAYED_AT, j] = rng.uniform(90, 110)
-        m[s.STREAMS, j] = rng.randrange(0, 50) if busy else 0
-        m[s.CONTEXT, j] = m[s.STREAMS, j] * rng.uniform(100, 8000)
-        m[s.OUT_S, j] = rng.uniform(0, 2) if busy else 0.0
-        m[s.HEAD_S, j] = m[s.OUT_S, j] * rng.random()
-        m[s.BACKLOG_TOK, j], m[s.UNTRACKED_TOK, j] = rng.uniform(0, 3e4), rng.uniform(0, 5e3)
-        m[s.OUT_TOK, j] = rng.uniform(0, 2e4) if busy else 0.0
-        m[s.HEAD_TOK, j] = m[s.OUT_TOK, j] * rng.random()
-        m[s.OUT_N, j] = rng.randrange(0, 10)
-        m[s.PREFILL_FACTOR, j], m[s.DECODE_FACTOR, j] = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
-        if rng.random() < 0.3:  # an odd value somewhere
+        if rng.random() < 0.3:
             m[rng.choice(rows), j] = odd
-        s.refresh(j)
-    tp._mean_compute = rng.uniform(0.01, 2.0)
+            s.refresh(j)
     return tp
 
 
