@@ -12,7 +12,7 @@ requests of 64 prompt tokens (4 blocks, the first one random, the rest shared) a
 fitted after 1,000 outcomes, as the gateway's background refit does. Each step is timed in this
 thread's CPU time (`time.thread_time_ns`: another job preempting us does not count); medians over
 the requests after the first 1,500. `parse` is `gateway.requests.parse_request` of a chat body of
-~110 built-in tokens (200 bodies, best of 7 repeats). `--baseline-ref` runs this script over that
+~110 built-in tokens (200 bodies, the best of 7 repeats, CPU time too). `--baseline-ref` runs this script over that
 commit's tree (`git archive`, as `bench/decision_cost.py` does) and this checkout alternately, each
 in its own process; each line is one round. Everything is generated in-process (seed 0).
 """
@@ -85,7 +85,7 @@ def measure(instances: int, requests: int) -> str:
         for body in bodies:
             parse_request("chat", body, config=config, caller=caller, headers={}, request_id="r", now=1.0)
 
-    parse_us = min(timeit.repeat(parse_all, number=10, repeat=7)) / (10 * len(bodies)) * 1e6
+    parse_us = min(timeit.Timer(parse_all, timer=time.thread_time).repeat(number=10, repeat=7)) / (10 * len(bodies)) * 1e6
     return (f"{instances} instance(s), fitted {router.latency.ttft is not None}: "
             + "  ".join(f"{k} {v:5.1f}" for k, v in med.items())
             + f"  | sum {sum(med.values()):5.1f} us   parse {parse_us:5.1f} us  (CPU us, medians)")
