@@ -22,11 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 import timeit
 from pathlib import Path
@@ -92,22 +88,10 @@ def measure(instances: int, requests: int) -> str:
 
 
 def interleave(args: argparse.Namespace) -> None:
-    from decision_replay import ROOT, tree_at  # (bench/ is this script's folder: its first import path)
+    from decision_replay import run_alternately  # (bench/ is this script's folder: its first import path)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        sides = (("baseline " + args.baseline_ref, tree_at(args.baseline_ref, tmp)), ("this checkout", ROOT))
-        for (side, tree), ref in zip(sides, (args.baseline_ref, "HEAD")):
-            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-            print(f"{side}: {rev}, code from {tree}", flush=True)
-        for k in range(args.rounds):
-            for side, tree in sides:
-                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--instances", str(args.instances),
-                                      "--requests", str(args.requests)],
-                                     env={**os.environ, "PYTHONPATH": str(tree)}, cwd=str(tree),
-                                     capture_output=True, text=True, check=True).stdout
-                for line in out.splitlines():
-                    print(f"round {k + 1} {side:>18} | {line}", flush=True)
+    run_alternately(Path(__file__).resolve(), ["--instances", str(args.instances), "--requests", str(args.requests)],
+                    args.baseline_ref, args.rounds)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from tokenpilot.backlog import reconcile
 from tokenpilot.forward import drain_rate
+from tokenpilot import score_kernel as sk
 from tokenpilot.latency_model import N_FEATURES, Fit, LearnedLatency
 from tokenpilot.router import TokenPilot, TokenPilotConfig
 from tests.test_tokenpilot_score_kernel import _router, _same
@@ -152,3 +153,40 @@ def test_terms_read_one_by_one_are_the_tuple_of_terms() -> None:
         terms[16]
     with pytest.raises(IndexError):
         terms[-17]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_learned_tpot_made_when_read_is_the_one_of_the_decision(seed: int) -> None:
+    """With a fitted TPOT residual and the physics' ranking, the learned TPOT (an explanation's
+    `tpot_s`) is corrected only when read: the same floats as correcting at once, even after a
+    refit or a new bound in between."""
+    from fleetcore.types import InstanceSnapshot, RequestProfile
+
+    rng = random.Random(seed)
+    tp = _random_router(rng, rng.choice((1, 5, 64)), 1.0)
+    n = len(tp._s.ids)
+    pool = [InstanceSnapshot(f"i{j}", "s", "m", "v", f"http://i{j}", num_running=rng.randrange(30),
+                             kv_usage=rng.uniform(0, 0.95)) for j in range(n)]
+    nrng = np.random.default_rng(seed)
+
+    def fit() -> Fit:
+        return Fit(nrng.normal(size=N_FEATURES), nrng.uniform(0.5, 2, size=N_FEATURES),
+                   nrng.normal(size=N_FEATURES) * nrng.choice((0.05, 5.0)), float(nrng.normal()), 1000)
+
+    lat = tp.latency
+    lat.ttft, lat.tpot = fit(), fit()
+    with np.errstate(all="ignore"):
+        for r in range(20):
+            profile = RequestProfile(f"r{r}", "m", rng.randrange(1, 9000), stream=True)
+            ids, k, terms = tp._terms(profile, pool, 200.0 + r)
+            o = terms[-1]
+            want = lat.correct(lat.tpot, o[sk.O_OWN_STEP], o[sk.O_FEATURES:])  # at once, as before
+            if r % 3 == 0:  # a refit and a new bound before anyone reads it
+                lat.tpot, lat.max_ratio = fit(), rng.choice((1.5, 4.0, 9.0))
+            got = terms[9] if r % 2 else list(terms)[9]
+            assert _same(got, want) and terms[9] is got
+            decision = tp.route(profile, pool, 200.0 + r)
+            if decision.candidates:  # the explanation reads the same (from the route's own scoring)
+                for c in decision.candidates:  # (`route` reused this scoring: the memo)
+                    assert c.detail["tpot_s"] == float(want[ids.index(c.name)])
+            lat.max_ratio = 4.0

@@ -139,8 +139,17 @@ class LearnedLatency:
         """prior x exp(learned log residual), within max_ratio of the prior either way; the prior if unfitted."""
         if fit is None:
             return prior
-        bound = self._log_bound()
-        return prior * np.exp(_clip(fit.residual(x), -bound, bound))
+        return corrected(fit, prior, x, self._log_bound())
+
+    def log_bound(self) -> float:
+        """log(max_ratio): the bound `correct` holds the learned residual within, now."""
+        return self._log_bound()
+
+
+def corrected(fit: Fit, prior: np.ndarray, x: np.ndarray, bound: float) -> np.ndarray:
+    """`LearnedLatency.correct` with a fit and its bound given (`bound`: `log_bound()` when it was
+    asked): what a caller that defers the correction computes later, the same floats."""
+    return prior * np.exp(_clip(fit.residual(x), -bound, bound))
 
 
 def fit_residuals(x: np.ndarray, y: np.ndarray, min_samples: int, alpha: float,

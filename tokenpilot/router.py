@@ -37,7 +37,7 @@ from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, Request
 from tokenpilot import score_kernel as sk
 from tokenpilot.backlog import Outstanding
 from tokenpilot.cache_index import PrefixCacheIndex
-from tokenpilot.latency_model import LearnedLatency
+from tokenpilot.latency_model import Fit, LearnedLatency, corrected
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
 from fleetcore.policies import InstanceRouter
@@ -121,23 +121,33 @@ class _Terms(Sequence[np.ndarray]):
     A term is a view of the result matrix `o` (or one of the learned predictions), as in the
     tuple; slices and iteration give what the tuple's would."""
 
-    __slots__ = ("_o", "_ttft", "_tpot")
+    __slots__ = ("_o", "_ttft", "_tpot", "_tpot_fit")
 
-    def __init__(self, o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray) -> None:
-        self._o, self._ttft, self._tpot = o, ttft_pred, tpot_pred
+    def __init__(self, o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray | None,
+                 tpot_fit: tuple[Fit, float] | None = None) -> None:
+        """`tpot_pred` None: the learned TPOT is `tpot_fit`'s (fit, bound) correction of the
+        physics' own, made when first read (`_tpot_pred`)."""
+        self._o, self._ttft, self._tpot, self._tpot_fit = o, ttft_pred, tpot_pred, tpot_fit
+
+    def _tpot_pred(self) -> np.ndarray:
+        if self._tpot is None:
+            assert self._tpot_fit is not None
+            fit, bound = self._tpot_fit
+            self._tpot = corrected(fit, self._o[sk.O_OWN_STEP], self._o[sk.O_FEATURES:], bound)
+        return self._tpot
 
     def __len__(self) -> int:
         return _N_TERMS
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if isinstance(i, slice):
-            return _terms_of(self._o, self._ttft, self._tpot)[i]
+            return _terms_of(self._o, self._ttft, self._tpot_pred())[i]
         if i < 0:
             i += _N_TERMS
         if i == 1:
             return self._ttft
         if i == 9:
-            return self._tpot
+            return self._tpot_pred()
         if 0 <= i < _FEATURES:
             return self._o[_ROWS[i]]
         if i == _FEATURES:
@@ -147,7 +157,7 @@ class _Terms(Sequence[np.ndarray]):
         raise IndexError(i)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(_terms_of(self._o, self._ttft, self._tpot))
+        return iter(_terms_of(self._o, self._ttft, self._tpot_pred()))
 
 
 class _Explained(Sequence[Candidate]):
@@ -156,14 +166,13 @@ class _Explained(Sequence[Candidate]):
     result matrix, not its ~15 row views: a decision's objects are freed when it falls out of
     the kept ones, long after, from cold memory (~6 us a decision with the views)."""
 
-    def __init__(self, ids: Sequence[str], o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray,
-                 limit: int) -> None:
-        self._ids, self._o, self._pred, self._limit = ids, o, (ttft_pred, tpot_pred), limit
+    def __init__(self, ids: Sequence[str], terms: Sequence[np.ndarray], limit: int) -> None:
+        self._ids, self._terms, self._limit = ids, terms, limit  # (`_Terms`: the matrix, views made when read)
         self._items: list[Candidate] | None = None
 
     def _build(self) -> list[Candidate]:
         if self._items is None:
-            terms = _terms_of(self._o, *self._pred)[:_FEATURES]
+            terms = self._terms[:_FEATURES]
             cost = terms[0]
             top = np.argsort(cost, kind="stable")[: self._limit]
             self._items = [Candidate(self._ids[j], float(cost[j]),
@@ -439,12 +448,17 @@ class TokenPilot(InstanceRouter):
         # zero until the caller has fitted it on enough outcomes.
         lat = self.latency
         ttft_pred = lat.correct(lat.ttft, o[sk.O_FORWARD], features)
-        tpot_pred = lat.correct(lat.tpot, own_step, features)
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
+            tpot_pred = lat.correct(lat.tpot, own_step, features)
             sk.finish(o, _f64(ttft_pred), _f64(tpot_pred), o[sk.O_KV], 0.0 if kv_cost is None else 1.0, p)
-        elif kv_cost is not None:  # (`score` made the cost without it)
+            return _Terms(o, ttft_pred, tpot_pred)  # type: ignore[return-value]  (`_terms_of`'s, made when read)
+        if kv_cost is not None:  # (`score` made the cost without it)
             sk.finish(o, o[sk.O_TTFT], own_step, o[sk.O_KV], 1.0, p)
-        return _Terms(o, ttft_pred, tpot_pred)  # type: ignore[return-value]  (`_terms_of`'s, made when read)
+        if lat.tpot is None:
+            return _Terms(o, ttft_pred, own_step)  # type: ignore[return-value]  (what `correct` returns unfitted)
+        # The learned TPOT ranks nothing here; only an explanation reads it: corrected when read,
+        # with the fit and bound of now (`finish` wrote neither its prior nor the features).
+        return _Terms(o, ttft_pred, None, (lat.tpot, lat.log_bound()))  # type: ignore[return-value]
 
     def _kv_cost(self, profile: RequestProfile, kv_usage: np.ndarray, capacity: np.ndarray,
                  prefill: np.ndarray, kv_usage_max: float, capacity_min: float) -> np.ndarray | None:
@@ -485,7 +499,7 @@ class TokenPilot(InstanceRouter):
         return max(16.0, self._mean_output / 2)
 
     def _explain(self, ids: Sequence[str], terms: tuple[np.ndarray, ...]) -> _Explained:
-        return _Explained(ids, terms[_MATRIX], terms[1], terms[9], self.config.max_candidates_explained)
+        return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit_at(self, profile: RequestProfile, ids: Sequence[str], slots: np.ndarray,
                    terms: tuple[np.ndarray, ...], j: int, now: float) -> None:
