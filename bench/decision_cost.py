@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -147,24 +143,9 @@ class _CollectorPauses:
 
 def interleave(args: argparse.Namespace) -> None:
     """Run this script over the baseline commit's code and this checkout's, alternately."""
-    from decision_replay import ROOT, tree_at  # (bench/ is this script's folder: its first import path)
+    from decision_replay import run_alternately  # (bench/ is this script's folder: its first import path)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        sides = (("baseline " + args.baseline_ref, tree_at(args.baseline_ref, tmp)), ("this checkout", ROOT))
-        for (side, tree), ref in zip(sides, (args.baseline_ref, "HEAD")):
-            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-            dirty = ref == "HEAD" and subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--",
-                                                      "fleetcore", "tokenpilot"],
-                                                     capture_output=True, text=True).stdout.strip()
-            print(f"{side}: {rev}{' + uncommitted changes' if dirty else ''}, code from {tree}", flush=True)
-        for k in range(args.rounds):
-            for side, tree in sides:
-                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *_child_args(args)],
-                                     env={**os.environ, "PYTHONPATH": str(tree)}, cwd=str(tree),
-                                     capture_output=True, text=True, check=True).stdout
-                for line in out.splitlines():
-                    print(f"round {k + 1} {side:>18} | {line}", flush=True)
+    run_alternately(Path(__file__).resolve(), _child_args(args), args.baseline_ref, args.rounds)
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:

@@ -221,6 +221,29 @@ def tree_at(ref: str, tmp: str) -> Path:
     return dest
 
 
+def run_alternately(script: Path, child_args: list[str], baseline_ref: str, rounds: int) -> None:
+    """Run `script` over `baseline_ref`'s tree and this checkout's alternately (baseline, this,
+    baseline, ...), `rounds` times each, each in its own process with that tree first on its path,
+    printing each child's lines prefixed with the round and the side: the `--baseline-ref` of
+    bench/decision_cost.py and bench/place_cost.py."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = (("baseline " + baseline_ref, tree_at(baseline_ref, tmp)), ("this checkout", ROOT))
+        for (side, tree), ref in zip(sides, (baseline_ref, "HEAD")):
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            dirty = ref == "HEAD" and subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--",
+                                                      "fleetcore", "fleetmind", "tokenpilot", "gateway"],
+                                                     capture_output=True, text=True).stdout.strip()
+            print(f"{side}: {rev}{' + uncommitted changes' if dirty else ''}, code from {tree}", flush=True)
+        for k in range(rounds):
+            for side, tree in sides:
+                out = subprocess.run([sys.executable, str(script), *child_args],
+                                     env={**os.environ, "PYTHONPATH": str(tree)}, cwd=str(tree),
+                                     capture_output=True, text=True, check=True).stdout
+                for line in out.splitlines():
+                    print(f"round {k + 1} {side:>18} | {line}", flush=True)
+
+
 def main() -> int:
     args = build_parser().parse_args()
     if args.record:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, RouteDecision, SiteDecision
+from fleetmind.site_choice import ready_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +66,9 @@ def _try(profile: RequestProfile, view: FleetView, now: float, chooser: SiteChoo
     site = chooser.choose(profile, view, now, exclude_instances=excluded)
     if site.site is None:
         return Choice(site, None, None, excluded)
-    pool = tuple(i for i in view.site(site.site).pool(profile.model, profile.model_version)
-                 if i.instance_id not in excluded)
+    pool = ready_pool(view.site(site.site), profile.model, profile.model_version)
+    if excluded:
+        pool = tuple([i for i in pool if i.instance_id not in excluded])
     route = router.route(profile, pool, now)
     chosen = next((i for i in pool if i.instance_id == route.instance_id), None) \
         if route.instance_id is not None else None

@@ -52,6 +52,27 @@ def rtt_ms(site: _HasRtt, client_region: str | None) -> float:
     return rtt
 
 
+_POOLS: dict[tuple[str, str, str | None], tuple[SiteSnapshot, tuple[InstanceSnapshot, ...]]] = {}
+MAX_POOLS = 1024  # (site, model, version) kept; emptied when full
+
+
+def ready_pool(site: SiteSnapshot, model: str, version: str | None) -> tuple[InstanceSnapshot, ...]:
+    """`site.pool(model, version)`, computed once per site snapshot: the fleet view hands out the
+    same snapshot objects while nothing in them changed (`gateway.fleet_state.FleetState.view`), and
+    a request asks for its pool twice (the site chooser, then `fleetmind.place` for the router),
+    ~6 us each at 64 instances. A snapshot is frozen, so the same object has the same pool; the
+    entry holds the snapshot it was made from, so an id is never taken for another object's."""
+    key = (site.name, model, version)
+    hit = _POOLS.get(key)
+    if hit is not None and hit[0] is site:
+        return hit[1]
+    pool = site.pool(model, version)
+    if len(_POOLS) >= MAX_POOLS:
+        _POOLS.clear()
+    _POOLS[key] = (site, pool)
+    return pool
+
+
 class NearestReadySite(SiteChooser):
     """Baseline: the nearest site with a ready instance; no residency policy, no load."""
 
@@ -92,7 +113,7 @@ class _Mode:
     since: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__)
 class _Row:
     site: SiteSnapshot
     score: float
@@ -100,6 +121,42 @@ class _Row:
     rtt_s: float
     transfer_s: float
     cached: int
+
+
+class _SiteCandidates(Sequence[Candidate]):
+    """The sites a choice weighed, as `Candidate`s (score, predicted TTFT, RTT, transfer, cached
+    tokens), made only when someone reads them (the decision log on /debug/decisions, the admin
+    dry run): a Candidate and its detail per site per request was ~2 us of the request path."""
+
+    __slots__ = ("_rows", "_items")
+
+    def __init__(self, rows: Sequence[_Row]) -> None:
+        self._rows = rows
+        self._items: list[Candidate] | None = None
+
+    def _build(self) -> list[Candidate]:
+        if self._items is None:
+            self._items = [Candidate(r.site.name, r.score, {"predicted_ttft_s": r.ttft_s, "rtt_s": r.rtt_s,
+                                                            "transfer_s": r.transfer_s,
+                                                            "cached_tokens": float(r.cached)})
+                           for r in self._rows]
+        return self._items
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        return self._build()[i]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __eq__(self, other: object) -> bool:  # as the list it stands for
+        if isinstance(other, _SiteCandidates):
+            other = other._build()
+        return self._build() == other if isinstance(other, list) else NotImplemented  # type: ignore[return-value]
+
+    __hash__ = None  # type: ignore[assignment]  (a list's)
+
+    def __repr__(self) -> str:
+        return repr(self._build())
 
 
 class FleetMind(SiteChooser):
@@ -154,9 +211,7 @@ class FleetMind(SiteChooser):
         by_name = {r.site.name: r for r in rows}
         home_name = res.home or self._nearest_allowed(view, res, profile.client_region)
         home = by_name.get(home_name) if home_name else None
-        cands = [Candidate(r.site.name, r.score, {"predicted_ttft_s": r.ttft_s, "rtt_s": r.rtt_s,
-                                                  "transfer_s": r.transfer_s, "cached_tokens": float(r.cached)})
-                 for r in rows]
+        cands = _SiteCandidates(rows)
         spill_rows = [r for r in rows if r.site.name in res.spill_sites and r is not home]
         may_spill = res.spill and not self.config.never_spill and bool(spill_rows)
         if home is None:
@@ -182,7 +237,9 @@ class FleetMind(SiteChooser):
         for site in view.sites:
             if site.name not in res.allowed:
                 continue
-            pool = [i for i in site.pool(profile.model, profile.model_version) if i.instance_id not in exclude]
+            pool = ready_pool(site, profile.model, profile.model_version)
+            if exclude:
+                pool = tuple([i for i in pool if i.instance_id not in exclude])
             if not pool:
                 continue
             ttft, cached = self._predict(profile, pool, now)
@@ -203,6 +260,8 @@ class FleetMind(SiteChooser):
     @staticmethod
     def _nearest_allowed(view: FleetView, res: Residency, region: str | None) -> str | None:
         sites = [s for s in view.sites if s.name in res.allowed]
+        if len(sites) == 1:  # (the min of one; the usual fleet of one site)
+            return sites[0].name
         return min(sites, key=lambda s: (rtt_ms(s, region), s.name)).name if sites else None
 
     def _slo_ttft(self, profile: RequestProfile) -> float:

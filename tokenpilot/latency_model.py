@@ -27,9 +27,14 @@ log(1 + c / TTFT) in the residual; the prefill tokens ahead, the streams decodin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+try:  # the ufunc `np.clip` ends in (numpy 2: `numpy._core`), called without `np.clip`'s Python wrapper
+    from numpy._core.umath import clip as _clip
+except ImportError:  # numpy 1.x
+    from numpy.core.umath import clip as _clip
 
 FEATURES = ("queue_s", "prefill_s", "uncached_ktok", "streams", "context_mtok", "kv_usage", "waiting",
             "budget_ktok", "forward_s", "ahead_ktok", "decoding", "log_forward", "inv_forward")
@@ -46,10 +51,17 @@ class Fit:
     coef: np.ndarray
     intercept: float
     samples: int
+    # mean and scale as columns, made once (a decision applies the fit to a features x candidates matrix)
+    _mean_col: np.ndarray = field(init=False, repr=False, compare=False)
+    _scale_col: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_mean_col", self.mean[:, None])
+        object.__setattr__(self, "_scale_col", self.scale[:, None])
 
     def residual(self, x: np.ndarray) -> np.ndarray:
         """x: (features, candidates) -> log residual per candidate."""
-        return ((x - self.mean[:, None]) / self.scale[:, None]).T @ self.coef + self.intercept
+        return ((x - self._mean_col) / self._scale_col).T @ self.coef + self.intercept
 
 
 class LearnedLatency:
@@ -59,6 +71,7 @@ class LearnedLatency:
                  alpha: float = 1.0, max_ratio: float = 4.0) -> None:
         self.capacity, self.min_samples, self.refit_every = capacity, min_samples, refit_every
         self.alpha, self.max_ratio = alpha, max_ratio
+        self._bound = (max_ratio, float(np.log(max_ratio)))  # (max_ratio, its log): see `_log_bound`
         self._x = np.zeros((capacity, N_FEATURES))
         self._y = np.full((capacity, 2), np.nan)  # log(observed / prior): TTFT, TPOT (NaN: not observed)
         self._n = 0  # outcomes recorded in all (the ring's write position is n % capacity)
@@ -77,11 +90,20 @@ class LearnedLatency:
         self._n += 1
         self._since_fit += 1
 
+    def _log_bound(self) -> float:
+        """log(max_ratio), computed once per value of `max_ratio` (numpy's log, as it always was)."""
+        ratio, bound = self._bound
+        if ratio != self.max_ratio:
+            self._bound = ratio, bound = self.max_ratio, float(np.log(self.max_ratio))
+        return bound
+
     def _log_ratio(self, observed: float | None, prior: float) -> float:
         if observed is None or not observed > 0 or not prior > 0:
             return float("nan")
-        bound = np.log(self.max_ratio)  # one wild outcome is a bounded sample, like the fit
-        return float(np.clip(np.log(observed / prior), -bound, bound))
+        bound = self._log_bound()  # one wild outcome is a bounded sample, like the fit
+        # np.clip of one float, in plain Python (NaN stays NaN, as np.clip keeps it)
+        v = float(np.log(observed / prior))
+        return v if v != v else min(max(v, -bound), bound)
 
     @property
     def samples(self) -> int:
@@ -117,8 +139,17 @@ class LearnedLatency:
         """prior x exp(learned log residual), within max_ratio of the prior either way; the prior if unfitted."""
         if fit is None:
             return prior
-        bound = np.log(self.max_ratio)
-        return prior * np.exp(np.clip(fit.residual(x), -bound, bound))
+        return corrected(fit, prior, x, self._log_bound())
+
+    def log_bound(self) -> float:
+        """log(max_ratio): the bound `correct` holds the learned residual within, now."""
+        return self._log_bound()
+
+
+def corrected(fit: Fit, prior: np.ndarray, x: np.ndarray, bound: float) -> np.ndarray:
+    """`LearnedLatency.correct` with a fit and its bound given (`bound`: `log_bound()` when it was
+    asked): what a caller that defers the correction computes later, the same floats."""
+    return prior * np.exp(_clip(fit.residual(x), -bound, bound))
 
 
 def fit_residuals(x: np.ndarray, y: np.ndarray, min_samples: int, alpha: float,

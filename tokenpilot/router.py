@@ -35,10 +35,9 @@ import numpy as np
 
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot import score_kernel as sk
-from tokenpilot.backlog import Outstanding, reconcile
+from tokenpilot.backlog import Outstanding
 from tokenpilot.cache_index import PrefixCacheIndex
-from tokenpilot.forward import drain_rate
-from tokenpilot.latency_model import LearnedLatency
+from tokenpilot.latency_model import Fit, LearnedLatency, corrected
 from tokenpilot.learning import SpeedFactor
 from tokenpilot.score_memo import ScoreMemo
 from fleetcore.policies import InstanceRouter
@@ -113,20 +112,67 @@ def _terms_of(o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray) -> tu
     return (*terms, o[sk.O_FEATURES:], o)
 
 
+_N_TERMS = len(_ROWS) + 2
+
+
+class _Terms(Sequence[np.ndarray]):
+    """`_terms_of`'s tuple, each term made when read: a decision reads 3-4 of its 16 (the cost,
+    the TTFT, the cached tokens, the matrix), and 14 row views per scoring were ~3-5 us of it.
+    A term is a view of the result matrix `o` (or one of the learned predictions), as in the
+    tuple; slices and iteration give what the tuple's would."""
+
+    __slots__ = ("_o", "_ttft", "_tpot", "_tpot_fit")
+
+    def __init__(self, o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray | None,
+                 tpot_fit: tuple[Fit, float] | None = None) -> None:
+        """`tpot_pred` None: the learned TPOT is `tpot_fit`'s (fit, bound) correction of the
+        physics' own, made when first read (`_tpot_pred`)."""
+        self._o, self._ttft, self._tpot, self._tpot_fit = o, ttft_pred, tpot_pred, tpot_fit
+
+    def _tpot_pred(self) -> np.ndarray:
+        if self._tpot is None:
+            assert self._tpot_fit is not None
+            fit, bound = self._tpot_fit
+            self._tpot = corrected(fit, self._o[sk.O_OWN_STEP], self._o[sk.O_FEATURES:], bound)
+        return self._tpot
+
+    def __len__(self) -> int:
+        return _N_TERMS
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if isinstance(i, slice):
+            return _terms_of(self._o, self._ttft, self._tpot_pred())[i]
+        if i < 0:
+            i += _N_TERMS
+        if i == 1:
+            return self._ttft
+        if i == 9:
+            return self._tpot_pred()
+        if 0 <= i < _FEATURES:
+            return self._o[_ROWS[i]]
+        if i == _FEATURES:
+            return self._o[sk.O_FEATURES:]
+        if i == _MATRIX:
+            return self._o
+        raise IndexError(i)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(_terms_of(self._o, self._ttft, self._tpot_pred()))
+
+
 class _Explained(Sequence[Candidate]):
     """The best few candidates of a decision, built only when someone reads them
     (the debug endpoint), so explanations cost nothing on the hot path. It keeps the scoring's
     result matrix, not its ~15 row views: a decision's objects are freed when it falls out of
     the kept ones, long after, from cold memory (~6 us a decision with the views)."""
 
-    def __init__(self, ids: Sequence[str], o: np.ndarray, ttft_pred: np.ndarray, tpot_pred: np.ndarray,
-                 limit: int) -> None:
-        self._ids, self._o, self._pred, self._limit = ids, o, (ttft_pred, tpot_pred), limit
+    def __init__(self, ids: Sequence[str], terms: Sequence[np.ndarray], limit: int) -> None:
+        self._ids, self._terms, self._limit = ids, terms, limit  # (`_Terms`: the matrix, views made when read)
         self._items: list[Candidate] | None = None
 
     def _build(self) -> list[Candidate]:
         if self._items is None:
-            terms = _terms_of(self._o, *self._pred)[:_FEATURES]
+            terms = self._terms[:_FEATURES]
             cost = terms[0]
             top = np.argsort(cost, kind="stable")[: self._limit]
             self._items = [Candidate(self._ids[j], float(cost[j]),
@@ -200,12 +246,7 @@ class _Slots:
 
     def refresh(self, k: int) -> None:
         """Recompute slot `k`'s derived rows after its prior or learned speeds changed."""
-        m = self.m
-        m[self.TOKEN_EFF, k] = m[self.TOKEN_S, k] * m[self.PREFILL_FACTOR, k]
-        m[self.ATTN_EFF, k] = m[self.ATTN_S, k] * m[self.PREFILL_FACTOR, k]
-        m[self.KV_EFF, k] = m[self.KV_S, k] * m[self.DECODE_FACTOR, k]
-        m[self.OVERHEAD_DF, k] = m[self.OVERHEAD_S, k] * m[self.DECODE_FACTOR, k]
-        self.refresh_context(k)
+        sk.refresh(self.m, k)  # (compiled: four products and the context per stream)
 
     def refresh_context(self, k: int) -> None:
         """... after only its streams and context changed (every routed request)."""
@@ -238,6 +279,9 @@ class TokenPilot(InstanceRouter):
         self._mean_output = 256.0  # learned from outcomes (EWMA)
         self._mean_compute = 0.5  # prefill compute per routed request, seconds (EWMA)
         self.decisions: deque[tuple[str, RouteDecision]] = deque(maxlen=self.config.max_decisions_kept)
+        # the last tuple of candidates, the config it was read with, its eligible ones and their ids
+        self._eligible_of: tuple[tuple[InstanceSnapshot, ...], TokenPilotConfig,
+                                 tuple[InstanceSnapshot, ...], tuple[str, ...]] | None = None
         self._memo: ScoreMemo[tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]] = ScoreMemo()
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
@@ -288,21 +332,31 @@ class TokenPilot(InstanceRouter):
         return k
 
     # -- the decision --------------------------------------------------------
-    def _eligible(self, candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    def _eligible(self, candidates: Sequence[InstanceSnapshot]) -> tuple[InstanceSnapshot, ...]:
+        # The same tuple of (frozen) snapshots has the same eligible ones: the site chooser's
+        # `predict` and then `route` get the one pool object (`fleetmind.site_choice.ready_pool`),
+        # and while the fleet view stands still, so do the next requests. One entry, with its ids.
+        kept = self._eligible_of
+        if kept is not None and kept[0] is candidates and kept[1] is self.config:
+            return kept[2]
         hw = self.config.kv_high_water
-        below = [c for c in candidates if c.ready and not c.draining and c.role != "decode" and c.kv_usage < hw]
-        if below:
-            return below
-        # Every instance above the high-water mark: the engines will queue the request, which
-        # beats refusing it; send it where KV is least full rather than nowhere.
-        up = [c for c in candidates if c.ready and not c.draining and c.role != "decode"]
-        return [min(up, key=lambda c: (c.kv_usage, c.instance_id))] if up else []
+        below = tuple([c for c in candidates
+                       if c.ready and not c.draining and c.role != "decode" and c.kv_usage < hw])
+        if not below:
+            # Every instance above the high-water mark: the engines will queue the request, which
+            # beats refusing it; send it where KV is least full rather than nowhere.
+            up = [c for c in candidates if c.ready and not c.draining and c.role != "decode"]
+            below = (min(up, key=lambda c: (c.kv_usage, c.instance_id)),) if up else ()
+        if type(candidates) is tuple:  # (a list may change in place under the same identity)
+            self._eligible_of = (candidates, self.config, below, tuple([c.instance_id for c in below]))
+        return below
 
     def _terms(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot],
                now: float) -> tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]:
         """(pool ids, their slots, the score terms): the prefix match runs before unknown
         instances are registered, as it always has, so index bits are handed out in the same order."""
-        ids = tuple([c.instance_id for c in pool])
+        kept = self._eligible_of
+        ids = kept[3] if kept is not None and kept[2] is pool else tuple([c.instance_id for c in pool])
         kept = self._memo.get(profile, ids, pool, now)  # the site chooser scored this pool already
         if kept is not None:
             return kept
@@ -374,9 +428,9 @@ class TokenPilot(InstanceRouter):
                       cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
                       cfg.decode_slo_weight, 0.0, 0.0), dtype=np.float64)  # (sk.P_*: the last two are answers)
         # the snapshots' fields, read once each
-        running = np.fromiter([c.num_running for c in pool], dtype=float, count=n)
-        waiting = np.fromiter([c.num_waiting for c in pool], dtype=float, count=n)
-        kv_usage = np.fromiter([c.kv_usage for c in pool], dtype=float, count=n)
+        # (one array, three C-contiguous rows: each value converted as np.fromiter converts it)
+        running, waiting, kv_usage = np.array([c.num_running for c in pool] + [c.num_waiting for c in pool]
+                                              + [c.kv_usage for c in pool], dtype=float).reshape(3, n)
         if matched_blocks.dtype != np.float64 or not matched_blocks.flags.c_contiguous:
             matched_blocks = np.ascontiguousarray(matched_blocks, dtype=np.float64)
         o = np.empty((sk.OUT_ROWS, n))
@@ -394,12 +448,17 @@ class TokenPilot(InstanceRouter):
         # zero until the caller has fitted it on enough outcomes.
         lat = self.latency
         ttft_pred = lat.correct(lat.ttft, o[sk.O_FORWARD], features)
-        tpot_pred = lat.correct(lat.tpot, own_step, features)
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
+            tpot_pred = lat.correct(lat.tpot, own_step, features)
             sk.finish(o, _f64(ttft_pred), _f64(tpot_pred), o[sk.O_KV], 0.0 if kv_cost is None else 1.0, p)
-        elif kv_cost is not None:  # (`score` made the cost without it)
+            return _Terms(o, ttft_pred, tpot_pred)  # type: ignore[return-value]  (`_terms_of`'s, made when read)
+        if kv_cost is not None:  # (`score` made the cost without it)
             sk.finish(o, o[sk.O_TTFT], own_step, o[sk.O_KV], 1.0, p)
-        return _terms_of(o, ttft_pred, tpot_pred)
+        if lat.tpot is None:
+            return _Terms(o, ttft_pred, own_step)  # type: ignore[return-value]  (what `correct` returns unfitted)
+        # The learned TPOT ranks nothing here; only an explanation reads it: corrected when read,
+        # with the fit and bound of now (`finish` wrote neither its prior nor the features).
+        return _Terms(o, ttft_pred, None, (lat.tpot, lat.log_bound()))  # type: ignore[return-value]
 
     def _kv_cost(self, profile: RequestProfile, kv_usage: np.ndarray, capacity: np.ndarray,
                  prefill: np.ndarray, kv_usage_max: float, capacity_min: float) -> np.ndarray | None:
@@ -440,7 +499,7 @@ class TokenPilot(InstanceRouter):
         return max(16.0, self._mean_output / 2)
 
     def _explain(self, ids: Sequence[str], terms: tuple[np.ndarray, ...]) -> _Explained:
-        return _Explained(ids, terms[_MATRIX], terms[1], terms[9], self.config.max_candidates_explained)
+        return _Explained(ids, terms, self.config.max_candidates_explained)
 
     def _commit_at(self, profile: RequestProfile, ids: Sequence[str], slots: np.ndarray,
                    terms: tuple[np.ndarray, ...], j: int, now: float) -> None:
@@ -483,20 +542,10 @@ class TokenPilot(InstanceRouter):
 
     def _settle(self, k: int, now: float) -> None:
         """Decay slot `k`'s backlog and duty to `now` (as a decision would), then reconcile its backlog."""
-        s, m = self._s, self._s.m
-        elapsed = max(0.0, now - m[s.DECAYED_AT, k])
-        m[s.BACKLOG_UNTRACKED, k] = max(0.0, m[s.BACKLOG_UNTRACKED, k] - elapsed)
-        m[s.BACKLOG, k] = max(0.0, m[s.BACKLOG, k] - elapsed)
-        m[s.DUTY, k] *= np.exp(elapsed / -self._duty_window())
-        m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
-        m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
-        # (the drain rate from the slot's own streams: the engine's count is not at hand here)
-        decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
-        drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k],
-                                             m[s.BUDGET, k], m[s.TOKEN_EFF, k], m[s.KV_EFF, k], m[s.OVERHEAD_S, k]))
-        m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
-        m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
-                                        m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
+        m = self._s.m
+        elapsed = max(0.0, now - float(m[sk.DECAYED_AT, k]))
+        # (numpy's exp, as the scoring takes it; the rest compiled: `score_kernel.settle`)
+        sk.settle(m, k, now, elapsed, float(np.exp(elapsed / -self._duty_window())))
 
     def _through(self, k: int, request_id: str, now: float) -> None:
         """The request's prefill is through (first token), or it ended: it leaves the outstanding set."""

@@ -26,7 +26,7 @@ from numba import float64, intp, njit, void
 
 from tokenpilot.backlog import reconcile
 from tokenpilot.forward import drain_rate, forward_ttft
-from tokenpilot.jit import JIT
+from tokenpilot.jit import INLINE, JIT
 from tokenpilot.jit import fmax as _max
 from tokenpilot.jit import fmin as _min
 
@@ -199,6 +199,16 @@ def refresh_context(m: np.ndarray, k: int) -> None:
     m[CONTEXT_PER_STREAM, k] = m[CONTEXT, k] / _max(m[STREAMS, k], 1.0)
 
 
+@njit(void(float64[:, ::1], intp), **JIT)
+def refresh(m: np.ndarray, k: int) -> None:
+    """Slot `k`'s derived rows after its prior or learned speeds changed (`_Slots.refresh`)."""
+    m[TOKEN_EFF, k] = m[TOKEN_S, k] * m[PREFILL_FACTOR, k]
+    m[ATTN_EFF, k] = m[ATTN_S, k] * m[PREFILL_FACTOR, k]
+    m[KV_EFF, k] = m[KV_S, k] * m[DECODE_FACTOR, k]
+    m[OVERHEAD_DF, k] = m[OVERHEAD_S, k] * m[DECODE_FACTOR, k]
+    refresh_context(m, k)
+
+
 @njit(void(float64[:, ::1], intp, float64, float64, float64, float64, float64, float64, float64, float64,
            float64), **JIT)
 def book_prefill(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: float,
@@ -226,3 +236,31 @@ def book(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_added: f
     m[CONTEXT, k] += prompt
     m[STREAMS, k] += 1.0
     refresh_context(m, k)
+
+
+@njit(float64(float64, float64), **INLINE)
+def _pymax(a: float, b: float) -> float:
+    """Python's `max(a, b)` of two floats: `b` only where `b > a` (so NaN loses as the second,
+    wins as the first), which is not `np.maximum`'s rule (`fmax`)."""
+    return b if b > a else a
+
+
+@njit(void(float64[:, ::1], intp, float64, float64, float64), **JIT)
+def settle(m: np.ndarray, k: int, now: float, elapsed: float, decay: float) -> None:
+    """`TokenPilot._settle`'s arithmetic on slot `k` (it was Python on numpy scalars, ~12 us a call,
+    twice per request): drain the backlog and duty by `elapsed` (the caller's `max(0.0, now -
+    decayed_at)`; `decay`: numpy's exp of `elapsed / -window`, see the module doc), then reconcile
+    the backlog with the outstanding prefill, in seconds and in tokens. Python's `max` where it used
+    Python's `max`, in the same order of arguments."""
+    m[BACKLOG_UNTRACKED, k] = _pymax(0.0, m[BACKLOG_UNTRACKED, k] - elapsed)
+    m[BACKLOG, k] = _pymax(0.0, m[BACKLOG, k] - elapsed)
+    m[DUTY, k] *= decay
+    m[DECAYED_AT, k] = _pymax(m[DECAYED_AT, k], now)
+    m[BACKLOG, k] = reconcile(m[BACKLOG, k], m[BACKLOG_UNTRACKED, k], m[OUT_S, k], m[HEAD_S, k])
+    # (the drain rate from the slot's own streams: the engine's count is not at hand here)
+    decoding = _pymax(m[STREAMS, k] - m[OUT_N, k], 0.0)
+    drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[TOKEN_EFF, k], m[KV_EFF, k],
+                                   m[OVERHEAD_S, k])
+    m[UNTRACKED_TOK, k] = _pymax(0.0, m[UNTRACKED_TOK, k] - drained)
+    m[BACKLOG_TOK, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK, k] - drained), m[UNTRACKED_TOK, k],
+                                  m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))

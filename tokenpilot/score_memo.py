@@ -42,8 +42,10 @@ class ScoreMemo(Generic[T]):
         if profile is not self._profile or now != self._now:
             return None
         hit = self._pools.get(ids)
-        if hit is None or len(hit[0]) != len(pool) or any(a is not b for a, b in zip(hit[0], pool)):
+        if hit is None:
             return None
+        if hit[0] is not pool and (len(hit[0]) != len(pool) or any(a is not b for a, b in zip(hit[0], pool))):
+            return None  # (the same tuple: the same snapshots, without comparing them one by one)
         return hit[1]
 
     def put(self, profile: RequestProfile, ids: tuple[str, ...], pool: Sequence[InstanceSnapshot],
