@@ -176,6 +176,11 @@ def main() -> int:
                    help="PDRolesConfig.demand_grow: unserved split demand (prefill instances' worth) that grows the pool")
     p.add_argument("--kv-rate-s", type=float, default=PDRolesConfig().kv_rate_s,
                    help="PDRolesConfig.kv_rate_s: the decode-KV projection's rate over readings this old (0: since the last cycle)")
+    p.add_argument("--regrow-holdoff-s", type=float, default=PDRolesConfig().regrow_holdoff_s,
+                   help="PDRolesConfig.regrow_holdoff_s: no prefill growth this long after an urgent take-back, "
+                        "doubled per take-back (0: no back-off)")
+    p.add_argument("--no-grow-kv-guard", action="store_true",
+                   help="PDRolesConfig.grow_kv_guard=False: prefill growth without the projected decode-KV check")
     p.add_argument("--local-decode-as-split", action="store_true",
                    help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
     a = p.parse_args()
@@ -190,7 +195,9 @@ def main() -> int:
                                                         cycle_s=a.pd_cycle_s or None,
                                                         start_colocated=not a.start_from_file,
                                                         split_demand=a.split_demand,
-                                                        demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s))
+                                                        demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s,
+                                                        regrow_holdoff_s=a.regrow_holdoff_s,
+                                                        grow_kv_guard=not a.no_grow_kv_guard))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
