@@ -15,6 +15,7 @@ above the Q quantile: split or local, on which role, and where their time went).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -191,13 +192,12 @@ def main() -> int:
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos()),
                                                                local_decode_as_split=a.local_decode_as_split))
-    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high,
-                                                        cycle_s=a.pd_cycle_s or None,
-                                                        start_colocated=not a.start_from_file,
-                                                        split_demand=a.split_demand,
-                                                        demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s,
-                                                        regrow_holdoff_s=a.regrow_holdoff_s,
-                                                        grow_kv_guard=not a.no_grow_kv_guard))
+    knobs = dict(decode_kv_high=a.decode_kv_high, cycle_s=a.pd_cycle_s or None, start_colocated=not a.start_from_file,
+                 split_demand=a.split_demand, demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s,
+                 regrow_holdoff_s=a.regrow_holdoff_s, grow_kv_guard=not a.no_grow_kv_guard)
+    # (only the knobs this code's controller has: `disagg_loads.py --before` runs older code with this script)
+    have = {f.name for f in dataclasses.fields(PDRolesConfig)}
+    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(**{k: v for k, v in knobs.items() if k in have}))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
