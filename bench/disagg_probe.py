@@ -177,7 +177,7 @@ def main() -> int:
                    help="PDRolesConfig.demand_grow: unserved split demand (prefill instances' worth) that grows the pool")
     p.add_argument("--kv-rate-s", type=float, default=PDRolesConfig().kv_rate_s,
                    help="PDRolesConfig.kv_rate_s: the decode-KV projection's rate over readings this old (0: since the last cycle)")
-    p.add_argument("--regrow-holdoff-s", type=float, default=PDRolesConfig().regrow_holdoff_s,
+    p.add_argument("--regrow-holdoff-s", type=float, default=getattr(PDRolesConfig(), "regrow_holdoff_s", 0.0),
                    help="PDRolesConfig.regrow_holdoff_s: no prefill growth this long after an urgent take-back, "
                         "doubled per take-back (0: no back-off)")
     p.add_argument("--no-grow-kv-guard", action="store_true",
