@@ -182,6 +182,9 @@ def main() -> int:
                         "doubled per take-back (0: no back-off)")
     p.add_argument("--no-grow-kv-guard", action="store_true",
                    help="PDRolesConfig.grow_kv_guard=False: prefill growth without the projected decode-KV check")
+    p.add_argument("--router-tpot-slo-s", type=float, default=None,
+                   help="TokenPilotConfig.tpot_slo_s, the TPOT budget the router prices streams' stalls against "
+                        "(default 0.05 s, whatever the fleet file's SLOs say)")
     p.add_argument("--local-decode-as-split", action="store_true",
                    help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
     a = p.parse_args()
@@ -189,6 +192,8 @@ def main() -> int:
     wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
+    if a.router_tpot_slo_s is not None:
+        router.config = dataclasses.replace(router.config, tpot_slo_s=a.router_tpot_slo_s)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos()),
                                                                local_decode_as_split=a.local_decode_as_split))
