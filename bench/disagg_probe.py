@@ -15,6 +15,7 @@ above the Q quantile: split or local, on which role, and where their time went).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -176,6 +177,14 @@ def main() -> int:
                    help="PDRolesConfig.demand_grow: unserved split demand (prefill instances' worth) that grows the pool")
     p.add_argument("--kv-rate-s", type=float, default=PDRolesConfig().kv_rate_s,
                    help="PDRolesConfig.kv_rate_s: the decode-KV projection's rate over readings this old (0: since the last cycle)")
+    p.add_argument("--regrow-holdoff-s", type=float, default=getattr(PDRolesConfig(), "regrow_holdoff_s", 0.0),
+                   help="PDRolesConfig.regrow_holdoff_s: no prefill growth this long after an urgent take-back, "
+                        "doubled per take-back (0: no back-off)")
+    p.add_argument("--no-grow-kv-guard", action="store_true",
+                   help="PDRolesConfig.grow_kv_guard=False: prefill growth without the projected decode-KV check")
+    p.add_argument("--router-tpot-slo-s", type=float, default=None,
+                   help="TokenPilotConfig.tpot_slo_s, the TPOT budget the router prices streams' stalls against "
+                        "(default 0.05 s, whatever the fleet file's SLOs say)")
     p.add_argument("--local-decode-as-split", action="store_true",
                    help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
     a = p.parse_args()
@@ -183,14 +192,17 @@ def main() -> int:
     wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
     random.seed(a.seed)
     router = make_policy("tokenpilot", a.seed, fleet)
+    if a.router_tpot_slo_s is not None:
+        router.config = dataclasses.replace(router.config, tpot_slo_s=a.router_tpot_slo_s)
     policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos()),
                                                                local_decode_as_split=a.local_decode_as_split))
-    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(decode_kv_high=a.decode_kv_high,
-                                                        cycle_s=a.pd_cycle_s or None,
-                                                        start_colocated=not a.start_from_file,
-                                                        split_demand=a.split_demand,
-                                                        demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s))
+    knobs = dict(decode_kv_high=a.decode_kv_high, cycle_s=a.pd_cycle_s or None, start_colocated=not a.start_from_file,
+                 split_demand=a.split_demand, demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s,
+                 regrow_holdoff_s=a.regrow_holdoff_s, grow_kv_guard=not a.no_grow_kv_guard)
+    # (only the knobs this code's controller has: `disagg_loads.py --before` runs older code with this script)
+    have = {f.name for f in dataclasses.fields(PDRolesConfig)}
+    ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(**{k: v for k, v in knobs.items() if k in have}))
     sampler = Sampler()
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,

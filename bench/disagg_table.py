@@ -1,11 +1,16 @@
 """Print bench/DISAGG.md's tables from `tokenfleet simulate --disagg ... --json` reports.
 
-    python bench/disagg_table.py REPORT.json [REPORT.json ...]
+    python bench/disagg_table.py REPORT.json[,OFF_AT.json] [...]
 
 Per report: one row per `--disagg` mode (goodput, SLO attainment, TTFT/TPOT p95, split share,
 KV transfer p50/p95, per-role utilisation), then the issue's targets as ratios within that
 report: elastic vs colocated (`off`) goodput >= 1.3x, TTFT p95 <= 1x, TPOT p95 <= 0.7x, and
 elastic vs the best of static / dynamo_conditional / llm_d_decider goodput >= 1.1x.
+`REPORT.json,OFF_AT.json`: OFF_AT.json is a `--disagg off` report of the same trace and load on
+the fleet at the P/D modes' token budget (`max_num_batched_tokens` set to the file's
+`pd_max_num_batched_tokens`); its row is added as `off at N` (N: that budget, from the fleet
+file the report names) and the same three elastic targets are checked against it too (the fair
+baseline for what disaggregation adds beyond the budget; bench/DISAGG.md).
 """
 
 from __future__ import annotations
@@ -21,8 +26,23 @@ def _f(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def table(report: Mapping[str, Any]) -> list[str]:
+def _budget(report: Mapping[str, Any]) -> str:
+    """`off at N`'s N: the token budget of the fleet file the report names ('budget' if unreadable)."""
+    try:
+        from fleetcore.fleet_config import load_fleet_file
+        fleet = load_fleet_file(Path(report["fleet"]["file"]))
+        return f"{fleet.models[0].engine.max_num_batched_tokens:,}"
+    except Exception:  # (the table is still worth printing)
+        return "budget"
+
+
+def table(report: Mapping[str, Any], off_at: Mapping[str, Any] | None = None) -> list[str]:
     rows = {r.get("disagg", "off"): r for r in report["results"]}
+    base = None
+    if off_at is not None:
+        base = next(r for r in off_at["results"] if r.get("disagg", "off") == "off")
+        rows = {**{k: v for k, v in rows.items() if k == "off"}, f"off at {_budget(off_at)}": base,
+                **{k: v for k, v in rows.items() if k != "off"}}
     w = report["workload"]
     out = [f"{w['name']} x{w['rate_scale']:g} ({w['requests']} requests)", "",
            "| disagg | goodput tok/s | SLO % | TTFT p95 ms | TPOT p95 ms | split | KV xfer p50/p95 ms | util P/D |",
@@ -49,6 +69,12 @@ def table(report: Mapping[str, Any]) -> list[str]:
             best = max(others, key=lambda r: r["goodput_tok_s"])
             checks.append((f"goodput elastic / best other ({best['disagg']}) >= 1.1x",
                            ratio(e["goodput_tok_s"], best["goodput_tok_s"]), 1.1, True))
+        if base is not None:
+            at = next(k for k, v in rows.items() if v is base)
+            checks += [(f"goodput elastic / {at} >= 1.3x", ratio(e["goodput_tok_s"], base["goodput_tok_s"]), 1.3, True),
+                       (f"TTFT p95 elastic / {at} <= 1x", ratio(e["ttft_ms"]["p95"], base["ttft_ms"]["p95"]), 1.0, False),
+                       (f"TPOT p95 elastic / {at} <= 0.7x", ratio(e["tpot_ms"]["p95"], base["tpot_ms"]["p95"]), 0.7,
+                        False)]
         for name, v, bound, higher in checks:
             met = v is not None and (v >= bound if higher else v <= bound)
             out.append(f"| {name} | {_f(v, '.2f')}x | {'yes' if met else 'no'} |")
@@ -57,10 +83,12 @@ def table(report: Mapping[str, Any]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("reports", nargs="+", type=Path)
+    p.add_argument("reports", nargs="+", help="REPORT.json, or REPORT.json,OFF_AT.json")
     a = p.parse_args(argv)
-    for path in a.reports:
-        print("\n".join(table(json.loads(path.read_text(encoding="utf-8")))))
+    for arg in a.reports:
+        paths = [Path(x) for x in arg.split(",")]
+        reports = [json.loads(x.read_text(encoding="utf-8")) for x in paths]
+        print("\n".join(table(reports[0], reports[1] if len(reports) > 1 else None)))
         print()
     return 0
 

@@ -165,6 +165,23 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         """Where a decode leg reaches prefill instance `index` (None: not a prefill instance)."""
         return None
 
+    @property
+    def runs_pd(self) -> bool:
+        """Whether this deployment runs prefill/decode (the fleet file gives it non-mixed roles)."""
+        return any(r != "mixed" for r in self.roles)
+
+    @property
+    def step_budget(self) -> int:
+        """The engines' per-step token budget (vLLM `--max-num-batched-tokens`, SGLang
+        `--chunked-prefill-size`): the model's `pd_max_num_batched_tokens` where the deployment runs
+        P/D and the fleet file sets it, else `max_num_batched_tokens`. Every instance of a P/D
+        deployment gets it, whatever its role, as in the simulator (`fleetsim.disagg.pd_fleet`): a
+        decode or mixed instance admits local prefills' chunks within it, and a role flip keeps it."""
+        eng = self.engine
+        if self.runs_pd and eng.pd_max_num_batched_tokens is not None:
+            return eng.pd_max_num_batched_tokens
+        return eng.max_num_batched_tokens
+
     def instance_env(self, index: int) -> dict[str, str]:
         """Environment of engine `index` on top of `engine_env` (per-instance P/D ports)."""
         return {}
@@ -189,12 +206,12 @@ class ManagedEngineAdapter(HttpEngineAdapter):
 
     def _instance(self, index: int, url: str) -> Instance:
         eng = self.engine
-        pd = any(r != "mixed" for r in self.roles)
+        pd = self.runs_pd
         return Instance(instance_id=f"{self.id_prefix}/{index}", site=self.site, model=self.model,
                         version=self.version, url=url.rstrip("/"), adapter=self.name,
                         block_size=eng.block_size, max_model_len=eng.max_model_len,
                         engine_spec=eng.spec, gpu=self.gpu, tp=self.tp,
-                        max_batched_tokens=eng.max_num_batched_tokens, role=self.role_of(index),
+                        max_batched_tokens=self.step_budget, role=self.role_of(index),
                         pd_protocol=self.pd_protocol if pd else None, bootstrap_port=self.bootstrap_port(index))
 
     def _start_subscriber(self) -> KVEventSubscriber:

@@ -39,6 +39,13 @@ The rule, each cycle:
   rolled back, as one). The prefill pool may empty (`min_prefill`, 0): every request then
   runs whole on a decode instance, the colocated fleet — P/D's floor (long documents at
   16/16 collapsed to 0.05x colocated, bench/DISAGG.md "P/D that never collapses");
+- back-off (`regrow_holdoff_s`): after an urgent move has taken prefill instances back (the
+  pool pressure grew, the start aside), no pressure rule grows the prefill pool again for
+  `regrow_holdoff_s`, doubled at each further take-back (up to `regrow_holdoff_max_s`), nor
+  until the decode KV reading that made it urgent has cleared (`kv_band` below the mark,
+  projected `kv_horizon_s` ahead): long documents grew 2-4 prefill instances three or four
+  times a run and the urgent rule took each back (bench/DISAGG.md "P/D against colocated at
+  the same budget");
 - gradual (`gradual`, the default): the instances to flip (the least loaded of their role)
   take their new role at once and finish their in-flight work where they are (a decode
   instance turned prefill decodes its streams to the end while it takes new prefills), so
@@ -141,6 +148,22 @@ class PDRolesConfig:
     split_demand: bool = False
     demand_grow: float = 0.5
     demand_util: float = 0.8
+    # Back-off after an urgent decode-KV move took prefill instances back (not the start): no
+    # prefill growth for this long (a take-back is the urgent rule's verdict on the growth, held
+    # as long as a rollback's `block_s`), doubled at each further take-back (at most
+    # `regrow_holdoff_max_s`), and none until the projected decode KV is `kv_band` below the
+    # mark. 0: no back-off (the growth rules alone, which on long documents grew a pool the
+    # urgent rule took back two or three times a run). 120 s measured no change at long
+    # documents x7 (the regrowth came 136 s after the take-back); bench/DISAGG.md.
+    regrow_holdoff_s: float = 600.0
+    regrow_holdoff_max_s: float = 3600.0
+    # A prefill growth takes only as many decode instances as leave the decode pool's KV, projected
+    # over the growth's watch (`watch_s`) at its present rate (level and rate scaled to the smaller
+    # pool), `kv_band` below the mark (the level the TTFT rule grows from): a growth the urgent rule
+    # would take back before it is judged is not made. Long documents x7: TTFT pressure grew 3
+    # instances at 54 s (decode KV 25%, +0.39%/s) and the urgent rule took them back at 116 s (46%,
+    # 65% ahead); bench/DISAGG.md "P/D against colocated at the same budget".
+    grow_kv_guard: bool = True
     # Gradual flips: the instance takes its new role at once and finishes its in-flight work
     # where it is (a decode instance turned prefill keeps decoding its streams; a prefill
     # instance turned decode still sends the KV it holds). Off: drain first, switch once idle.
@@ -220,7 +243,10 @@ class PDRoleController:
     _kv_seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     _kv_pool: int = -1  # the decode pool's size those readings were taken at
     _kv_ahead: float = 0.0  # decode KV projected `kv_horizon_s` ahead (this cycle's)
+    _kv_rate: float = 0.0  # its rate (per second, >= 0) over the readings kept
     _span: float = 0.0  # seconds since the previous cycle (the window's)
+    _takebacks: int = 0  # urgent moves that took prefill instances back (the back-off's count)
+    _regrow_at: float = 0.0  # no prefill growth before this (the back-off)
 
     def cycle(self, now: float, instances: Sequence[RoleInstance], window: SLOWindow) -> list[RoleCommand]:
         first = self._last_t is None
@@ -340,9 +366,10 @@ class PDRoleController:
             self._kv_pool = n
         while len(seen) > 1 and now - seen[1][0] >= self.config.kv_rate_s:
             seen.popleft()  # (the newest reading old enough is kept as the base)
+        self._kv_rate = 0.0
         if seen and now > seen[0][0]:
-            rate = (u - seen[0][1]) / (now - seen[0][0])
-            ahead = u + max(0.0, rate) * self.config.kv_horizon_s
+            self._kv_rate = max(0.0, (u - seen[0][1]) / (now - seen[0][0]))
+            ahead = u + self._kv_rate * self.config.kv_horizon_s
         seen.append((now, u))
         self._kv_ahead = min(1.0, ahead)
 
@@ -383,13 +410,15 @@ class PDRoleController:
             if picks:
                 return self._start(now, picks, "prefill", "decode",
                                    f"decode KV urgent: {_decode_kv(instances):.0%}, {self._kv_ahead:.0%} ahead (mark "
-                                   f"{cfg.decode_kv_high:.0%}), {len(picks)} to decode at once")
+                                   f"{cfg.decode_kv_high:.0%}), {len(picks)} to decode at once{self._back_off(now)}")
         want = self._pressure(window, instances)
         if want is None or want != self._streak_dir:
             self._streak_dir, self._streak_n = want, 1 if want is not None else 0
         else:
             self._streak_n += 1
         if want is None or self._streak_n < cfg.streak or now < self._calm_until:
+            return []
+        if want == "prefill" and self._held(now):
             return []
         src: Role = "decode" if want == "prefill" else "prefill"
         if self._blocked.get((src, want), 0.0) > now:
@@ -411,10 +440,15 @@ class PDRoleController:
             size_n = round(size * len(pool))
         step = max(1, min(cfg.max_step, len(pool) - self._min(src), size_n))
         picks = tuple(i.instance_id for i in sorted(pool, key=lambda i: (not i.idle, i.load, i.instance_id))[:step])
+        if want == "prefill" and cfg.grow_kv_guard:
+            picks = self._kv_guarded(instances, picks)
+            if not picks:
+                return []
         why = "split demand" if demand else "TTFT" if want == "prefill" \
             else "decode KV" if share_b > cfg.margin or kv_over > 0 else "TPOT"
         reason = (f"{why} pressure: TTFT missed {share_t:.0%}, TPOT missed {share_p:.0%}, "
-                  f"waited for decode KV {share_b:.0%} of {window.ended}, decode KV {_decode_kv(instances):.0%}, "
+                  f"waited for decode KV {share_b:.0%} of {window.ended}, decode KV {_decode_kv(instances):.0%} "
+                  f"(+{self._kv_rate:.2%}/s), "
                   f"split demand unserved {starved:.1f} instances ({window.split_starved} of {window.placed})")
         return self._start(now, picks, src, want, reason)
 
@@ -429,6 +463,43 @@ class PDRoleController:
         self._pending = _Flip(picks, src, want, now, False, before)
         self._event(now, "drain", ",".join(picks), want, reason)
         return [RoleCommand("drain", i) for i in picks]
+
+    def _kv_guarded(self, instances: Sequence[RoleInstance], picks: tuple[str, ...]) -> tuple[str, ...]:
+        """The longest head of `picks` (decode instances to turn prefill) after which the decode
+        pool's KV, projected `watch_s` ahead, stays `kv_band` below the mark (`grow_kv_guard`):
+        the rest of the pool keeps its own KV and takes the arrivals the picks would have, so its
+        mean is theirs less the picks' and its rate is scaled by D / (D - k)."""
+        cfg = self.config
+        dec = {i.instance_id: i.kv_usage for i in instances if i.role == "decode"}
+        n, total = len(dec), sum(dec.values())
+        limit = cfg.decode_kv_high - cfg.kv_band
+        for k in range(len(picks), 0, -1):
+            left = n - k
+            if left <= 0:
+                continue
+            level = (total - sum(dec.get(i, 0.0) for i in picks[:k])) / left
+            if level + self._kv_rate * n / left * cfg.watch_s < limit:
+                return picks[:k]
+        return ()
+
+    def _back_off(self, now: float) -> str:
+        """An urgent move takes prefill instances back: hold prefill growth (`regrow_holdoff_s`,
+        doubled per take-back); the reason's tail."""
+        cfg = self.config
+        if cfg.regrow_holdoff_s <= 0:
+            return ""
+        self._takebacks += 1
+        hold = min(cfg.regrow_holdoff_max_s, cfg.regrow_holdoff_s * 2 ** (self._takebacks - 1))
+        self._regrow_at = max(self._regrow_at, now + hold)
+        return f"; take-back {self._takebacks}: no prefill growth for {hold:.0f} s and until decode KV clears"
+
+    def _held(self, now: float) -> bool:
+        """Whether the back-off holds prefill growth: within the hold-off, or (after a take-back)
+        while the decode KV projected ahead has not cleared `kv_band` below the mark."""
+        cfg = self.config
+        if self._takebacks == 0:
+            return False
+        return now < self._regrow_at or self._kv_ahead >= cfg.decode_kv_high - cfg.kv_band
 
     def _starved(self, w: SLOWindow) -> float:
         """Prefill instances' worth of split demand no prefill instance took (0 when the rule is

@@ -14,13 +14,18 @@ from engine_adapters.vllm import VLLMAdapter
 from fleetcore.fleet_config import parse_fleet
 
 
-def pd_fleet(adapter: str, options: dict[str, Any] | None = None) -> Any:
+PD_ROLES = {"prefill": 1, "decode": 2}
+
+
+def pd_fleet(adapter: str, options: dict[str, Any] | None = None, engine: dict[str, Any] | None = None,
+             roles: dict[str, int] | None = PD_ROLES) -> Any:
     return parse_fleet({
         "sites": [{"name": "s1", "region": "r", "jurisdiction": "j",
                    "interconnect": {"bandwidth_gb_s": 25, "latency_ms": 0.5}}],
-        "models": [{"name": "tiny", "engine": {"spec": "llama-3.1-8b", "max_model_len": 1024, "block_size": 32}}],
+        "models": [{"name": "tiny", "engine": {"spec": "llama-3.1-8b", "max_model_len": 1024, "block_size": 32,
+                                               **(engine or {})}}],
         "deployments": [{"site": "s1", "model": "tiny", "adapter": adapter, "instances": 3, "gpu": "H100",
-                         "roles": {"prefill": 1, "decode": 2},
+                         "roles": roles,
                          "options": options if options is not None else {"model": "/models/tiny"}}],
     })
 
@@ -74,3 +79,35 @@ def test_sim_workers_get_their_role_and_the_sites_link():
     assert [a.role_of(f"s1/tiny/{i}") for i in range(4)] == ["prefill", "decode", "decode", "mixed"]
     inst = a._instance("s1/tiny/0", "http://127.0.0.1:7001")
     assert (inst.role, inst.pd_protocol, inst.bootstrap_port) == ("prefill", "vllm", 7001)
+
+
+def test_vllm_pd_roles_launch_at_the_pd_step_budget():
+    budget = {"max_num_batched_tokens": 8192, "pd_max_num_batched_tokens": 1024}
+    (a,) = build_adapters(pd_fleet("vllm", engine=budget))
+    assert [flags(a.engine_argv(8001 + i, None, i))["--max-num-batched-tokens"] for i in range(3)] == ["1024"] * 3
+    assert a._instance(1, "http://127.0.0.1:8002").max_batched_tokens == 1024  # the router's prior agrees
+    # a mixed instance beside P/D roles serves local prefills among its streams: the same budget
+    (m,) = build_adapters(pd_fleet("vllm", engine=budget, roles={"prefill": 1, "decode": 1, "mixed": 1}))
+    (k,) = [i for i in range(3) if m.role_of(i) == "mixed"]
+    assert flags(m.engine_argv(8001 + k, None, k))["--max-num-batched-tokens"] == "1024"
+
+
+def test_vllm_keeps_the_files_budget_without_roles_or_without_a_pd_budget():
+    colocated = pd_fleet("vllm", engine={"max_num_batched_tokens": 4096, "pd_max_num_batched_tokens": 1024},
+                         roles=None)
+    (a,) = build_adapters(colocated)
+    assert flags(a.engine_argv(8001, None, 0))["--max-num-batched-tokens"] == "4096"
+    assert a._instance(0, "http://127.0.0.1:8001").max_batched_tokens == 4096
+    (b,) = build_adapters(pd_fleet("vllm", engine={"max_num_batched_tokens": 4096}))
+    assert flags(b.engine_argv(8001, None, 0))["--max-num-batched-tokens"] == "4096"
+
+
+def test_sglang_pd_roles_launch_at_the_pd_chunked_prefill_size():
+    budget = {"max_num_batched_tokens": 8192, "pd_max_num_batched_tokens": 2048}
+    (a,) = build_adapters(pd_fleet("sglang", engine=budget))
+    pre, dec = flags(a.engine_argv(9000, None, 0)), flags(a.engine_argv(9001, None, 1))
+    assert pre["--chunked-prefill-size"] == dec["--chunked-prefill-size"] == "2048"
+    assert (pre["--disaggregation-mode"], dec["--disaggregation-mode"]) == ("prefill", "decode")
+    (c,) = build_adapters(pd_fleet("sglang", engine=budget, roles=None))
+    assert flags(c.engine_argv(9000, None, 0))["--chunked-prefill-size"] == "8192"
+    assert "--disaggregation-mode" not in c.engine_argv(9000, None, 0)

@@ -360,3 +360,80 @@ def test_from_colocated_ttft_pressure_grows_a_prefill_pool_which_is_rolled_back_
     # and that direction stays blocked (block_s) while the pressure comes back
     for t in range(130, 400, 2):
         assert c.cycle(t, kv_fleet(ALL_DECODE, 0.2), good) == []
+
+
+# --- the back-off: no regrowth of a prefill pool the urgent decode-KV rule took back ---------
+
+def test_after_an_urgent_take_back_no_prefill_growth_until_the_hold_off_and_the_kv_have_cleared() -> None:
+    from dataclasses import replace
+
+    cfg = replace(START, regrow_holdoff_s=100.0, regrow_holdoff_max_s=150.0, grow_kv_guard=False, cooldown_s=10)
+    c = PDRoleController(cfg)
+    c.cycle(0, kv_fleet(HALVES, 0.0), NONE)
+    good = SLOWindow(ended=100, met=60, ttft_missed=35, tpot_missed=5)
+    for t in range(2, 62, 2):
+        c.cycle(t, kv_fleet(ALL_DECODE, 0.2), CALM)
+    c.cycle(62, kv_fleet(ALL_DECODE, 0.2), good)
+    grown = c.cycle(64, kv_fleet(ALL_DECODE, 0.2), good)
+    assert len(grown) == 4 and all(x.role == "prefill" for x in grown)
+    roles = {**ALL_DECODE, **{x.instance_id: "prefill" for x in grown}}
+    for t in range(66, 126, 2):  # watched a minute, goodput held: kept
+        assert c.cycle(t, kv_fleet(roles, 0.3), good) == []
+    assert c.log[-1].kind == "keep"
+    # decode KV jumps to 70%: the urgent rule takes the grown pool back, and holds growth 100 s
+    back = c.cycle(126, kv_fleet(roles, 0.7), good)
+    assert back == [RoleCommand("set_role", x.instance_id, "decode") for x in grown]
+    assert "take-back 1: no prefill growth for 100 s" in c.log[-1].reason
+    for t in range(128, 188, 2):  # its watch: goodput held, the move is kept
+        assert c.cycle(t, kv_fleet(ALL_DECODE, 0.2), good) == []
+    # TTFT pressure again, decode KV 20% (the growth rule's level): held until 226 s
+    for t in range(188, 226, 2):
+        assert c.cycle(t, kv_fleet(ALL_DECODE, 0.2), good) == []
+    # and after it while the decode KV projected ahead has not cleared the mark less the band:
+    # 20% -> 35% at 226 s is under 40% (the growth rule's level) but 80% ahead
+    for t in range(226, 236, 2):
+        assert c.cycle(t, kv_fleet(ALL_DECODE, 0.35), good) == []
+    again = c.cycle(236, kv_fleet(ALL_DECODE, 0.35), good)  # flat for 10 s: 35% ahead, cleared
+    assert len(again) == 4 and all(x.role == "prefill" for x in again)
+    # a second take-back doubles the hold, up to regrow_holdoff_max_s
+    roles = {**ALL_DECODE, **{x.instance_id: "prefill" for x in again}}
+    for t in range(238, 298, 2):
+        c.cycle(t, kv_fleet(roles, 0.3), good)
+    assert c.cycle(298, kv_fleet(roles, 0.7), good)
+    assert "take-back 2: no prefill growth for 150 s" in c.log[-1].reason
+    # without the back-off the same run regrows at the first cycle the pressure rules allow
+    c = PDRoleController(replace(cfg, regrow_holdoff_s=0.0))
+    c.cycle(0, kv_fleet(HALVES, 0.0), NONE)
+    for t in range(2, 62, 2):
+        c.cycle(t, kv_fleet(ALL_DECODE, 0.2), CALM)
+    c.cycle(62, kv_fleet(ALL_DECODE, 0.2), good)
+    c.cycle(64, kv_fleet(ALL_DECODE, 0.2), good)
+    for t in range(66, 126, 2):
+        c.cycle(t, kv_fleet(roles, 0.3), good)
+    assert c.cycle(126, kv_fleet(roles, 0.7), good)
+    regrew = [t for t in range(128, 226, 2) if c.cycle(t, kv_fleet(ALL_DECODE, 0.2), good)]
+    assert regrew and regrew[0] < 226
+
+
+def test_a_prefill_growth_the_decode_kv_would_take_back_within_its_watch_is_cut_or_not_made() -> None:
+    from dataclasses import replace
+
+    cfg = replace(START, regrow_holdoff_s=0.0)  # watch_s 60, mark 50%, band 10%: the limit 40%
+    good = SLOWindow(ended=100, met=60, ttft_missed=35, tpot_missed=5)
+
+    def grow(kv_then: float, kv_now: float, guard: bool = True) -> list[RoleCommand]:
+        c = PDRoleController(replace(cfg, grow_kv_guard=guard))
+        c.cycle(0, kv_fleet(HALVES, 0.0), NONE)
+        for t in range(2, 60, 2):  # calm, at kv_then until 52 s and kv_now from 54 s
+            c.cycle(t, kv_fleet(ALL_DECODE, kv_then if t <= 52 else kv_now), CALM)
+        assert c.cycle(60, kv_fleet(ALL_DECODE, kv_now), good) == []  # one cycle is not a streak
+        return c.cycle(62, kv_fleet(ALL_DECODE, kv_now), good)  # rate over 52-62 s
+
+    # flat at 20%: 32 -> 28 decode instances leave the mean at 20% (all alike): max_step, 4
+    assert len(grow(0.2, 0.2)) == 4
+    # 20% -> 30% at 54 s (+1%/s over the readings kv_rate_s old): 30% + 60% ahead
+    # is far past 40% for any step: none, although the level alone allows it
+    assert grow(0.2, 0.3) == []
+    assert len(grow(0.2, 0.3, guard=False)) == 4
+    # +0.05%/s at 30%: 30% + 32/(32 - k) * 3% < 40% for k <= 4
+    assert len(grow(0.295, 0.3)) == 4

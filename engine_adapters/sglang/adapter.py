@@ -53,7 +53,7 @@ class SGLangAdapter(ManagedEngineAdapter):
             "--page-size", str(eng.block_size),
             "--context-length", str(eng.max_model_len),
             "--max-running-requests", str(eng.max_num_seqs),
-            "--chunked-prefill-size", str(eng.max_num_batched_tokens),
+            "--chunked-prefill-size", str(self.step_budget),
             "--tp-size", str(self.tp),
         ]
         if o.tokenizer:

@@ -1,8 +1,9 @@
 """The vLLM adapter: `python -m vllm.entrypoints.openai.api_server` per instance, or attach.
 
 Flags come from the fleet file's model engine config (max_model_len, block_size,
-max_num_seqs, max_num_batched_tokens; gpu_memory_utilization only when the file
-sets it, because on vLLM's CPU backend it also sizes host memory) plus what the
+max_num_seqs, max_num_batched_tokens, or pd_max_num_batched_tokens where the
+deployment has P/D roles (`ManagedEngineAdapter.step_budget`); gpu_memory_utilization
+only when the file sets it, because on vLLM's CPU backend it also sizes host memory) plus what the
 gateway needs from every engine: prefix caching, `prompt_tokens_details` in usage
 (cached tokens), and KV events published to the gateway's subscriber. The module
 is run with `-m` rather than the `vllm` console script because the CPU build's
@@ -65,7 +66,7 @@ class VLLMAdapter(ManagedEngineAdapter):
             "--block-size", str(eng.block_size),
             "--max-model-len", str(eng.max_model_len),
             "--max-num-seqs", str(eng.max_num_seqs),
-            "--max-num-batched-tokens", str(eng.max_num_batched_tokens),
+            "--max-num-batched-tokens", str(self.step_budget),
         ]
         if o.tokenizer:
             argv += ["--tokenizer", str(expand_path(o.tokenizer))]
