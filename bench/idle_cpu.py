@@ -8,8 +8,9 @@ fleet file in front of simulated workers, time_scale 0.001, FCFS admission, uvic
 stack), started and waited for as there: ready once its log names its URL and `/health` counts
 every worker ready (a poll on /health, not a fixed sleep). Then nothing is sent to it. After
 `--warmup` seconds (left out: the first seconds after start-up still finish lazy work), each round
-samples the gateway's CPU (`/proc/PID/stat` utime + stime, and its children's: it has none) over
-`--seconds` of wall time; the result is ms of CPU per second of wall time, per round and median.
+samples the gateway's CPU over `--seconds` of wall time; the result is ms of CPU per second of wall time, per round and median.
+CPU time is each thread's `/proc/PID/task/TID/schedstat` run time (nanoseconds; `stat`'s utime +
+stime count 10 ms ticks, too coarse for a few ms a second).
 Per thread (`/proc/PID/task/*`): the event loop's thread (the process's main thread) against all
 the others together (the thread pool's sqlite and tokenizer calls, aiohttp's resolver, ...), and
 how often each woke up (voluntary + involuntary context switches per second: every timer, poll or
@@ -48,8 +49,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (bench/ is not a package: the same worker and gateway as the overhead runs)
 
-TICK = os.sysconf("SC_CLK_TCK")
-
 # Prepended to peers.GATEWAY_SHIM for --profile: cProfile of the main (event-loop) thread between
 # SIGUSR1 and SIGUSR2, written to $IDLE_PROFILE_OUT. Signal handlers run on the main thread,
 # so `enable()` there profiles the loop from that moment.
@@ -78,36 +77,35 @@ class Sample:
     threads: int
 
 
-def _stat_cpu(path: Path) -> float:
-    fields = path.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+def _run_ns(task: Path) -> int:
+    """Nanoseconds a thread has run on a CPU (`schedstat`): finer than `stat`'s 10 ms ticks."""
+    return int((task / "schedstat").read_text().split()[0])
 
 
-def _switches(path: Path) -> int:
+def _switches(task: Path) -> int:
     n = 0
-    for line in path.read_text().splitlines():
+    for line in (task / "status").read_text().splitlines():
         if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
             n += int(line.split()[1])
     return n
 
 
 def sample(pid: int) -> Sample:
-    """The process's CPU and its children's (threads alive now plus those ended: /proc/PID/stat
-    counts both) and its threads' context switches (alive ones only: a thread that ended takes its count along)."""
-    cpu = peers._tree_cpu_seconds(pid)
-    task = Path(f"/proc/{pid}/task")
-    wake, main_wake, main_cpu, threads = 0, 0, 0.0, 0
-    for t in task.iterdir():
+    """CPU time and context switches of the process's threads alive now (`/proc/PID/task/*`).
+    A thread that ended takes its figures along: the gateway's threads (its thread pools) live
+    as long as it does."""
+    wake, main_wake, cpu_ns, main_ns, threads = 0, 0, 0, 0, 0
+    for t in Path(f"/proc/{pid}/task").iterdir():
         try:
-            n = _switches(t / "status")
-            c = _stat_cpu(t / "stat")
+            n, ns = _switches(t), _run_ns(t)
         except (OSError, ValueError, IndexError):
             continue  # ended between listing and reading
         threads += 1
         wake += n
+        cpu_ns += ns
         if t.name == str(pid):
-            main_wake, main_cpu = n, c
-    return Sample(time.monotonic(), cpu, main_cpu, wake, main_wake, threads)
+            main_wake, main_ns = n, ns
+    return Sample(time.monotonic(), cpu_ns / 1e9, main_ns / 1e9, wake, main_wake, threads)
 
 
 def rates(a: Sample, b: Sample, busy_s: float) -> dict[str, float]:
