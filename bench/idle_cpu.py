@@ -1,6 +1,6 @@
 """What the gateway spends with no request: CPU per second of an idle `tokenfleet up`.
 
-    .venv/bin/python bench/idle_cpu.py [--seconds 20] [--rounds 5] [--baseline-ref REF]
+    .venv/bin/python bench/idle_cpu.py [--seconds 20] [--rounds 5] [--baseline-ref REF[,REF...]]
         [--router tokenpilot] [--workers 1] [--warmup 5] [--profile 20] [--json OUT.json]
 
 The same gateway `bench/peers.py --parts overhead` starts (`tokenfleet up` over an `adapter: static`
@@ -8,26 +8,26 @@ fleet file in front of simulated workers, time_scale 0.001, FCFS admission, uvic
 stack), started and waited for as there: ready once its log names its URL and `/health` counts
 every worker ready (a poll on /health, not a fixed sleep). Then nothing is sent to it. After
 `--warmup` seconds (left out: the first seconds after start-up still finish lazy work), each round
-samples the gateway's CPU over `--seconds` of wall time; the result is ms of CPU per second of wall time, per round and median.
-CPU time is each thread's `/proc/PID/task/TID/schedstat` run time (nanoseconds; `stat`'s utime +
-stime count 10 ms ticks, too coarse for a few ms a second).
-Per thread (`/proc/PID/task/*`): the event loop's thread (the process's main thread) against all
-the others together (the thread pool's sqlite and tokenizer calls, aiohttp's resolver, ...), and
-how often each woke up (voluntary + involuntary context switches per second: every timer, poll or
-socket event that wakes a sleeping thread is one).
+samples the gateway's CPU over `--seconds` of wall time: ms of CPU per second of wall time, per
+round and the median. CPU time is each thread's run time from `/proc/PID/task/TID/schedstat`
+(nanoseconds; `stat`'s utime + stime count 10 ms ticks, too coarse for a few ms a second). Per
+thread: the event loop's thread (the process's main thread) against all the others together (the
+thread pools' sqlite and tokenizer calls, ...), and how often they woke up: context switches per
+second (`/proc/PID/task/TID/status`; every timer, socket event or thread hand-off that wakes a
+sleeping thread is one, and on a small VM each costs ~100 us of CPU by itself).
 
-`--baseline-ref REF` (or several, comma-separated) also starts the gateway of git commit REF (its tree from `git archive`, this
-checkout's venv, as `bench/peers.py --baseline-ref` does) beside it; the rounds alternate which of
-the two is measured first (`A B`, `B A`, ...), each in a window of its own, so that drift in other
-users' load reaches both alike. Both stay idle throughout; each reports `machine_busy_cores` (the
-whole machine's busy cores during its window) and the 1-minute load average.
+`--baseline-ref REF` (several: comma-separated) also starts the gateway of git commit REF (its
+tree from `git archive`, this checkout's venv, as `bench/peers.py --baseline-ref` does) beside it;
+the rounds alternate the order in which they are measured (`A B`, `B A`, ...), each in a window of
+its own, so that drift in other users' load reaches all alike. All stay idle throughout; each
+window reports `machine_busy_cores` (the whole machine's busy cores during it) and the 1-minute
+load average.
 
-`--profile S`: afterwards, S seconds of the idle gateway (this tree's) under cProfile, switched on
+`--profile S`: afterwards, S seconds of an idle gateway of this tree under cProfile, switched on
 and off by signals (SIGUSR1, SIGUSR2) once it is ready, so the profile is the idle loop, not
 start-up: what runs, how many times a second, and its cumulative time. cProfile inflates each
-call; read the call counts, and the times as shares. The profiled gateway is a separate process
-started for it (its shim installs the two signal handlers; the measured ones have none).
-Linux only (/proc).
+call; read the call counts, and the times as shares. The profiled gateway is a process started for
+it (its shim installs the two signal handlers; the measured ones have none). Linux only (/proc).
 """
 
 from __future__ import annotations
