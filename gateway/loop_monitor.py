@@ -26,7 +26,9 @@ half of what an idle gateway spent (bench/README.md, "What the gateway spends wi
 
 Idle ticking (`idle_interval_s`, what the gateway uses): a loop with nothing to do cannot
 stall, so the monitor ticks every `idle_interval_s` (250 ms) while the loop is idle and every
-`interval_s` otherwise. Idle, judged every `MODE_WINDOW_S` of ticking: the loop's thread woke
+`interval_s` otherwise, and while someone `hold()`s it (a health check in flight: its deadline
+counts stalls, `stalled_s`, and needs them to the fine interval). Idle, judged every
+`MODE_WINDOW_S` of ticking: the loop's thread woke
 fewer than `ACTIVE_WAKEUPS_PER_S` times a second for anything but the monitor (its voluntary
 context switches, `getrusage(RUSAGE_THREAD)`: each return from the poll that was not the
 monitor's timer, and each blocking call) and used under `ACTIVE_CPU_SHARE` of a CPU
@@ -111,6 +113,8 @@ class LoopMonitor:
         self._window_wakeups = 0
         self._window_cpu = 0.0
         self._window_ticks = 0
+        self._holds = 0  # `hold()`s not yet released: tick finely meanwhile
+        self._resume_idle = False  # idle when the first hold began: idle again when the last ends
 
     @property
     def running(self) -> bool:
@@ -153,12 +157,42 @@ class LoopMonitor:
 
     def poke(self) -> None:
         """Something the monitor cannot see is starting (a client's bytes arrived): if ticking
-        idle, tick at `interval_s` from now. Cheap when not idle (one attribute test)."""
+        idle, tick at `interval_s` from now, for a window at least. Cheap when not idle (one
+        attribute test)."""
+        self._resume_idle = False  # work came in: a hold ending does not make the loop idle again
         if self.idle and self._handle is not None:
-            self._handle.cancel()
-            self.idle = False
+            self._switch(idle=False)
             self._open_window(self.clock())
-            self._arm()
+
+    def hold(self) -> None:
+        """Tick at `interval_s` until the matching `release_hold()`, whatever the loop does: for a
+        caller that reads `stalled_s` over a span and needs the stalls in it to the fine interval
+        (a health check's deadline counts only responsive time: `gateway.fleet_state`). When the
+        last hold ends, a monitor that was idle at the first goes back to idle ticking at once."""
+        self._holds += 1
+        if self._holds == 1:
+            self._resume_idle = self.idle
+            if self.idle and self._handle is not None:
+                self._switch(idle=False)
+
+    def release_hold(self) -> None:
+        self._holds = max(0, self._holds - 1)
+        if self._holds == 0:
+            if self._resume_idle and not self.idle and self._handle is not None:
+                self._switch(idle=True)
+            self._resume_idle = False
+
+    def _switch(self, *, idle: bool) -> None:
+        """Re-arm the pending tick at the other interval. Overdue, it is a stall that ends now:
+        counted as the tick would have counted it, so `stalled_s` runs on without a jump."""
+        assert self._handle is not None
+        now = self.clock()
+        self._handle.cancel()
+        lag = now - self._due
+        if lag > 0:
+            self._record(now, lag)
+        self.idle = idle
+        self._arm()
 
     def _arm(self) -> None:
         assert self._loop is not None
@@ -194,7 +228,7 @@ class LoopMonitor:
         # Each of our own ticks woke the loop once at most: what is left woke it for others.
         others = _thread_wakeups() - self._window_wakeups - (self.ticks - self._window_ticks)
         cpu_share = (time.thread_time() - self._window_cpu) / span
-        self.idle = (_RUSAGE_THREAD is not None and others < ACTIVE_WAKEUPS_PER_S * span
+        self.idle = (_RUSAGE_THREAD is not None and self._holds == 0 and others < ACTIVE_WAKEUPS_PER_S * span
                      and cpu_share < ACTIVE_CPU_SHARE)
         self._open_window(now)
 

@@ -293,3 +293,35 @@ async def test_gateway_monitor_ticks_idle_and_forgets_start_up(
         assert monitor.max_busy_lag_s < 0.05
         if lm._RUSAGE_THREAD is not None:
             await _wait_idle(monitor)
+
+
+@needs_thread_rusage
+async def test_a_hold_ticks_finely_and_gives_idle_ticking_back_at_once() -> None:
+    """A health check in flight holds the monitor fine: a stall during it is measured to the fine
+    interval (its deadline counts only responsive time), and idle ticking resumes when it ends."""
+    monitor = LoopMonitor(INTERVAL_S, idle_interval_s=5.0)
+    monitor.start()
+    try:
+        await _wait_idle(monitor)
+        s0 = monitor.stalled_s()
+        monitor.hold()
+        assert not monitor.idle
+        t0 = time.monotonic()
+        time.sleep(0.3)  # blocked while the check is in flight
+        blocked = time.monotonic() - t0
+        assert monitor.stalled_s() - s0 >= blocked - INTERVAL_S - 0.005  # counted already, in progress
+        await _wait_ticks(monitor, 1)
+        stalled = monitor.stalled_s() - s0
+        assert stalled >= blocked - INTERVAL_S - 0.005
+        monitor.hold()  # nested: the first release keeps it fine
+        monitor.release_hold()
+        assert not monitor.idle
+        monitor.release_hold()
+        assert monitor.idle  # it was idle before the hold: idle again now, no window to wait for
+        assert monitor.stalled_s() - s0 >= stalled  # no jump back
+        monitor.hold()
+        monitor.poke()  # work arrived meanwhile: the loop is not idle when the hold ends
+        monitor.release_hold()
+        assert not monitor.idle
+    finally:
+        monitor.stop()
