@@ -28,14 +28,13 @@ Idle ticking (`idle_interval_s`, what the gateway uses): a loop with nothing to 
 stall, so the monitor ticks every `idle_interval_s` (250 ms) while the loop is idle and every
 `interval_s` otherwise, and while someone `hold()`s it (a health check in flight: its deadline
 counts stalls, `stalled_s`, and needs them to the fine interval). Idle, judged every
-`MODE_WINDOW_S` of ticking: the loop's thread woke
-fewer than `ACTIVE_WAKEUPS_PER_S` times a second for anything but the monitor (its voluntary
-context switches, `getrusage(RUSAGE_THREAD)`: each return from the poll that was not the
-monitor's timer, and each blocking call) and used under `ACTIVE_CPU_SHARE` of a CPU
-(`time.thread_time`: a loop that never sleeps because it always has work wakes no one). `poke()` (the listener calls it whenever a
-client's bytes arrive) ends idle ticking at once, so a request is measured at `interval_s`
-from its first byte. While idle, a stall that begins there reads as D - idle_interval_s to D;
-`stalled_s` (health checks) counts it as such.
+`MODE_WINDOW_S` of ticking: the loop's thread woke fewer than `ACTIVE_WAKEUPS_PER_S` times a
+second for anything but the monitor (its voluntary context switches, `getrusage(RUSAGE_THREAD)`:
+each return from the poll that was not the monitor's timer, and each blocking call) and used
+under `ACTIVE_CPU_SHARE` of a CPU (`time.thread_time`: a loop that never sleeps because it always
+has work wakes no one). `poke()` (the listener calls it whenever a client's bytes arrive) ends
+idle ticking at once, so a request is measured at `interval_s` from its first byte. While idle,
+a stall that begins there (from a timer) reads as D - idle_interval_s to D, in `stalled_s` too.
 
 For health-check hysteresis, `max_lag_since(t)` answers "was the loop responsive since
 `t`?" (a missed health poll during a stall of our own loop is not the engine's fault).
@@ -46,17 +45,17 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 try:
     import resource
     _RUSAGE_THREAD: int | None = resource.RUSAGE_THREAD  # Linux
 except (ImportError, AttributeError):
     _RUSAGE_THREAD = None
-from collections import deque
-from collections.abc import Callable, Iterator
-
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 DEFAULT_INTERVAL_S = 0.01
 # Idle ticking (module docstring): the gateway's tick while its loop has nothing to do, how
