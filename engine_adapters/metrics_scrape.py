@@ -8,7 +8,7 @@ for all adapters.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,13 +40,34 @@ def _wanted_lines(text: str) -> str:
     return "\n".join([line for line in text.splitlines() if line.startswith(_WANTED)]) + "\n"
 
 
+# The lines read above change only when the engine's load does: an idle engine's are the same at
+# every poll (twice a second, each engine). A snapshot already parsed from the same lines is
+# returned again (LoadSnapshot is frozen; nothing writes its `extra`). Bounded: a few entries per
+# engine polled, the least recently used dropped first.
+_PARSED_MAX = 1024
+_parsed: OrderedDict[str, LoadSnapshot] = OrderedDict()
+
+
 def parse_metrics(text: str) -> LoadSnapshot:
     """Sum each metric over its label sets (one engine may report per model or per rank);
     usage fractions take the maximum."""
+    wanted = _wanted_lines(text)
+    snap = _parsed.get(wanted)
+    if snap is not None:
+        _parsed.move_to_end(wanted)
+        return snap
+    snap = _parse_wanted(wanted)
+    _parsed[wanted] = snap
+    if len(_parsed) > _PARSED_MAX:
+        _parsed.popitem(last=False)
+    return snap
+
+
+def _parse_wanted(wanted: str) -> LoadSnapshot:
     sums: dict[str, float] = defaultdict(float)
     maxes: dict[str, float] = {}
     block_size: int | None = None
-    for family in text_string_to_metric_families(_wanted_lines(text)):
+    for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             sums[sample.name] += sample.value
             maxes[sample.name] = max(maxes.get(sample.name, sample.value), sample.value)

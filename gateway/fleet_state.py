@@ -316,7 +316,15 @@ class FleetState:
     async def _timed_probe(self, st: InstanceState) -> tuple[bool, LoadSnapshot] | None:
         """Health + load within `call_timeout_s` of *responsive* loop time. Raises TimeoutError
         when the engine had that long and did not answer; None when the loop was stalled so
-        long the check proves nothing."""
+        long the check proves nothing. The loop monitor ticks finely meanwhile (`hold`): an idle
+        gateway's monitor ticks every 250 ms, too coarse to tell a stall from a slow engine."""
+        self.lag.hold()
+        try:
+            return await self._timed_probe_held(st)
+        finally:
+            self.lag.release_hold()
+
+    async def _timed_probe_held(self, st: InstanceState) -> tuple[bool, LoadSnapshot] | None:
         loop = asyncio.get_running_loop()
         t0, s0 = loop.time(), self.lag.stalled_s()
         task = loop.create_task(_probe(st))

@@ -45,6 +45,7 @@ from fleetcore.fleet_config import GatewaySettings
 from gateway.errors import INVALID_REQUEST, SERVER_ERROR, error_body
 from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
 from gateway.head_hold import HeadHold
+from gateway.loop_monitor import LoopMonitor, running_on
 
 log = logging.getLogger("tokenfleet.listener")
 
@@ -259,6 +260,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._read_len = 0
         self._refusal: tuple[int, str, str] | None = None
+        self._monitor: LoopMonitor | None = None  # the loop's stall monitor: told when bytes arrive
 
     # --- connection ---
 
@@ -275,6 +277,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._listener = listener
         self.app = listener.app_for(self.app)
+        self._monitor = running_on(self.loop)
+        if self._monitor is not None:
+            self._monitor.poke()
         super().connection_made(transport)
         # The header clock starts at connect: a connection that sends nothing is closed too.
         self._begin_headers(0)
@@ -289,6 +294,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._listener is None or self.parser is None:
             return
+        monitor = self._monitor
+        if monitor is not None and monitor.idle:  # a request may be starting: measure the loop finely
+            monitor.poke()
         self._unset_keepalive_if_required()
         self._read_len = len(data)
         if self._in_headers:

@@ -148,3 +148,38 @@ def readme_admin_examples() -> list[str]:
     block = text.split("<!-- admin-examples:", 1)[1].split("<!-- /admin-examples -->", 1)[0]
     return [ln.strip() for ln in block.splitlines() if ln.strip().startswith("curl ")]
 
+
+
+async def test_the_servers_main_loop_sleeps_a_second_and_wakes_when_asked_to_exit() -> None:
+    """`tokenfleet up`'s server wakes once a second with nothing to do (uvicorn's own: every 0.1 s),
+    refreshes the Date header each time, and ends as soon as `should_exit` is set."""
+    import asyncio
+
+    import uvicorn
+
+    from gateway.cli import DATE_REFRESH_S, _Server
+
+    async def app(scope, receive, send):  # never called
+        raise AssertionError
+
+    server = _Server(uvicorn.Config(app, lifespan="off"))
+    server.config.load()
+    ticks: list[int] = []
+    on_tick = server.on_tick
+
+    async def counted(counter: int) -> bool:
+        ticks.append(counter)
+        return await on_tick(counter)
+
+    server.on_tick = counted  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    task = asyncio.create_task(server.main_loop())
+    await asyncio.sleep(DATE_REFRESH_S * 2.5)
+    assert 2 <= len(ticks) <= 4  # ~1 a second, not 10
+    assert all(c % 10 == 0 for c in ticks)  # each one refreshes the Date header
+    assert any(name == b"date" for name, _ in server.server_state.default_headers)
+    asked = loop.time()
+    server.should_exit = True
+    await asyncio.wait_for(task, 5)
+    assert loop.time() - asked < 0.5 and loop.time() - t0 < 10

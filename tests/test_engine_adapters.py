@@ -314,3 +314,22 @@ def test_sglang_metrics_map_onto_the_same_fields():
     assert snap.kv_usage == pytest.approx(0.41)
     assert snap.prefix_cache_queries == 8128902.0 and snap.prefix_cache_hits == 3120451.0
     assert snap.block_size is None  # SGLang does not publish its page size; the fleet file's stands
+
+
+def test_a_page_read_before_is_not_parsed_again_and_a_changed_one_is():
+    """An idle engine's page is the same at every poll: its snapshot is reused (same object, same
+    figures); a page whose load lines differ is parsed anew, one with only other lines changed is not."""
+    import engine_adapters.metrics_scrape as ms
+
+    text = (FIXTURES / "vllm_0.32_metrics.txt").read_text()
+    first = parse_metrics(text)
+    again = parse_metrics(text + "# HELP some_other_metric changes nothing read\nsome_other_metric 7\n")
+    assert again is first
+    changed = parse_metrics(text.replace("vllm:num_requests_waiting{", "vllm:num_requests_waiting{x=\"1\",", 1)
+                            + 'vllm:num_requests_waiting{model_name="m2"} 5.0\n')
+    assert changed is not first and changed.num_waiting == first.num_waiting + 5
+    assert len(ms._parsed) <= ms._PARSED_MAX
+    for i in range(ms._PARSED_MAX + 10):  # bounded: the oldest go first
+        parse_metrics(f"vllm:num_requests_running {i}\n")
+    assert len(ms._parsed) == ms._PARSED_MAX
+    assert parse_metrics("vllm:num_requests_running 3\n").num_running == 3

@@ -11,9 +11,16 @@ from typing import Any
 import aiohttp
 import pytest
 
+import uvicorn
+
+from fleetcore.fleet_config import GatewaySettings
+from gateway import loop_monitor as lm
 from gateway.app import create_app
 from gateway.loop_monitor import HISTORY_S, LoopMonitor
 from gateway.embedded import serve_app
+from gateway.listener import bind_socket, build_listeners, protocol_class
+
+needs_thread_rusage = pytest.mark.skipif(lm._RUSAGE_THREAD is None, reason="idle ticking needs RUSAGE_THREAD")
 
 INTERVAL_S = 0.01
 DEADLINE_S = 10.0
@@ -147,3 +154,174 @@ async def test_gateway_exports_loop_lag_and_stops_the_monitor(
     assert _metric(text, 'tokenfleet_event_loop_lag_seconds_bucket{le="0.1"}') <= count - 1  # the stall
     assert _metric(text, "tokenfleet_event_loop_lag_seconds_sum") >= 0.15 - INTERVAL_S - 0.005
     assert _metric(text, "tokenfleet_event_loop_lag_busy_max_seconds") < 0.05  # a sleep, not work
+
+
+# --- idle ticking (the gateway's monitor: `idle_interval_s`) -------------------------------------
+
+
+async def _wait_idle(monitor: LoopMonitor, timeout_s: float = DEADLINE_S) -> None:
+    """Sleep in long steps (short ones would be the activity that keeps the monitor fine) until idle."""
+    deadline = time.monotonic() + timeout_s
+    while not monitor.idle:
+        assert time.monotonic() < deadline, "the monitor never judged the loop idle"
+        await asyncio.sleep(0.3)
+
+
+@needs_thread_rusage
+async def test_an_idle_loop_is_ticked_at_the_idle_interval() -> None:
+    monitor = LoopMonitor(INTERVAL_S, idle_interval_s=0.2)
+    monitor.start()
+    try:
+        await _wait_idle(monitor)
+        ticks, t0 = monitor.ticks, time.monotonic()
+        await asyncio.sleep(1.0)  # one wakeup of ours: the loop is idle but for the monitor
+        n, spent = monitor.ticks - ticks, time.monotonic() - t0
+    finally:
+        monitor.stop()
+    assert monitor.idle is False  # stopped: not idle any more
+    # ~5 ticks a second instead of ~100 (a tick a hair early or late either way)
+    assert 1 <= n <= spent / 0.2 + 2
+    assert monitor.idle_ticks >= n - 1
+
+
+@needs_thread_rusage
+async def test_a_loop_that_wakes_often_is_ticked_finely_and_its_stall_measured() -> None:
+    monitor = LoopMonitor(INTERVAL_S, idle_interval_s=0.2)
+    monitor.start()
+    stop = asyncio.Event()
+
+    async def busy() -> None:  # ~500 wakeups a second: a gateway serving
+        while not stop.is_set():
+            await asyncio.sleep(0.002)
+
+    try:
+        await _wait_idle(monitor)
+        task = asyncio.create_task(busy())
+        deadline = time.monotonic() + DEADLINE_S
+        while monitor.idle:  # judged at the next idle tick at the latest
+            assert time.monotonic() < deadline, "still idle while the loop wakes 500 times a second"
+            await asyncio.sleep(0.01)
+        await _wait_ticks(monitor, 3)
+        assert not monitor.idle
+        t0 = time.monotonic()
+        time.sleep(0.15)  # a stall while busy: measured at the fine interval
+        blocked = time.monotonic() - t0
+        await _wait_ticks(monitor, 1)
+        assert monitor.max_lag_since(t0) >= blocked - INTERVAL_S - 0.005
+        stop.set()
+        await task
+    finally:
+        monitor.stop()
+
+
+@needs_thread_rusage
+async def test_a_loop_held_by_computation_is_not_idle() -> None:
+    """A loop that always has work never sleeps, so it wakes no one: its CPU share says busy."""
+    monitor = LoopMonitor(INTERVAL_S, idle_interval_s=0.2)
+    monitor.start()
+    try:
+        await _wait_idle(monitor)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and monitor.idle:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 0.02:
+                pass  # 20 ms of CPU a step, no blocking call in between
+            await asyncio.sleep(0)
+        assert not monitor.idle
+    finally:
+        monitor.stop()
+
+
+@needs_thread_rusage
+async def test_poke_ends_idle_ticking_at_once() -> None:
+    monitor = LoopMonitor(INTERVAL_S, idle_interval_s=5.0)  # an idle tick would come only after the test
+    monitor.start()
+    try:
+        await _wait_idle(monitor)
+        monitor.poke()
+        assert not monitor.idle
+        t0 = time.monotonic()
+        time.sleep(0.1)
+        blocked = time.monotonic() - t0
+        assert monitor.current_lag_s() >= blocked - INTERVAL_S - 0.005  # the fine tick is overdue already
+    finally:
+        monitor.stop()
+
+
+def test_idle_interval_below_the_interval_is_refused() -> None:
+    with pytest.raises(ValueError):
+        LoopMonitor(0.01, idle_interval_s=0.005)
+
+
+@needs_thread_rusage
+async def test_a_client_connecting_to_the_listener_pokes_the_monitor() -> None:
+    """The listener (`tokenfleet up`'s protocol) tells the loop's monitor when a client's bytes arrive."""
+    monitor = LoopMonitor(INTERVAL_S, idle_interval_s=5.0)
+    monitor.start()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = bind_socket("127.0.0.1", 0)
+    listeners, _ = build_listeners(GatewaySettings(), sock, None, 4096)
+    server = uvicorn.Server(uvicorn.Config(app, http=protocol_class(listeners), lifespan="off", log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await _wait_idle(monitor)
+        assert lm.running_on(asyncio.get_running_loop()) is monitor
+        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readline(), DEADLINE_S)).startswith(b"HTTP/1.1 200")
+        assert not monitor.idle  # poked: no idle tick (5 s) could have judged it meanwhile
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, DEADLINE_S)
+        sock.close()
+        monitor.stop()
+    assert lm.running_on(asyncio.get_running_loop()) is None
+
+
+async def test_gateway_monitor_ticks_idle_and_forgets_start_up(
+        fake_adapter: Any, instance_factory: Any, config_factory: Any, refused_url: str) -> None:
+    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", refused_url)])])
+    monitor = app.state.tokenfleet.loop_monitor
+    assert monitor.idle_interval_s == lm.IDLE_INTERVAL_S
+    async with serve_app(app):
+        # start-up's full collection held the loop, but the maxima begin with serving
+        assert monitor.max_busy_lag_s < 0.05
+        if lm._RUSAGE_THREAD is not None:
+            await _wait_idle(monitor)
+
+
+@needs_thread_rusage
+async def test_a_hold_ticks_finely_and_gives_idle_ticking_back_at_once() -> None:
+    """A health check in flight holds the monitor fine: a stall during it is measured to the fine
+    interval (its deadline counts only responsive time), and idle ticking resumes when it ends."""
+    monitor = LoopMonitor(INTERVAL_S, idle_interval_s=5.0)
+    monitor.start()
+    try:
+        await _wait_idle(monitor)
+        s0 = monitor.stalled_s()
+        monitor.hold()
+        assert not monitor.idle
+        t0 = time.monotonic()
+        time.sleep(0.3)  # blocked while the check is in flight
+        blocked = time.monotonic() - t0
+        assert monitor.stalled_s() - s0 >= blocked - INTERVAL_S - 0.005  # counted already, in progress
+        await _wait_ticks(monitor, 1)
+        stalled = monitor.stalled_s() - s0
+        assert stalled >= blocked - INTERVAL_S - 0.005
+        monitor.hold()  # nested: the first release keeps it fine
+        monitor.release_hold()
+        assert not monitor.idle
+        monitor.release_hold()
+        assert monitor.idle  # it was idle before the hold: idle again now, no window to wait for
+        assert monitor.stalled_s() - s0 >= stalled  # no jump back
+        monitor.hold()
+        monitor.poke()  # work arrived meanwhile: the loop is not idle when the hold ends
+        monitor.release_hold()
+        assert not monitor.idle
+    finally:
+        monitor.stop()
