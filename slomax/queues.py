@@ -337,6 +337,21 @@ class ClassQueues:
         cands.sort(key=lambda c: (c[0], c[1]))
         return [e for _, _, e in cands]
 
+    def _only(self) -> Entry | None:
+        """The waiting request when exactly one waits in all the classes (what `_candidates` would
+        list alone), else None. Through `heads`, as `peek`, so removed entries leave the heaps alike."""
+        one: ClassQueue | None = None
+        for q in self.queues.values():
+            n = len(q)
+            if n:
+                if n > 1 or one is not None:
+                    return None
+                one = q
+        if one is None:
+            return None
+        heads = list(one.heads())
+        return heads[0] if len(heads) == 1 else None
+
     def next(self, now: float) -> Entry | None:
         """The waiting request that may start now, or None.
 
@@ -345,6 +360,9 @@ class ClassQueues:
         otherwise a stream of small requests would take every refill and starve a long
         prompt forever.
         """
+        only = self._only()
+        if only is not None:  # one request waits: the candidates are that one, nobody else waits
+            return only if not self.why_not(only.request_class, only.weight, now, False) else None
         cands = self._candidates(now)
         blocked = False
         for e in cands:
