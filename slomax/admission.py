@@ -250,6 +250,12 @@ class SLOMax(LedgeredAdmission):
             target *= max(0.0, 1.0 - sum(c.protected for c in self.config.classes.values()))
         return wait is not None and wait < target
 
+    @staticmethod
+    def _alone(pool: _Pool) -> bool:
+        """Nobody waits in the pool: `ClassQueues.next` would weigh a new request alone (`why_not`,
+        nobody else waiting), so `admit` starts it, or not, without a trip through the heap."""
+        return not len(pool.queues)
+
     def _weight(self, pool: _Pool, cls: str, prompt_tokens: int) -> float:
         """Expected uncached prompt tokens: the prefill this request will cost."""
         hit = pool.hit[cls].value or 0.0
@@ -307,6 +313,12 @@ class SLOMax(LedgeredAdmission):
         budget.charge(tokens, now)
         req = _Req(e, slo, tokens, budget, pool, tracked=profile.stream)
         self._reqs[e.request_id] = req
+        alone = self._alone(pool)
+        if alone and (pool.n_ready == 0 or not pool.queues.why_not(cls, e.weight, now, False)):
+            self._start(req, now)
+            if pool.n_ready == 0:  # nothing serves this model: the gateway says so (503 no_ready_instance)
+                return AdmissionDecision("admit", "no ready instance to queue for", cls)
+            return AdmissionDecision("admit", "", cls, avoid_instances=self._avoid(req))
         ahead = queue.ahead_of(deadline, priority)
         queue.push(e)
         if pool.n_ready == 0:
@@ -314,7 +326,7 @@ class SLOMax(LedgeredAdmission):
             pool.queues.pop(e)
             self._start(req, now)
             return AdmissionDecision("admit", "no ready instance to queue for", cls)
-        if pool.queues.next(now) is e:
+        if not alone and pool.queues.next(now) is e:  # (alone: `why_not` just said it must wait)
             pool.queues.pop(e)
             self._start(req, now)
             return AdmissionDecision("admit", "", cls, avoid_instances=self._avoid(req))

@@ -288,7 +288,7 @@ class ClassQueues:
         self.engines_open: Callable[[str], bool] | None = None
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return sum(map(len, self.queues.values()))
 
     def max_concurrency(self, request_class: str) -> float | None:
         v = self.concurrency_override.get(request_class)
@@ -349,7 +349,7 @@ class ClassQueues:
                 one = q
         if one is None:
             return None
-        heads = list(one.heads())
+        heads = list(one.heads())  # every tenant's heap, as peek walks them (dropping removed tops)
         return heads[0] if len(heads) == 1 else None
 
     def next(self, now: float) -> Entry | None:
