@@ -101,9 +101,7 @@ class GoodputLedger:
         if len(self._cells) > self.keep_windows:
             for w in sorted(self._cells)[: len(self._cells) - self.keep_windows]:
                 if w != newest:
-                    del self._cells[w]
-                    if w == self._memo_w:
-                        self._memo_w = None  # its cells left the ledger: never hand them out again
+                    del self._cells[w]  # (only ever from `_cells_for`, which then keeps the newest pair)
 
     # One method per event, each adding to the request's cell and to the running total: no
     # keyword dict and no setattr by name on every request.

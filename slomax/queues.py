@@ -350,7 +350,7 @@ class ClassQueues:
         if one is None:
             return None
         heads = list(one.heads())  # every tenant's heap, as peek walks them (dropping removed tops)
-        return heads[0] if len(heads) == 1 else None
+        return heads[0] if heads else None
 
     def next(self, now: float) -> Entry | None:
         """The waiting request that may start now, or None.

@@ -354,6 +354,18 @@ def test_the_gate_builds_no_view_to_pump_a_policy_that_holds_nothing() -> None:
     _cycle(gate, 2)
     assert state.views == 2 and Polling.polls == 1  # a policy with a poll of its own is pumped
 
+    class Waking(FCFS):
+        asked = 0
+
+        def next_wakeup(self, now):  # type: ignore[no-untyped-def]
+            Waking.asked += 1
+            return None
+
+    state = _CountingState()
+    gate = AdmissionGate(Waking(), state, lambda: 0.0)  # type: ignore[arg-type]
+    _cycle(gate, 3)
+    assert state.views == 2 and Waking.asked == 1  # ... and so is one with a wake-up of its own
+
     state = _CountingState()
     sm = SLOMax()
     gate = AdmissionGate(sm, state, lambda: 0.0)  # type: ignore[arg-type]
@@ -389,14 +401,15 @@ def test_record_outcome_exposes_what_it_did_with_zero_increments() -> None:
     fast, ref = GatewayMetrics(), GatewayMetrics()
     for i in range(300):
         o = RequestOutcome(f"r{i}", "e0", rng.choice(["s1", "s2"]), rng.random() < 0.8, rng.choice([0, 64]),
-                           rng.choice([0, 0, 32]), rng.choice([0, 4]), rng.choice([None, 0.1]), None,
+                           rng.choice([0, 0, 1, 32]), rng.choice([0, 1, 4]), rng.choice([None, 0.1]), None,
                            rng.choice([None, 0.5]))
         fast.record_outcome("m", o)
-        ref.record_outcome("m", replace(o))
-        key = ("m", o.site)
-        c = ref._per_site[key]
-        for child, n in ((c.prompt_tokens, o.prompt_tokens), (c.output_tokens, o.output_tokens),
-                         (c.cached_tokens, o.cached_tokens)):
-            if n == 0:
-                child.inc(0)  # the reference adds the zeros too
+        key = ("m", o.site)  # the reference: every series by `.labels()`, every counter added to, 0 or not
+        if o.ttft_s is not None:
+            ref.ttft.labels(*key).observe(o.ttft_s)
+        if o.e2e_s is not None and o.ok:
+            ref.e2e.labels(*key).observe(o.e2e_s)
+        ref.prompt_tokens.labels(*key).inc(o.prompt_tokens)
+        ref.output_tokens.labels(*key).inc(o.output_tokens)
+        ref.cached_tokens.labels(*key).inc(o.cached_tokens)
     assert _exposition(fast.registry) == _exposition(ref.registry)
