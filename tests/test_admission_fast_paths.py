@@ -413,3 +413,11 @@ def test_record_outcome_exposes_what_it_did_with_zero_increments() -> None:
         ref.output_tokens.labels(*key).inc(o.output_tokens)
         ref.cached_tokens.labels(*key).inc(o.cached_tokens)
     assert _exposition(fast.registry) == _exposition(ref.registry)
+
+
+def test_the_admission_cost_benchmark_runs() -> None:
+    from tests.bench_scripts import load_bench
+
+    bench = load_bench("admission_cost")
+    out = bench.measure(50)
+    assert set(out) == set(bench.CASES) and all(v > 0 for v in out.values())
