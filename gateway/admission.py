@@ -59,7 +59,7 @@ def _replacer(cls: type[R], name: str) -> Callable[[R, Any], R]:
         raise TypeError(f"{cls.__name__}: no positional replacer for {name!r}")
     args = ", ".join("value" if f.name == name else f"obj.{f.name}" for f in fs)
     ns: dict[str, Any] = {"cls": cls}
-    exec(f"def replaced(obj, value):\n    return cls({args})\n", ns)  # noqa: S102 (our own field names)
+    exec(f"def replaced(obj, value):\n    return cls({args})\n", ns)  # (the code is the class's own field names)
     fn: Callable[[R, Any], R] = ns["replaced"]
     fn.__doc__ = f"dataclasses.replace(obj, {name}=value) for {cls.__name__}"
     return fn

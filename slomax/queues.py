@@ -93,6 +93,8 @@ class ClassQueue:
             e.removed = True
             self._by_priority[e.priority] -= 1
             self.weight = self.weight - e.weight if self._live else 0.0
+            if not self._live:
+                self._heaps.clear()  # every entry left is a removed one (SLOMax's admit may not walk them)
         return e
 
     def _head(self, tenant: str) -> Entry | None:

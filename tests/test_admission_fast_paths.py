@@ -421,3 +421,18 @@ def test_the_admission_cost_benchmark_runs() -> None:
     bench = load_bench("admission_cost")
     out = bench.measure(50)
     assert set(out) == set(bench.CASES) and all(v > 0 for v in out.values())
+
+
+def test_a_drained_class_queue_keeps_no_removed_entries() -> None:
+    from slomax.queues import ClassQueue, Entry
+
+    q = ClassQueue(DEFAULT_CLASSES[INTERACTIVE])
+    es = [Entry(f"r{i}", f"t{i % 2}", INTERACTIVE, "m", 0.0, 0.0, 10.0, 10, seq=i) for i in range(6)]
+    for e in es:
+        q.push(e)
+    q.remove("r3")  # a cancel in the middle of a heap: lazily removed, left in place
+    assert sum(map(len, q._heaps.values())) == 6
+    for e in (es[0], es[1], es[2], es[4], es[5]):
+        q.pop(e)
+    # nothing live: admit's shortcut never walks the heaps, so they are dropped with the last entry
+    assert len(q) == 0 and q._heaps == {} and q.weight == 0.0 and list(q.heads()) == []
