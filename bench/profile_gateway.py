@@ -3,8 +3,9 @@
     .venv/bin/python bench/profile_gateway.py [--requests 2200] [--concurrency 8] [--chunks 16]
 
 One gateway process (the same one `bench/otel_overhead.py` starts: `gateway.app.create_app`
-over one static instance, TokenPilot routing, FCFS, served by uvicorn with its default
-stack) runs under `cProfile` in front of a stub engine in this process that streams
+over one static instance, TokenPilot routing, the fleet file's default admission, SLOMax,
+served by uvicorn with its default stack; `--admission fcfs` runs FCFS, what
+`bench/peers.py --parts overhead` runs) runs under `cProfile` in front of a stub engine in this process that streams
 `--chunks` SSE chunks per answer as fast as it can; the client sends `--requests` streamed
 chat completions at `--concurrency`. On SIGTERM the gateway writes its profile; this script
 then sums each function's *self* time (tottime) by where its code lives (gateway/,
@@ -104,6 +105,11 @@ def child(port: int, engine_url: str, stats_path: str) -> None:
     import uvicorn  # noqa: F401
 
     import gateway.app
+    if os.environ.get("PROFILE_ADMISSION"):  # FCFS, as bench/peers.py runs it; default: the fleet file's (SLOMax)
+        import slomax
+
+        name, make = os.environ["PROFILE_ADMISSION"], slomax.make_admission
+        gateway.app.make_admission = lambda _policy, cfg=None: make(name, cfg)  # type: ignore[assignment]
     if os.environ.get("PROFILE_GC_THRESHOLDS"):  # an experiment: thresholds other than the gateway's
         gateway.app.GC_THRESHOLDS = tuple(int(x) for x in os.environ["PROFILE_GC_THRESHOLDS"].split(","))  # type: ignore[assignment]
     pauses = _watch_gc()
@@ -174,6 +180,8 @@ async def run(args: argparse.Namespace, stats_path: str) -> None:
     env = dict(os.environ)
     if args.gc_thresholds:
         env["PROFILE_GC_THRESHOLDS"] = args.gc_thresholds
+    if args.admission:
+        env["PROFILE_ADMISSION"] = args.admission
     proc = subprocess.Popen([sys.executable, __file__, "--child", str(port), engine_url, stats_path], cwd=ROOT,
                             env=env)
     try:
@@ -199,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", metavar="FILE", help="keep the raw pstats file here")
     p.add_argument("--gc-thresholds", metavar="A,B,C",
                    help="run the gateway with these gc thresholds instead of gateway.app.GC_THRESHOLDS")
+    p.add_argument("--admission", choices=("fcfs", "slomax"),
+                   help="the gateway's admission policy (default: the fleet file's, SLOMax; bench/peers.py runs fcfs)")
     p.add_argument("--child", nargs=3, metavar=("PORT", "ENGINE_URL", "STATS"), help=argparse.SUPPRESS)
     return p
 

@@ -93,9 +93,13 @@ class GatewayMetrics:
             children.ttft.observe(outcome.ttft_s)
         if outcome.e2e_s is not None and outcome.ok:
             children.e2e.observe(outcome.e2e_s)
-        children.prompt_tokens.inc(outcome.prompt_tokens)
-        children.output_tokens.inc(outcome.output_tokens)
-        children.cached_tokens.inc(outcome.cached_tokens)
+        # (adding 0 leaves a counter as it is: no call, no lock, for the usual 0 cached tokens)
+        if outcome.prompt_tokens:
+            children.prompt_tokens.inc(outcome.prompt_tokens)
+        if outcome.output_tokens:
+            children.output_tokens.inc(outcome.output_tokens)
+        if outcome.cached_tokens:
+            children.cached_tokens.inc(outcome.cached_tokens)
 
     def set_inflight(self, instance: str, value: int) -> None:
         child = self._inflight.get(instance)

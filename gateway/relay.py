@@ -319,33 +319,37 @@ class Dispatch:
         r = self.relay
         self.watch.close()
         r.shutdown.untrack(self.watch)
-        r.metrics.set_inflight(self.iid, r.state.end(self.iid))
-        profile = self.parsed.profile
+        iid = self.target.instance.instance_id
+        r.metrics.set_inflight(iid, r.state.end(iid))
+        parsed = self.parsed
+        profile = parsed.profile
         if status is not None:
-            r.metrics.answered(profile.model, self.target.site, self.iid, status)
-        outcome = self._outcome(ok, error, cancelled)
+            r.metrics.answered(profile.model, self.target.site, iid, status)
+        outcome = self._outcome(ok, error, cancelled, profile, iid)
         r.metrics.record_outcome(profile.model, outcome)
-        r.observe(outcome, self._request_outcome(outcome))
-        if self.parsed.obs is not None:
+        r.observe(outcome, outcome if self.carried is None else self._request_outcome(outcome))
+        if parsed.obs is not None:
             reason = self.stats.finish_reason
-            self.parsed.obs.attempt_ended(outcome, status, (reason,) if reason else None)
+            parsed.obs.attempt_ended(outcome, status, (reason,) if reason else None)
 
-    def _outcome(self, ok: bool, error: str | None, cancelled: bool) -> RequestOutcome:
+    def _outcome(self, ok: bool, error: str | None, cancelled: bool, profile: RequestProfile,
+                 iid: str) -> RequestOutcome:
         now = self.relay.clock()
-        arrival = self.parsed.profile.arrival
-        counts = self.stats.counts()  # read once: `output_tokens()` is its completion_tokens or the count
-        out_tokens = counts.completion_tokens if counts.completion_tokens is not None else self.stats.token_events
-        first, last = self.stats.first_token_at, self.stats.last_token_at
-        if not self.parsed.stream:
+        arrival = profile.arrival
+        stats = self.stats
+        counts = stats.counts()  # read once: `output_tokens()` is its completion_tokens or the count
+        out_tokens = counts.completion_tokens if counts.completion_tokens is not None else stats.token_events
+        first, last = stats.first_token_at, stats.last_token_at
+        if not profile.stream:
             # a whole answer read as a stream (to be continuable) is judged as a whole answer, as
             # before: its client sees no first token, so no TTFT or time per token is claimed
             first = last = None
         # n choices decode side by side: time per output token is per sequence, not per token summed
-        per_seq = out_tokens / max(1, self.parsed.profile.n)
+        per_seq = out_tokens / max(1, profile.n)
         tpot = (last - first) / (per_seq - 1) if first is not None and last is not None and per_seq > 1 else None
         return RequestOutcome(
-            request_id=self.parsed.profile.request_id, instance_id=self.iid, site=self.target.site,
-            ok=ok, prompt_tokens=counts.prompt_tokens or self.parsed.profile.prompt_tokens,
+            request_id=profile.request_id, instance_id=iid, site=self.target.site,
+            ok=ok, prompt_tokens=counts.prompt_tokens or profile.prompt_tokens,
             cached_tokens=counts.cached_tokens,
             output_tokens=out_tokens, ttft_s=(first - arrival) if first is not None else None,
             mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled)

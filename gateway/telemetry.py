@@ -174,6 +174,29 @@ class ClassHistograms:
                               labels, buckets=TPOT_BUCKETS, registry=registry)
         self.queue_wait = Histogram("tokenfleet_queue_wait_seconds", "Time spent in admission's class queue",
                                     labels, buckets=QUEUE_BUCKETS, registry=registry)
+        # Labelled children, looked up once per label set and histogram (`.labels()` validates and
+        # locks on every call; three a request). Created when first observed, as `.labels()` would
+        # create them: a series appears on /metrics no earlier. Bounded as the registry is.
+        self._ttft: dict[tuple[str, str, str], Any] = {}
+        self._tpot: dict[tuple[str, str, str], Any] = {}
+        self._queue_wait: dict[tuple[str, str, str], Any] = {}
+
+    def observe(self, key: tuple[str, str, str], ttft: float | None, tpot: float | None,
+                queue_wait: float | None) -> None:
+        """One request's figures (None: not measured) under (model, class, tenant)."""
+        if ttft is not None:
+            _child(self._ttft, self.ttft, key).observe(ttft)
+        if tpot is not None:
+            _child(self._tpot, self.tpot, key).observe(tpot)
+        if queue_wait is not None:
+            _child(self._queue_wait, self.queue_wait, key).observe(queue_wait)
+
+
+def _child(cache: dict[tuple[str, str, str], Any], hist: Histogram, key: tuple[str, str, str]) -> Any:
+    child = cache.get(key)
+    if child is None:
+        child = cache[key] = hist.labels(*key)
+    return child
 
 
 class _Instruments:
@@ -448,13 +471,7 @@ class RequestRecord:
 
     def _metrics(self, model: str, cls: str, tenant: str, ttft: float | None, tpot: float | None, duration: float,
                  o: RequestOutcome | None, slo_met: bool | None, outcome: str) -> None:
-        prom = self.tel.prom
-        if ttft is not None:
-            prom.ttft.labels(model, cls, tenant).observe(ttft)
-        if tpot is not None:
-            prom.tpot.labels(model, cls, tenant).observe(tpot)
-        if self.queue_wait_s is not None:
-            prom.queue_wait.labels(model, cls, tenant).observe(self.queue_wait_s)
+        self.tel.prom.observe((model, cls, tenant), ttft, tpot, self.queue_wait_s)
         ins = self.tel.otel
         if ins is None:
             return

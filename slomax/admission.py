@@ -50,7 +50,7 @@ from fleetcore.types import AdmissionDecision, FleetView, RequestOutcome, Reques
 
 from .budgets import BudgetBook, TenantBudget
 from .classify import Classification, UnknownClass, classify_profile
-from .config import Budgets, SLOMaxConfig, from_fleet
+from .config import ANY_TENANT, Budgets, SLOMaxConfig, from_fleet
 from .controller import Controller, ControllerConfig, Knob, Signals
 from .ledger import GoodputLedger, LedgeredAdmission
 from .predict import Ewma
@@ -194,7 +194,7 @@ class SLOMax(LedgeredAdmission):
         return p
 
     def _tenant_share(self, tenant: str, request_class: str) -> float:
-        return self.config.tenant(tenant).share(request_class)
+        return self.config.share(tenant, request_class)
 
     def _look(self, pool: _Pool, view: FleetView | None, now: float) -> None:
         """Read the pool's ready instances, and which may take work, off the view."""
@@ -250,6 +250,12 @@ class SLOMax(LedgeredAdmission):
             target *= max(0.0, 1.0 - sum(c.protected for c in self.config.classes.values()))
         return wait is not None and wait < target
 
+    @staticmethod
+    def _alone(pool: _Pool) -> bool:
+        """Nobody waits in the pool: `ClassQueues.next` would weigh a new request alone (`why_not`,
+        nobody else waiting), so `admit` starts it, or not, without a trip through the heap."""
+        return not len(pool.queues)
+
     def _weight(self, pool: _Pool, cls: str, prompt_tokens: int) -> float:
         """Expected uncached prompt tokens: the prefill this request will cost."""
         hit = pool.hit[cls].value or 0.0
@@ -273,20 +279,21 @@ class SLOMax(LedgeredAdmission):
         self._last_view = view
         self._now = now
         cfg = self.config
-        tenant = cfg.tenant(profile.tenant)
+        t = cfg.tenants.get(profile.tenant)  # (`cfg.tenant`, without building a policy for a tenant it lacks)
+        tenant, priority = (t.name, t.priority) if t is not None else (profile.tenant, ANY_TENANT.priority)
         try:
             cls = self.classify(profile).request_class
         except UnknownClass as e:
             return AdmissionDecision("reject", str(e), None, "unknown_class")
         arrival = profile.arrival
-        self.ledger.arrived(tenant.name, cls, arrival)
-        budget = self.budgets.get(tenant.name, now)
+        self.ledger.arrived(tenant, cls, arrival)
+        budget = self.budgets.get(tenant, now)
         out_budget = profile.max_tokens if profile.max_tokens is not None else cfg.knobs.default_output_tokens
         out_budget *= profile.n  # every choice may use the whole output budget; the prompt is shared
         tokens = profile.prompt_tokens + out_budget
         verdict = budget.check(tokens, now)
         if not verdict.ok:
-            self.ledger.rejected(tenant.name, cls, arrival, verdict.code)
+            self.ledger.rejected(tenant, cls, arrival, verdict.code)
             return AdmissionDecision("reject", verdict.reason, cls, verdict.code,
                                      max(1.0, math.ceil(verdict.retry_after_s)))
         pool = self._pool(profile.model)
@@ -294,27 +301,32 @@ class SLOMax(LedgeredAdmission):
         queue = pool.queues.queues[cls]
         policy = cfg.classes[cls]
         if len(queue) >= policy.max_queue:
-            self.ledger.rejected(tenant.name, cls, arrival, "queue_full")
+            self.ledger.rejected(tenant, cls, arrival, "queue_full")
             return AdmissionDecision("reject", f"the {cls} queue is full ({policy.max_queue} waiting)", cls,
                                      "queue_full", self._retry_after(pool, cls, now))
-        slo = cfg.slo(tenant.name, cls)
+        slo = cfg.slo(tenant, cls)
         deadline = request_deadline(slo, profile)
         self._seq += 1
-        e = Entry(profile.request_id, tenant.name, cls, profile.model, arrival, now,
-                  self._weight(pool, cls, profile.prompt_tokens), profile.prompt_tokens, deadline, tenant.priority,
+        e = Entry(profile.request_id, tenant, cls, profile.model, arrival, now,
+                  self._weight(pool, cls, profile.prompt_tokens), profile.prompt_tokens, deadline, priority,
                   self._seq)
         budget.charge(tokens, now)
         req = _Req(e, slo, tokens, budget, pool, tracked=profile.stream)
         self._reqs[e.request_id] = req
-        ahead = queue.ahead_of(deadline, tenant.priority)
+        alone = self._alone(pool)
+        if alone and (pool.n_ready == 0 or not pool.queues.why_not(cls, e.weight, now, False)):
+            self._start(req, now)
+            if pool.n_ready == 0:  # nothing serves this model: the gateway says so (503 no_ready_instance)
+                return AdmissionDecision("admit", "no ready instance to queue for", cls)
+            return AdmissionDecision("admit", "", cls, avoid_instances=self._avoid(req))
+        ahead = queue.ahead_of(deadline, priority)
         queue.push(e)
         if pool.n_ready == 0:
             # Nothing serves this model: let the gateway say so (503 no_ready_instance) at once.
             pool.queues.pop(e)
             self._start(req, now)
             return AdmissionDecision("admit", "no ready instance to queue for", cls)
-        nxt = pool.queues.next(now)
-        if nxt is e:
+        if not alone and pool.queues.next(now) is e:  # (alone: `why_not` just said it must wait)
             pool.queues.pop(e)
             self._start(req, now)
             return AdmissionDecision("admit", "", cls, avoid_instances=self._avoid(req))
@@ -323,10 +335,10 @@ class SLOMax(LedgeredAdmission):
         if why:
             pool.queues.remove(e.request_id, cls)
             self._drop(req, now)
-            self.ledger.rejected(tenant.name, cls, arrival, "slo_unattainable")
+            self.ledger.rejected(tenant, cls, arrival, "slo_unattainable")
             return AdmissionDecision("reject", why, cls, "slo_unattainable", self._retry_after(pool, cls, now))
         req.waited = True
-        self.ledger.queued(tenant.name, cls, arrival)
+        self.ledger.queued(tenant, cls, arrival)
         return AdmissionDecision("queue", f"waiting in the {cls} queue ({ahead} ahead)", cls)
 
     # -- poll --------------------------------------------------------------------------

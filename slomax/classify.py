@@ -62,6 +62,13 @@ def classify(*, prompt_tokens: int, max_tokens: int | None, explicit: str | None
             cls = key
         if cls is not None and cls in classes:
             return Classification(cls, "task_type")
+    return _by_default(prompt_tokens, max_tokens, tenant_default, classes, long_context_min_tokens,
+                       long_output_tokens)
+
+
+def _by_default(prompt_tokens: int, max_tokens: int | None, tenant_default: str, classes: Mapping[str, object],
+                long_context_min_tokens: int, long_output_tokens: int | None) -> Classification:
+    """Rules 3-5: no class named, no task type that maps to one."""
     default = tenant_default if tenant_default in classes else INTERACTIVE
     if default == INTERACTIVE and LONG_CONTEXT in classes:
         if prompt_tokens >= long_context_min_tokens:
@@ -75,8 +82,11 @@ def classify_profile(profile: RequestProfile, config: SLOMaxConfig) -> Classific
     """`classify` with everything taken from a request profile and the admission config.
 
     Raises UnknownClass when the profile names a class this fleet does not define."""
+    if profile.request_class is None and not profile.task_type:  # the usual request: rules 3-5 at once
+        return _by_default(profile.prompt_tokens, profile.max_tokens, config.default_class(profile.tenant),
+                           config.classes, config.long_context_min_tokens, config.long_output_tokens)
     return classify(prompt_tokens=profile.prompt_tokens, max_tokens=profile.max_tokens,
                     explicit=profile.request_class, task_type=profile.task_type,
-                    tenant_default=config.tenant(profile.tenant).default_class, classes=config.classes,
+                    tenant_default=config.default_class(profile.tenant), classes=config.classes,
                     long_context_min_tokens=config.long_context_min_tokens,
                     long_output_tokens=config.long_output_tokens, task_classes=config.task_classes)

@@ -66,6 +66,10 @@ class GoodputLedger:
         self.keep_windows = keep_windows
         self._cells: dict[int, dict[Key, Cell]] = {}
         self.totals: dict[Key, Cell] = {}
+        # `_cells_for`'s last answer: window, tenant, class -> (window cell, total cell)
+        self._memo_w: int | None = None
+        self._memo_tenant = self._memo_class = ""
+        self._memo: tuple[Cell, Cell] = (Cell(), Cell())
 
     # -- booking ---------------------------------------------------------------------
 
@@ -74,6 +78,10 @@ class GoodputLedger:
 
     def _cells_for(self, tenant: str, request_class: str, arrival: float) -> tuple[Cell, Cell]:
         w = self._index(arrival)
+        # The last pair again when it is the same window and key (a request's events book to
+        # its arrival's window: arrived, admitted and its end mostly follow one another).
+        if w == self._memo_w and tenant == self._memo_tenant and request_class == self._memo_class:
+            return self._memo
         win = self._cells.get(w)
         if win is None:
             win = self._cells[w] = {}
@@ -85,27 +93,33 @@ class GoodputLedger:
         total = self.totals.get(key)
         if total is None:
             total = self.totals[key] = Cell()
-        return cell, total
+        self._memo_w, self._memo_tenant, self._memo_class = w, tenant, request_class
+        self._memo = (cell, total)
+        return self._memo
 
     def _trim(self, newest: int) -> None:
         if len(self._cells) > self.keep_windows:
             for w in sorted(self._cells)[: len(self._cells) - self.keep_windows]:
                 if w != newest:
-                    del self._cells[w]
+                    del self._cells[w]  # (only ever from `_cells_for`, which then keeps the newest pair)
 
-    def _bump(self, tenant: str, request_class: str, arrival: float, **inc: int) -> None:
-        for c in self._cells_for(tenant, request_class, arrival):
-            for k, v in inc.items():
-                setattr(c, k, getattr(c, k) + v)
+    # One method per event, each adding to the request's cell and to the running total: no
+    # keyword dict and no setattr by name on every request.
 
     def arrived(self, tenant: str, request_class: str, arrival: float) -> None:
-        self._bump(tenant, request_class, arrival, arrived=1)
+        cell, total = self._cells_for(tenant, request_class, arrival)
+        cell.arrived += 1
+        total.arrived += 1
 
     def admitted(self, tenant: str, request_class: str, arrival: float) -> None:
-        self._bump(tenant, request_class, arrival, admitted=1)
+        cell, total = self._cells_for(tenant, request_class, arrival)
+        cell.admitted += 1
+        total.admitted += 1
 
     def queued(self, tenant: str, request_class: str, arrival: float) -> None:
-        self._bump(tenant, request_class, arrival, queued=1)
+        cell, total = self._cells_for(tenant, request_class, arrival)
+        cell.queued += 1
+        total.queued += 1
 
     def rejected(self, tenant: str, request_class: str, arrival: float, reason: str) -> None:
         reason = reason if reason in REJECT_REASONS else "other"
@@ -114,17 +128,27 @@ class GoodputLedger:
             c.rejected_by[reason] = c.rejected_by.get(reason, 0) + 1
 
     def completed(self, tenant: str, request_class: str, arrival: float, output_tokens: int, met: bool) -> None:
-        self._bump(tenant, request_class, arrival, completed=1, met_slo=int(met), output_tokens=output_tokens,
-                   goodput_tokens=output_tokens if met else 0)
+        m, good = int(met), (output_tokens if met else 0)
+        for c in self._cells_for(tenant, request_class, arrival):
+            c.completed += 1
+            c.met_slo += m
+            c.output_tokens += output_tokens
+            c.goodput_tokens += good
 
     def cancelled(self, tenant: str, request_class: str, arrival: float, output_tokens: int = 0) -> None:
-        self._bump(tenant, request_class, arrival, cancelled=1, output_tokens=output_tokens)
+        for c in self._cells_for(tenant, request_class, arrival):
+            c.cancelled += 1
+            c.output_tokens += output_tokens
 
     def failed(self, tenant: str, request_class: str, arrival: float, output_tokens: int = 0) -> None:
-        self._bump(tenant, request_class, arrival, failed=1, output_tokens=output_tokens)
+        for c in self._cells_for(tenant, request_class, arrival):
+            c.failed += 1
+            c.output_tokens += output_tokens
 
     def retried(self, tenant: str, request_class: str, arrival: float) -> None:
-        self._bump(tenant, request_class, arrival, retried=1)
+        cell, total = self._cells_for(tenant, request_class, arrival)
+        cell.retried += 1
+        total.retried += 1
 
     # -- reading ---------------------------------------------------------------------
 

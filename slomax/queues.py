@@ -93,6 +93,8 @@ class ClassQueue:
             e.removed = True
             self._by_priority[e.priority] -= 1
             self.weight = self.weight - e.weight if self._live else 0.0
+            if not self._live:
+                self._heaps.clear()  # every entry left is a removed one (SLOMax's admit may not walk them)
         return e
 
     def _head(self, tenant: str) -> Entry | None:
@@ -288,7 +290,7 @@ class ClassQueues:
         self.engines_open: Callable[[str], bool] | None = None
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return sum(map(len, self.queues.values()))
 
     def max_concurrency(self, request_class: str) -> float | None:
         v = self.concurrency_override.get(request_class)
@@ -337,6 +339,21 @@ class ClassQueues:
         cands.sort(key=lambda c: (c[0], c[1]))
         return [e for _, _, e in cands]
 
+    def _only(self) -> Entry | None:
+        """The waiting request when exactly one waits in all the classes (what `_candidates` would
+        list alone), else None. Through `heads`, as `peek`, so removed entries leave the heaps alike."""
+        one: ClassQueue | None = None
+        for q in self.queues.values():
+            n = len(q)
+            if n:
+                if n > 1 or one is not None:
+                    return None
+                one = q
+        if one is None:
+            return None
+        heads = list(one.heads())  # every tenant's heap, as peek walks them (dropping removed tops)
+        return heads[0] if heads else None
+
     def next(self, now: float) -> Entry | None:
         """The waiting request that may start now, or None.
 
@@ -345,6 +362,9 @@ class ClassQueues:
         otherwise a stream of small requests would take every refill and starve a long
         prompt forever.
         """
+        only = self._only()
+        if only is not None:  # one request waits: the candidates are that one, nobody else waits
+            return only if not self.why_not(only.request_class, only.weight, now, False) else None
         cands = self._candidates(now)
         blocked = False
         for e in cands:
