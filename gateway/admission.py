@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fleetcore.policies import Admission
@@ -46,27 +46,6 @@ AdmissionPolicy = LedgeredAdmission
 # no wake-up: its pump would do nothing but build a fleet view.
 _HOLDS_NONE = Admission.poll
 _NO_WAKEUP = Admission.next_wakeup
-
-
-def _replacer(cls: type[R], name: str) -> Callable[[R, Any], R]:
-    """`dataclasses.replace(obj, name=value)` for one frozen dataclass and one field, at about
-    40% of its cost: the constructor called with every field read off `obj`, positionally, built
-    once from the class's fields (every one a positional init field, no __post_init__: then it is
-    what replace does, less its per-call walk over the fields and its keyword dict)."""
-    fs = fields(cls)  # type: ignore[arg-type]
-    if (not all(f.init and not f.kw_only for f in fs) or hasattr(cls, "__post_init__")
-            or name not in {f.name for f in fs}):
-        raise TypeError(f"{cls.__name__}: no positional replacer for {name!r}")
-    args = ", ".join("value" if f.name == name else f"obj.{f.name}" for f in fs)
-    ns: dict[str, Any] = {"cls": cls}
-    exec(f"def replaced(obj, value):\n    return cls({args})\n", ns)  # (the code is the class's own field names)
-    fn: Callable[[R, Any], R] = ns["replaced"]
-    fn.__doc__ = f"dataclasses.replace(obj, {name}=value) for {cls.__name__}"
-    return fn
-
-
-_with_class = _replacer(RequestProfile, "request_class")
-_with_profile = _replacer(ParsedRequest, "profile")
 
 
 def decision_error(d: AdmissionDecision) -> GatewayError:
@@ -172,7 +151,7 @@ class AdmissionGate:
         """The policy's verdict: the request with its class, told to telemetry; raises a rejection."""
         profile = parsed.profile
         if d.request_class and d.request_class != profile.request_class:
-            parsed = _with_profile(parsed, _with_class(profile, d.request_class))
+            parsed = replace(parsed, profile=replace(profile, request_class=d.request_class))
         if parsed.obs is not None:  # the verdict, the class and the time it waited, for telemetry
             verdict = "rejected" if d.action == "reject" else ("queued" if queued else "admitted")
             parsed.obs.admitted(verdict, self.clock() - entered, parsed.profile, d.code)
