@@ -91,7 +91,7 @@ class _Inflight:
     # A P/D split request's prefill booking on its prefill instance (`book`): that instance's slot,
     # the prefill seconds and uncached tokens added to its backlog, the duty added, and when.
     split_prefill: tuple[int, float, float, float, float] | None = None
-    tpot_slo_s: float = 0.0  # its stream's TPOT budget, in its slot's STREAM_SLO sum while it runs
+    tpot_excess_s: float = 0.0  # its stream's TPOT budget less `tpot_slo_s`, in its slot's STREAM_SLO sum
 
 
 _PREFILL_FACTOR_LO = 1 / 16  # the fastest an instance's prefill may be learned to be, x its prior
@@ -439,7 +439,7 @@ class TokenPilot(InstanceRouter):
         p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
                       self._tpot_slo_of(profile) if by_class else cfg.tpot_slo_s, cfg.max_duty,
                       cfg.interference_weight, cfg.locality_weight, cfg.decode_weight, cfg.decode_slo_weight, 0.0, 0.0,
-                      1.0 if by_class else 0.0), dtype=np.float64)  # (sk.P_*: P_KV_MAX, P_CAPACITY_MIN are answers)
+                      1.0 if by_class else 0.0, cfg.tpot_slo_s), dtype=np.float64)  # (sk.P_*: P_KV_MAX, P_CAPACITY_MIN are answers)
         # the snapshots' fields, read once each
         # (one array, three C-contiguous rows: each value converted as np.fromiter converts it)
         running, waiting, kv_usage = np.array([c.num_running for c in pool] + [c.num_waiting for c in pool]
@@ -546,10 +546,10 @@ class TokenPilot(InstanceRouter):
                 *self._first_token_tracked(k, profile, prefill_s, uncached))
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
-        slo = self._tpot_slo_of(profile)
+        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s  # (its excess: `sk.STREAM_SLO`)
         s.m[s.STREAM_SLO, k] += slo
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
-                                        _held(profile, now), tpot_slo_s=slo)
+                                        _held(profile, now), tpot_excess_s=slo)
 
     def _first_token_tracked(self, k: int, profile: RequestProfile, prefill_s: float,
                              uncached: float) -> tuple[float, float, float, float, float, float]:
@@ -587,7 +587,7 @@ class TokenPilot(InstanceRouter):
         m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
         m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
         # (back to an exact 0 with the last stream: no rounding left over for the next ones' mean)
-        m[s.STREAM_SLO, k] = max(0.0, m[s.STREAM_SLO, k] - rec.tpot_slo_s) if m[s.STREAMS, k] > 0 else 0.0
+        m[s.STREAM_SLO, k] = m[s.STREAM_SLO, k] - rec.tpot_excess_s if m[s.STREAMS, k] > 0 else 0.0
         self._through(k, request_id, now)
 
     def on_first_token(self, request_id: str, now: float) -> None:
@@ -770,7 +770,7 @@ class TokenPilot(InstanceRouter):
         self._mean_compute += 0.02 * (compute - self._mean_compute)
         m[s.CONTEXT, kd] += profile.prompt_tokens
         m[s.STREAMS, kd] += 1
-        slo = self._tpot_slo_of(profile)
+        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s
         m[s.STREAM_SLO, kd] += slo
         s.refresh_context(kd)
         self.index.record_route(prefill_on, profile.block_hashes, now)
