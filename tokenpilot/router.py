@@ -60,6 +60,7 @@ class TokenPilotConfig:
     # a class not in it (one without a TPOT bound, e.g. batch) keeps `tpot_slo_s`.
     class_tpot_slo: bool = False
     class_tpot_slos: tuple[tuple[str, float], ...] = ()  # () : the default SLO map's (fleetcore.slo)
+    class_tpot_own: bool = True  # with class_tpot_slo: the request's own decode by its class too (else tpot_slo_s)
     locality_weight: float = 1.0  # x the prefill time a cache hit saves, credited on top of TTFT
     decode_weight: float = 0.3  # seconds of TTFT worth one second of this request's own decoding
     # Memory of the prefill-duty estimate: a few typical prefills long (short prompts want a
@@ -437,7 +438,7 @@ class TokenPilot(InstanceRouter):
         n = len(pool)
         by_class = cfg.class_tpot_slo
         p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
-                      self._tpot_slo_of(profile) if by_class else cfg.tpot_slo_s, cfg.max_duty,
+                      self._tpot_slo_of(profile) if by_class and cfg.class_tpot_own else cfg.tpot_slo_s, cfg.max_duty,
                       cfg.interference_weight, cfg.locality_weight, cfg.decode_weight, cfg.decode_slo_weight, 0.0, 0.0,
                       1.0 if by_class else 0.0, cfg.tpot_slo_s), dtype=np.float64)  # (sk.P_*: P_KV_MAX, P_CAPACITY_MIN are answers)
         # the snapshots' fields, read once each
