@@ -51,7 +51,7 @@ def test_default_map_is_the_slo_classes_with_a_tpot_bound() -> None:
 
 
 def test_streams_slo_sum_follows_routes_and_releases() -> None:
-    tp, rids = _router(TokenPilotConfig())  # tracked with the field off too (decisions do not read it)
+    tp, rids = _router(TokenPilotConfig(class_tpot_slo=True))
     m, s = tp._s.m, tp._s
     a, b = s.slot("a"), s.slot("b")
     # (each stream's budget less tpot_slo_s: interactive ones add exactly nothing)
@@ -62,6 +62,8 @@ def test_streams_slo_sum_follows_routes_and_releases() -> None:
     for rid in rids[1:4]:
         tp.observe(RequestOutcome(rid, "a", "s", ok=False))
     assert m[s.STREAMS, a] == 0.0 and m[s.STREAM_SLO, a] == 0.0  # exactly: nothing left over
+    off, _ = _router(TokenPilotConfig())  # off: not kept (streams booked then count at tpot_slo_s)
+    assert not off._s.m[s.STREAM_SLO].any()
 
 
 def test_off_prices_every_stream_at_tpot_slo_s() -> None:

@@ -547,7 +547,9 @@ class TokenPilot(InstanceRouter):
                 *self._first_token_tracked(k, profile, prefill_s, uncached))
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
-        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s  # (its excess: `sk.STREAM_SLO`)
+        # (its excess: `sk.STREAM_SLO`; kept only with the field on, so off costs nothing, and a
+        # stream booked while off counts at `tpot_slo_s`)
+        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s if self.config.class_tpot_slo else 0.0
         s.m[s.STREAM_SLO, k] += slo
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
                                         _held(profile, now), tpot_excess_s=slo)
@@ -771,7 +773,7 @@ class TokenPilot(InstanceRouter):
         self._mean_compute += 0.02 * (compute - self._mean_compute)
         m[s.CONTEXT, kd] += profile.prompt_tokens
         m[s.STREAMS, kd] += 1
-        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s
+        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s if self.config.class_tpot_slo else 0.0
         m[s.STREAM_SLO, kd] += slo
         s.refresh_context(kd)
         self.index.record_route(prefill_on, profile.block_hashes, now)
