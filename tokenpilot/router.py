@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleetcore.slo import DEFAULT_SLOS, ClassSLO, class_by_length
 from fleetcore.types import Candidate, InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision
 from tokenpilot import score_kernel as sk
 from tokenpilot.backlog import Outstanding
@@ -53,14 +52,6 @@ class TokenPilotConfig:
     kv_overflow_weight: float = 10.0  # x prefill time per unit of predicted overflow (preemption)
     interference_weight: float = 1.0  # seconds of our TTFT worth one second of SLO overrun of one stream
     tpot_slo_s: float = 0.05
-    # Price the stall a prefill causes the streams decoding on an instance against their own
-    # classes' TPOT SLOs (the mean over the streams routed there), and the request's own decode
-    # against its class's, instead of `tpot_slo_s` for all (off: bench/ROUTING.md, "TPOT budget
-    # by class"). `class_tpot_slos`: class -> TPOT SLO, seconds (the fleet's SLO map, `tpot_slos_of`);
-    # a class not in it (one without a TPOT bound, e.g. batch) keeps `tpot_slo_s`.
-    class_tpot_slo: bool = False
-    class_tpot_slos: tuple[tuple[str, float], ...] = ()  # () : the default SLO map's (fleetcore.slo)
-    class_tpot_own: bool = True  # with class_tpot_slo: the request's own decode by its class too (else tpot_slo_s)
     locality_weight: float = 1.0  # x the prefill time a cache hit saves, credited on top of TTFT
     decode_weight: float = 0.3  # seconds of TTFT worth one second of this request's own decoding
     # Memory of the prefill-duty estimate: a few typical prefills long (short prompts want a
@@ -92,7 +83,6 @@ class _Inflight:
     # A P/D split request's prefill booking on its prefill instance (`book`): that instance's slot,
     # the prefill seconds and uncached tokens added to its backlog, the duty added, and when.
     split_prefill: tuple[int, float, float, float, float] | None = None
-    tpot_excess_s: float = 0.0  # its stream's TPOT budget less `tpot_slo_s`, in its slot's STREAM_SLO sum
 
 
 _PREFILL_FACTOR_LO = 1 / 16  # the fastest an instance's prefill may be learned to be, x its prior
@@ -218,7 +208,6 @@ class _Slots:
         sk.TOKEN_EFF, sk.ATTN_EFF, sk.KV_EFF, sk.OVERHEAD_DF, sk.CONTEXT_PER_STREAM)
     BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = sk.BACKLOG_TOK, sk.UNTRACKED_TOK, sk.OUT_TOK, \
         sk.HEAD_TOK, sk.OUT_N
-    STREAM_SLO = sk.STREAM_SLO
     ROWS = sk.STATE_ROWS
 
     def __init__(self) -> None:
@@ -294,7 +283,6 @@ class TokenPilot(InstanceRouter):
         self._eligible_of: tuple[tuple[InstanceSnapshot, ...], TokenPilotConfig,
                                  tuple[InstanceSnapshot, ...], tuple[str, ...]] | None = None
         self._memo: ScoreMemo[tuple[tuple[str, ...], np.ndarray, tuple[np.ndarray, ...]]] = ScoreMemo()
-        self._class_slos: tuple[TokenPilotConfig, dict[str, float]] | None = None  # (the config read, its map)
         for iid, prior in (priors or {}).items():
             self.register_instance(iid, prior)
 
@@ -436,11 +424,9 @@ class TokenPilot(InstanceRouter):
         cfg = self.config
         s = self._s
         n = len(pool)
-        by_class = cfg.class_tpot_slo
         p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
-                      self._tpot_slo_of(profile) if by_class and cfg.class_tpot_own else cfg.tpot_slo_s, cfg.max_duty,
-                      cfg.interference_weight, cfg.locality_weight, cfg.decode_weight, cfg.decode_slo_weight, 0.0, 0.0,
-                      1.0 if by_class else 0.0, cfg.tpot_slo_s), dtype=np.float64)  # (sk.P_*: P_KV_MAX, P_CAPACITY_MIN are answers)
+                      cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
+                      cfg.decode_slo_weight, 0.0, 0.0), dtype=np.float64)  # (sk.P_*: the last two are answers)
         # the snapshots' fields, read once each
         # (one array, three C-contiguous rows: each value converted as np.fromiter converts it)
         running, waiting, kv_usage = np.array([c.num_running for c in pool] + [c.num_waiting for c in pool]
@@ -504,15 +490,6 @@ class TokenPilot(InstanceRouter):
         return seconds * (cfg.kv_pressure_weight * np.maximum(0.0, new_usage - cfg.kv_soft_mark)
                           / (1 - cfg.kv_soft_mark) + cfg.kv_overflow_weight * np.maximum(0.0, new_usage - 1.0))
 
-    def _tpot_slo_of(self, profile: RequestProfile) -> float:
-        """The request's TPOT budget by its class (named, else by prompt length, as the fleet's
-        SLO map classifies it); `tpot_slo_s` for a class that sets none."""
-        cfg = self.config
-        kept = self._class_slos
-        if kept is None or kept[0] is not cfg:
-            kept = self._class_slos = (cfg, dict(cfg.class_tpot_slos or tpot_slos_of(DEFAULT_SLOS)))
-        return kept[1].get(profile.request_class or class_by_length(profile.prompt_tokens), cfg.tpot_slo_s)
-
     def _duty_window(self) -> float:
         cfg = self.config
         return min(cfg.duty_max_s, max(cfg.duty_min_s, cfg.duty_span * self._mean_compute))
@@ -547,12 +524,8 @@ class TokenPilot(InstanceRouter):
                 *self._first_token_tracked(k, profile, prefill_s, uncached))
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
-        # (its excess: `sk.STREAM_SLO`; kept only with the field on, so off costs nothing, and a
-        # stream booked while off counts at `tpot_slo_s`)
-        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s if self.config.class_tpot_slo else 0.0
-        s.m[s.STREAM_SLO, k] += slo
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
-                                        _held(profile, now), tpot_excess_s=slo)
+                                        _held(profile, now))
 
     def _first_token_tracked(self, k: int, profile: RequestProfile, prefill_s: float,
                              uncached: float) -> tuple[float, float, float, float, float, float]:
@@ -589,8 +562,6 @@ class TokenPilot(InstanceRouter):
         s, m, k = self._s, self._s.m, rec.slot
         m[s.STREAMS, k] = max(0.0, m[s.STREAMS, k] - 1)
         m[s.CONTEXT, k] = max(0.0, m[s.CONTEXT, k] - rec.prompt_tokens)
-        # (back to an exact 0 with the last stream: no rounding left over for the next ones' mean)
-        m[s.STREAM_SLO, k] = m[s.STREAM_SLO, k] - rec.tpot_excess_s if m[s.STREAMS, k] > 0 else 0.0
         self._through(k, request_id, now)
 
     def on_first_token(self, request_id: str, now: float) -> None:
@@ -773,15 +744,13 @@ class TokenPilot(InstanceRouter):
         self._mean_compute += 0.02 * (compute - self._mean_compute)
         m[s.CONTEXT, kd] += profile.prompt_tokens
         m[s.STREAMS, kd] += 1
-        slo = self._tpot_slo_of(profile) - self.config.tpot_slo_s if self.config.class_tpot_slo else 0.0
-        m[s.STREAM_SLO, kd] += slo
         s.refresh_context(kd)
         self.index.record_route(prefill_on, profile.block_hashes, now)
         self.index.record_route(decode_on, profile.block_hashes, now)
         # Its TTFT spans two instances and a link: not evidence of either one's prefill speed.
         self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, _SPLIT,
                                                        tpot, features, predicted_ttft_s, _held(profile, now),
-                                                       (kp, prefill, uncached, duty, now), slo)
+                                                       (kp, prefill, uncached, duty, now))
 
     def prefill_withdrawn(self, profile: RequestProfile, priced: Priced, now: float) -> None:
         """A split request's prefill leg was withdrawn before it started and the request now
@@ -865,12 +834,6 @@ class Priced:
     def compute(self) -> np.ndarray:
         return self.terms[8]
 
-
-
-def tpot_slos_of(slos: Mapping[str, ClassSLO]) -> tuple[tuple[str, float], ...]:
-    """`TokenPilotConfig.class_tpot_slos` from an SLO map (the fleet's: `AdmissionConfig.slos`):
-    the classes that set a TPOT bound."""
-    return tuple(sorted((name, float(c.tpot_s)) for name, c in slos.items() if c.tpot_s is not None))
 
 
 def _held(profile: RequestProfile, now: float) -> float:

@@ -41,12 +41,7 @@ TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
 # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
 # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
 BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
-# The sum over the streams we routed there of their class's TPOT SLO less `tpot_slo_s` (seconds; 0 for
-# a stream of the default's budget, so an instance of such streams only is priced exactly as without
-# it): their mean budget, the one the stall a prefill causes them is priced against with
-# `class_tpot_slo` (P_CLASS_SLO), is P_BASE_SLO + STREAM_SLO / STREAMS.
-STREAM_SLO = 27
-STATE_ROWS = 28
+STATE_ROWS = 27
 
 # -- rows of a decision's results (`o`) ---------------------------------------------------------
 (O_COST, O_TTFT, O_QUEUE, O_PREFILL, O_INTERFERENCE, O_KV, O_CACHED, O_DECODE, O_COMPUTE, O_OWN_STEP,
@@ -60,11 +55,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_CLASS_SLO, P_BASE_SLO) = range(15)
-PARAMS = 15  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
-# P_TPOT_SLO: the arriving request's TPOT budget (its own decode's); P_CLASS_SLO nonzero: the streams
-# decoding on a candidate are priced against their own mean budget (P_BASE_SLO, `tpot_slo_s`, + STREAM_SLO
-# / STREAMS) rather than it.
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN) = range(13)
+PARAMS = 13  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
 def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
@@ -108,7 +100,7 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
     running, waiting, kv_usage: the snapshots'; matched: prefix blocks cached there."""
     prompt, block_size, now, window = p[P_PROMPT], p[P_BLOCK_SIZE], p[P_NOW], p[P_WINDOW]
     remaining, slo, max_duty = p[P_REMAINING], p[P_TPOT_SLO], p[P_MAX_DUTY]
-    iw, lw, by_class, base_slo = p[P_INTERFERENCE_W], p[P_LOCALITY_W], p[P_CLASS_SLO], p[P_BASE_SLO]
+    iw, lw = p[P_INTERFERENCE_W], p[P_LOCALITY_W]
     cap_prompt = _max(prompt - 1.0, 0.0)  # (max(prompt - 1, 0) on ints: exact as floats)
     n = k.shape[0]
     kv_max, cap_min = -np.inf, np.inf
@@ -165,10 +157,7 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         tpot_now = tpot_factor * decode_step / (1 - _min(duty, max_duty))
         # Each running stream absorbs this prefill's compute as gaps between its tokens over
         # its remaining output; only what pushes it past its TPOT budget costs goodput.
-        # (with `class_tpot_slo`, their budget is the mean of their classes' SLOs; with none of
-        # ours there, the streams the engine reports are taken to be of this request's class)
-        stream_slo = slo if by_class == 0.0 or ours == 0.0 else base_slo + m[STREAM_SLO, s] / ours
-        slack = (stream_slo - tpot_now) * remaining
+        slack = (slo - tpot_now) * remaining
         interference = (streams if iw == 1.0 else iw * streams) * _max(0.0, compute - _max(slack, 0.0))
         # Locality: reusing a prefix where it already lives also spares the fleet a second copy
         # of it, which keeps every instance's cache holding more distinct prefixes.
