@@ -240,6 +240,16 @@ class _Refused(Exception):
     """Raised inside a parser callback to stop parsing; `_refusal` says what to answer."""
 
 
+# A refused connection waits this long at most for its client to close after our answer
+# (`GuardedHttpToolsProtocol._close_refused`), and this many wait at once at most.
+REFUSED_LINGER_S = 1.0
+REFUSED_LINGER_MAX = 256
+
+
+class _Lingering:
+    count = 0  # refused connections waiting for their client's close, this process
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with connection caps, read deadlines and header limits.
 
@@ -261,6 +271,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._read_len = 0
         self._refusal: tuple[int, str, str] | None = None
         self._monitor: LoopMonitor | None = None  # the loop's stall monitor: told when bytes arrive
+        self._lingering = False  # refused, answered, waiting for the client's close (`_close_refused`)
 
     # --- connection ---
 
@@ -273,7 +284,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # no parser work, no timer.
             self.transport = transport
             transport.write(_error_response(503, "Too many connections; retry shortly.", "too_many_connections", 1))
-            transport.close()
+            self._close_refused(transport)
             return
         self._listener = listener
         self.app = listener.app_for(self.app)
@@ -284,9 +295,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # The header clock starts at connect: a connection that sends nothing is closed too.
         self._begin_headers(0)
 
+    def _close_refused(self, transport: asyncio.Transport) -> None:
+        """End a refused connection without losing its answer. Closing a socket whose client's
+        first bytes are already in its receive buffer makes the kernel send a reset, and a
+        reset can destroy the 503 before the client reads it (under a flood, the usual case:
+        the accept runs after the client's head arrived). So: the answer, then our FIN
+        (`write_eof`), the client's bytes read and dropped (`data_received` ignores a refused
+        connection) until it closes (`eof_received`: the transport closes) or
+        `REFUSED_LINGER_S` passes. Bounded: past `REFUSED_LINGER_MAX` lingering at once, a
+        refusal closes at once, as before."""
+        if _Lingering.count >= REFUSED_LINGER_MAX or not transport.can_write_eof():
+            transport.close()
+            return
+        _Lingering.count += 1
+        self._lingering = True
+        transport.write_eof()
+        self._timer = self.loop.call_later(REFUSED_LINGER_S, transport.close)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._listener is None:
-            return  # refused in connection_made
+        if self._listener is None:  # refused in connection_made
+            if self._lingering:
+                self._lingering = False
+                _Lingering.count -= 1
+                self._cancel_timer()
+            return
         self._cancel_timer()
         self._listener.release(self._peer)
         super().connection_lost(exc)

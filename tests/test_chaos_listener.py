@@ -428,3 +428,74 @@ def test_per_client_cap_counts_an_ipv6_client_by_its_64() -> None:
     assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
     assert client_key("::ffff:127.0.0.2") == "127.0.0.2" == client_key("127.0.0.2")
+
+
+class _RefusedTransport:
+    """What a refused connection's transport sees: writes, the FIN, the close."""
+
+    def __init__(self, can_eof: bool = True) -> None:
+        self.events: list[str] = []
+        self._can_eof = can_eof
+
+    def write(self, data: bytes) -> None:
+        self.events.append("503" if b" 503 " in data.split(b"\r\n", 1)[0] else "write")
+
+    def can_write_eof(self) -> bool:
+        return self._can_eof
+
+    def write_eof(self) -> None:
+        self.events.append("eof")
+
+    def close(self) -> None:
+        self.events.append("close")
+
+
+async def test_a_refused_connection_sends_its_fin_and_waits_for_the_client_before_closing() -> None:
+    # Closing at once with the client's first bytes unread makes the kernel reset the connection,
+    # which can destroy the 503 before the client reads it: the answer, then our FIN, then the
+    # close when the client closes or the linger ends; bounded, past which it closes at once.
+    from gateway import listener as lst
+
+    class _Proto(lst.GuardedHttpToolsProtocol):
+        def __init__(self) -> None:  # only what _close_refused reads
+            self.loop = asyncio.get_running_loop()
+            self._timer = None
+            self._lingering = False
+            self._listener = None
+
+    before = lst._Lingering.count
+    t = _RefusedTransport()
+    p = _Proto()
+    t.write(b"HTTP/1.1 503 Service Unavailable\r\n\r\n")
+    p._close_refused(t)  # type: ignore[arg-type]
+    assert t.events == ["503", "eof"] and lst._Lingering.count == before + 1
+    p.data_received(b"GET / HTTP/1.1\r\n")  # the client's bytes: read and dropped
+    p.connection_lost(None)  # the client closed (eof_received closed the transport)
+    assert lst._Lingering.count == before and p._timer is None
+
+    slow = _RefusedTransport()
+    p2 = _Proto()
+    loop = asyncio.get_running_loop()
+    closed = loop.create_future()
+    slow.close = lambda: (slow.events.append("close"), closed.set_result(None))  # type: ignore[method-assign]
+    old = lst.REFUSED_LINGER_S
+    lst.REFUSED_LINGER_S = 0.05
+    try:
+        p2._close_refused(slow)  # type: ignore[arg-type]
+        await asyncio.wait_for(closed, 5)  # a client that never closes: closed at the linger's end
+    finally:
+        lst.REFUSED_LINGER_S = old
+    assert slow.events == ["eof", "close"]
+    p2.connection_lost(None)
+    assert lst._Lingering.count == before
+
+    lst._Lingering.count = lst.REFUSED_LINGER_MAX  # the bound: past it, closed at once as before
+    try:
+        full = _RefusedTransport()
+        _Proto()._close_refused(full)  # type: ignore[arg-type]
+        assert full.events == ["close"]
+    finally:
+        lst._Lingering.count = before
+    no_eof = _RefusedTransport(can_eof=False)
+    _Proto()._close_refused(no_eof)  # type: ignore[arg-type]
+    assert no_eof.events == ["close"] and lst._Lingering.count == before
