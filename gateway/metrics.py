@@ -25,6 +25,16 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 1
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 
 
+def child_of(cache: dict[Any, Any], metric: Any, key: tuple[str, ...]) -> Any:
+    """`metric.labels(*key)`, looked up once per label set in `cache`: `.labels()` validates and
+    locks on every call. Made when first asked, as `.labels()` makes it (a series appears on
+    /metrics no earlier); bounded as the registry is, one child per label set ever seen."""
+    child = cache.get(key)
+    if child is None:
+        child = cache[key] = metric.labels(*key)
+    return child
+
+
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -57,7 +67,7 @@ class GatewayMetrics:
         # label set ever seen (fleet size x statuses).
         self._answered: dict[tuple[str, str, str, str], Any] = {}
         self._per_site: dict[tuple[str, str], _SiteChildren] = {}
-        self._inflight: dict[str, Any] = {}
+        self._inflight: dict[tuple[str], Any] = {}
         self.overload_refused = Counter("tokenfleet_overload_refused", "/v1 requests refused with 503 "
                                         "gateway_overloaded, by the bound they hit", ["bound"], registry=r)
 
@@ -76,11 +86,7 @@ class GatewayMetrics:
         return generate_latest(self.registry if per_tenant else _WithoutTenants(self.registry))
 
     def answered(self, model: str, site: str, instance: str, status: str) -> None:
-        key = (model, site, instance, status)
-        child = self._answered.get(key)
-        if child is None:
-            child = self._answered[key] = self.requests.labels(*key)
-        child.inc()
+        child_of(self._answered, self.requests, (model, site, instance, status)).inc()
 
     def record_outcome(self, model: str, outcome: RequestOutcome) -> None:
         key = (model, outcome.site)
@@ -102,10 +108,7 @@ class GatewayMetrics:
             children.cached_tokens.inc(outcome.cached_tokens)
 
     def set_inflight(self, instance: str, value: int) -> None:
-        child = self._inflight.get(instance)
-        if child is None:
-            child = self._inflight[instance] = self.inflight.labels(instance)
-        child.set(value)
+        child_of(self._inflight, self.inflight, (instance,)).set(value)
 
 
 @dataclass(frozen=True, slots=True)

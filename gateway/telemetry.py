@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from fleetcore.slo import ClassSLO
 from fleetcore.types import RequestOutcome, RequestProfile
 from gateway.logs import emit
+from gateway.metrics import child_of
 from gateway.slo_log import Finished, SLOLog
 
 if TYPE_CHECKING:
@@ -174,9 +175,7 @@ class ClassHistograms:
                               labels, buckets=TPOT_BUCKETS, registry=registry)
         self.queue_wait = Histogram("tokenfleet_queue_wait_seconds", "Time spent in admission's class queue",
                                     labels, buckets=QUEUE_BUCKETS, registry=registry)
-        # Labelled children, looked up once per label set and histogram (`.labels()` validates and
-        # locks on every call; three a request). Created when first observed, as `.labels()` would
-        # create them: a series appears on /metrics no earlier. Bounded as the registry is.
+        # Labelled children per histogram (`gateway.metrics.child_of`: three lookups a request).
         self._ttft: dict[tuple[str, str, str], Any] = {}
         self._tpot: dict[tuple[str, str, str], Any] = {}
         self._queue_wait: dict[tuple[str, str, str], Any] = {}
@@ -185,18 +184,11 @@ class ClassHistograms:
                 queue_wait: float | None) -> None:
         """One request's figures (None: not measured) under (model, class, tenant)."""
         if ttft is not None:
-            _child(self._ttft, self.ttft, key).observe(ttft)
+            child_of(self._ttft, self.ttft, key).observe(ttft)
         if tpot is not None:
-            _child(self._tpot, self.tpot, key).observe(tpot)
+            child_of(self._tpot, self.tpot, key).observe(tpot)
         if queue_wait is not None:
-            _child(self._queue_wait, self.queue_wait, key).observe(queue_wait)
-
-
-def _child(cache: dict[tuple[str, str, str], Any], hist: Histogram, key: tuple[str, str, str]) -> Any:
-    child = cache.get(key)
-    if child is None:
-        child = cache[key] = hist.labels(*key)
-    return child
+            child_of(self._queue_wait, self.queue_wait, key).observe(queue_wait)
 
 
 class _Instruments:
