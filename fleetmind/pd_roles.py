@@ -408,9 +408,10 @@ class PDRoleController:
         if self._urgent() and self._blocked.get(("prefill", "decode"), 0.0) <= now:
             picks = self._kv_picks(instances)
             if picks:
+                held = self._hold_growth(now)  # (a take-back: the back-off starts, or grows)
                 return self._start(now, picks, "prefill", "decode",
                                    f"decode KV urgent: {_decode_kv(instances):.0%}, {self._kv_ahead:.0%} ahead (mark "
-                                   f"{cfg.decode_kv_high:.0%}), {len(picks)} to decode at once{self._back_off(now)}")
+                                   f"{cfg.decode_kv_high:.0%}), {len(picks)} to decode at once{held}")
         want = self._pressure(window, instances)
         if want is None or want != self._streak_dir:
             self._streak_dir, self._streak_n = want, 1 if want is not None else 0
@@ -482,9 +483,9 @@ class PDRoleController:
                 return picks[:k]
         return ()
 
-    def _back_off(self, now: float) -> str:
+    def _hold_growth(self, now: float) -> str:
         """An urgent move takes prefill instances back: hold prefill growth (`regrow_holdoff_s`,
-        doubled per take-back); the reason's tail."""
+        doubled per take-back). Returns what the move's reason says of it ("" with no back-off)."""
         cfg = self.config
         if cfg.regrow_holdoff_s <= 0:
             return ""
