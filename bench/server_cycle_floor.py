@@ -7,6 +7,8 @@ Three servers on loopback in this process (uvloop), each answering every `POST /
 with the same streamed response: an SSE head (the relay's headers), `--chunks` body chunks with
 a loop turn between them (as upstream reads arrive), the chunked end with the last:
 
+- `uvicorn`: uvicorn's own httptools protocol (no caps, deadlines or header limits), the same
+  ASGI app: what the listener's guards add is `asgi` less this;
 - `asgi`: the real listener (`gateway.listener.GuardedHttpToolsProtocol` over uvicorn's
   httptools protocol, with uvicorn's `ProxyHeadersMiddleware` as `tokenfleet up` loads it),
   and an ASGI app that does what the /v1 path does at the ASGI level: reads the body with
@@ -18,7 +20,8 @@ a loop turn between them (as upstream reads arrive), the chunked end with the la
   `asgi` holds the head for the first chunk's write as that tree's relay did;
 - `bare`: an asyncio protocol with httptools' parser that writes the same bytes (head with the
   first chunk, then each chunk) from a task per request: the floor of a Python server on this
-  loop, with no caps, deadlines or ASGI at all.
+  loop, with no caps, deadlines or ASGI at all; `bare-notask` the same from loop callbacks
+  (`call_soon`), without the task.
 
 A client of raw sockets in the same process sends `--requests` per round, closed loop at
 `--concurrency` keep-alive connections, and checks every answer (byte for byte against the
@@ -98,7 +101,7 @@ def asgi_app(chunks: list[bytes], direct: bool) -> Callable[..., Any]:
     return app
 
 
-def bare_protocol(chunks: list[bytes]) -> type[asyncio.Protocol]:
+def bare_protocol(chunks: list[bytes], task: bool = True) -> type[asyncio.Protocol]:
     framed = [b"%x\r\n%s\r\n" % (len(c), c) for c in chunks]
     framed[-1] += b"0\r\n\r\n"
     head = (b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\n"
@@ -121,7 +124,16 @@ def bare_protocol(chunks: list[bytes]) -> type[asyncio.Protocol]:
 
         def on_message_complete(self) -> None:
             self.body.clear()
-            asyncio.get_running_loop().create_task(self._answer())
+            if task:
+                asyncio.get_running_loop().create_task(self._answer())
+            else:
+                self._next(0)
+
+        def _next(self, i: int) -> None:  # no task: each chunk from a callback of the loop's next turn
+            assert self.transport is not None
+            self.transport.write(head + framed[0] if i == 0 else framed[i])
+            if i + 1 < len(framed):
+                asyncio.get_running_loop().call_soon(self._next, i + 1)
 
         async def _answer(self) -> None:
             assert self.transport is not None
@@ -182,14 +194,15 @@ async def amain(args: argparse.Namespace) -> None:
     state = ServerState()
     state.default_headers = [(b"date", b"Thu, 03 Dec 2026 13:00:00 GMT"), (b"server", b"uvicorn")]
     servers: dict[str, int] = {}
-    kinds = ["bare", "asgi"] + (["direct"] if DIRECT_SEND else [])
+    kinds = ["bare", "bare-notask", "uvicorn", "asgi"] + (["direct"] if DIRECT_SEND else [])
     for kind in kinds:
         sock = bind_socket("127.0.0.1", 0)
-        if kind == "bare":
-            srv = await loop.create_server(bare_protocol(chunks), sock=sock)
+        if kind.startswith("bare"):
+            srv = await loop.create_server(bare_protocol(chunks, task=kind == "bare"), sock=sock)
         else:
             listeners, _ = build_listeners(GatewaySettings(), sock, None, 4096)
-            config = Config(asgi_app(chunks, kind == "direct"), http=protocol_class(listeners), ws="none",
+            http = "httptools" if kind == "uvicorn" else protocol_class(listeners)
+            config = Config(asgi_app(chunks, kind == "direct"), http=http, ws="none",
                             lifespan="off", access_log=False, log_level="warning")
             config.load()
             proto = config.http_protocol_class
@@ -215,7 +228,7 @@ async def amain(args: argparse.Namespace) -> None:
     base = statistics.median(per["bare"])
     for k in servers:
         med = statistics.median(per[k])
-        print(f"  {k:<8} {med:7.1f} us   over bare {med - base:+7.1f} us   {med / base:5.2f}x")
+        print(f"  {k:<12} {med:7.1f} us   over bare {med - base:+7.1f} us   {med / base:5.2f}x")
 
 
 def main() -> None:
