@@ -43,8 +43,8 @@ from uvicorn.server import ServerState
 
 from fleetcore.fleet_config import GatewaySettings
 from gateway.errors import INVALID_REQUEST, SERVER_ERROR, error_body
-from gateway.direct_send import SCOPE_KEY as DIRECT_SEND
-from gateway.direct_send import DirectSend
+from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
+from gateway.head_hold import HeadHold
 from gateway.loop_monitor import LoopMonitor, running_on
 
 log = logging.getLogger("tokenfleet.listener")
@@ -384,10 +384,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timer()
         cycle = self.cycle
         super().on_headers_complete()
-        if self.cycle is not cycle and self.cycle is not None and not self.cycle.access_log:
-            # this request's: a relayed stream writes itself past the cycle's ASGI send (`gateway.direct_send`;
-            # not with uvicorn's access log, which that send writes)
-            self.scope[DIRECT_SEND] = DirectSend(self.cycle)  # type: ignore[literal-required]
+        if self.cycle is not cycle and self.cycle is not None:  # this request's: head and first events in one write
+            hold = HeadHold(self.transport)
+            self.cycle.transport = hold  # type: ignore[assignment]
+            self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
         # Cancelled by on_message_complete, at once for a request without a body.
         self._arm(self._listener.limits.body_timeout_s, self._body_timeout)
 

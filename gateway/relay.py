@@ -68,8 +68,8 @@ from gateway.deadlines import Deadlines, Interrupted, UpstreamStalled, UpstreamW
 from gateway.errors import (GatewayError, gateway_shutting_down, no_ready_instance, redact_addresses,
                             sse_error_event, upstream_failed, upstream_timeout)
 from gateway.fleet_state import FleetState
-from gateway.direct_send import SCOPE_KEY as DIRECT_SEND
-from gateway.direct_send import DirectSend
+from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
+from gateway.head_hold import HeadHold
 from gateway.hedge import HedgeMetrics, hedge_delay, open_hedged
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
@@ -647,12 +647,8 @@ class RelayStreamingResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch if self.watch is not None else DisconnectWatch(receive)
-        direct: DirectSend | None = scope.get(DIRECT_SEND)
         try:
-            if direct is not None and direct.serves(send):
-                await watch.race(self._write_direct(direct))
-            else:
-                await watch.race(self._write(send))
+            await watch.race(self._write(send, scope.get(HEAD_HOLD)))
         except (ClientGone, OSError):
             pass  # the client left: nobody to tell; `close` below aborts the upstream
         finally:
@@ -665,41 +661,29 @@ class RelayStreamingResponse(Response):
             if on_done is not None:
                 on_done()
 
-    async def _write(self, send: Send) -> None:
-        """Through ASGI: the head, one body message per chunk, the end with the last."""
-        self.started = True
-        stream, own = self._relay_stream, self.body_iterator is self._own
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        ended = False
-        async for chunk in self.body_iterator:  # run to its end, whose clean-up is the iterator's own
-            # The relay's own iterator yields nothing after the read that finished the stream.
-            ended = own and stream.d.stats.done
-            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-        if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _write_direct(self, out: DirectSend) -> None:
-        """The same bytes as `_write` under uvicorn's cycle, written by `gateway.direct_send`."""
+    async def _write(self, send: Send, hold: HeadHold | None = None) -> None:
         self.started = True
         stream, own = self._relay_stream, self.body_iterator is self._own
         # The relay's own iterator hands its prefetched first chunk on without waiting: the head
-        # may wait for it and leave in the same write. Nothing else is held.
-        if out.paused:
-            await out.drain()
-        out.start(200, self.raw_headers, hold=own and bool(stream._pending))
+        # may wait for it and leave in the same write (`gateway.head_hold`). Nothing else is held.
+        holding = hold is not None and own and bool(stream._pending)
+        if holding:
+            hold.hold()  # type: ignore[union-attr]
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             ended = False
-            async for chunk in self.body_iterator:
+            async for chunk in self.body_iterator:  # run to its end, whose clean-up is the iterator's own
+                # The relay's own iterator yields nothing after the read that finished the stream.
                 ended = own and stream.d.stats.done
-                if out.paused:  # as uvicorn's send: wait for the client to read, then write
-                    await out.drain()
-                out.body(chunk, not ended)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                if holding:  # that write carried the head: nothing is held from here on
+                    holding = False
+                    hold.release()  # type: ignore[union-attr]
             if not ended:
-                if out.paused:
-                    await out.drain()
-                out.body(b"", False)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            out.flush()
+            if holding:
+                hold.release()  # type: ignore[union-attr]
 
 
 def _is_sse(resp: UpstreamResponse) -> bool:
