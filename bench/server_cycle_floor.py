@@ -2,6 +2,7 @@
 uvicorn's ASGI cycle against a bare asyncio protocol that writes the same bytes.
 
     .venv/bin/python bench/server_cycle_floor.py [--requests 4000] [--rounds 5] [--concurrency 8] [--chunks 3]
+        [--fresh] [--tree DIR]
 
 Three servers on loopback in this process (uvloop), each answering every `POST /v1/completions`
 with the same streamed response: an SSE head (the relay's headers), `--chunks` body chunks with
@@ -24,7 +25,8 @@ a loop turn between them (as upstream reads arrive), the chunked end with the la
   (`call_soon`), without the task.
 
 A client of raw sockets in the same process sends `--requests` per round, closed loop at
-`--concurrency` keep-alive connections, and checks every answer (byte for byte against the
+`--concurrency` keep-alive connections (`--fresh`: a new connection per request, which the
+server closes after its answer), and checks every answer (byte for byte against the
 first answer of that server, less its Date header). Rounds alternate over the servers; CPU is
 this process's (`time.process_time`), client included (the same client for every server, so
 the differences are the servers'). Printed: median CPU per request per server, and each one's
@@ -101,11 +103,11 @@ def asgi_app(chunks: list[bytes], direct: bool) -> Callable[..., Any]:
     return app
 
 
-def bare_protocol(chunks: list[bytes], task: bool = True) -> type[asyncio.Protocol]:
+def bare_protocol(chunks: list[bytes], task: bool = True, close: bool = False) -> type[asyncio.Protocol]:
     framed = [b"%x\r\n%s\r\n" % (len(c), c) for c in chunks]
     framed[-1] += b"0\r\n\r\n"
-    head = (b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\n"
-            + b"".join(b"%s: %s\r\n" % h for h in HEADERS) + b"transfer-encoding: chunked\r\n\r\n")
+    head = (b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\n" + b"".join(b"%s: %s\r\n" % h for h in HEADERS)
+            + (b"connection: close\r\n" if close else b"") + b"transfer-encoding: chunked\r\n\r\n")
 
     class Bare(asyncio.Protocol):
         def __init__(self) -> None:
@@ -134,6 +136,8 @@ def bare_protocol(chunks: list[bytes], task: bool = True) -> type[asyncio.Protoc
             self.transport.write(head + framed[0] if i == 0 else framed[i])
             if i + 1 < len(framed):
                 asyncio.get_running_loop().call_soon(self._next, i + 1)
+            elif close:
+                self.transport.close()
 
         async def _answer(self) -> None:
             assert self.transport is not None
@@ -141,6 +145,8 @@ def bare_protocol(chunks: list[bytes], task: bool = True) -> type[asyncio.Protoc
             for c in framed[1:]:
                 await asyncio.sleep(0)
                 self.transport.write(c)
+            if close:
+                self.transport.close()
 
     return Bare
 
@@ -161,16 +167,33 @@ class _Client(asyncio.Protocol):
             self.buf.clear()
             self.done = None
 
+        self.closed = asyncio.get_running_loop().create_future()
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self.done is not None and not self.done.done():
             self.done.set_exception(ConnectionError("lost"))
+        if not self.closed.done():
+            self.closed.set_result(None)
 
 
-async def drive(port: int, request: bytes, n: int, concurrency: int, expect: list[bytes]) -> None:
+async def drive(port: int, request: bytes, n: int, concurrency: int, expect: list[bytes], fresh: bool) -> None:
     loop = asyncio.get_running_loop()
     todo = iter(range(n))
 
     async def worker() -> None:
+        if fresh:  # a connection per request: the server closes it after the answer
+            for _ in todo:
+                _, c = await loop.create_connection(_Client, "127.0.0.1", port)
+                assert isinstance(c, _Client) and c.transport is not None
+                c.done = loop.create_future()
+                c.transport.write(request)
+                got = DATE.sub(b"", await asyncio.wait_for(c.done, 10))
+                await asyncio.wait_for(c.closed, 10)
+                if not expect:
+                    expect.append(got)
+                elif got != expect[0]:
+                    raise RuntimeError(f"answer differs:\n{got!r}\n{expect[0]!r}")
+            return
         _, c = await loop.create_connection(_Client, "127.0.0.1", port)
         assert isinstance(c, _Client) and c.transport is not None
         try:
@@ -198,7 +221,7 @@ async def amain(args: argparse.Namespace) -> None:
     for kind in kinds:
         sock = bind_socket("127.0.0.1", 0)
         if kind.startswith("bare"):
-            srv = await loop.create_server(bare_protocol(chunks, task=kind == "bare"), sock=sock)
+            srv = await loop.create_server(bare_protocol(chunks, task=kind == "bare", close=args.fresh), sock=sock)
         else:
             listeners, _ = build_listeners(GatewaySettings(), sock, None, 4096)
             http = "httptools" if kind == "uvicorn" else protocol_class(listeners)
@@ -210,20 +233,21 @@ async def amain(args: argparse.Namespace) -> None:
         servers[kind] = srv.sockets[0].getsockname()[1]
     body = b'{"model":"bench-model","prompt":"' + b"word " * 64 + b'","max_tokens":4,"stream":true}'
     req = {k: (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-               b"Authorization: Bearer sk-bench-local\r\nAccept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-               % (p, len(body), body)) for k, p in servers.items()}
+               b"Authorization: Bearer sk-bench-local\r\nAccept: text/event-stream\r\n%sContent-Length: %d\r\n\r\n%s"
+               % (p, b"Connection: close\r\n" if args.fresh else b"", len(body), body)) for k, p in servers.items()}
     expect: dict[str, list[bytes]] = {k: [] for k in servers}
     for k in servers:  # warm-up
-        await drive(servers[k], req[k], 500, args.concurrency, expect[k])
+        await drive(servers[k], req[k], 500, args.concurrency, expect[k], args.fresh)
     per: dict[str, list[float]] = {k: [] for k in servers}
     for r in range(args.rounds):
         for k in servers:
             t0 = time.process_time()
-            await drive(servers[k], req[k], args.requests, args.concurrency, expect[k])
+            await drive(servers[k], req[k], args.requests, args.concurrency, expect[k], args.fresh)
             per[k].append(1e6 * (time.process_time() - t0) / args.requests)
         print(f"round {r + 1}: " + ", ".join(f"{k} {per[k][-1]:.1f} us" for k in servers), flush=True)
     same = all(DATE.sub(b"", expect[k][0]) == expect["bare"][0] for k in servers)
-    print(f"\ntree {TREE}; {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}, {args.chunks} chunks; "
+    print(f"\ntree {TREE}; {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}, {args.chunks} chunks, "
+          f"{'a connection per request' if args.fresh else 'keep-alive'}; "
           f"process CPU per request (client included), median; answers byte-identical across servers: {same}")
     base = statistics.median(per["bare"])
     for k in servers:
@@ -237,6 +261,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--chunks", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true", help="a new connection per request (Connection: close)")
     ap.add_argument("--tree", metavar="DIR", help="the source tree whose listener to measure (default: this one)")
     args = ap.parse_args()
     uvloop.run(amain(args))
