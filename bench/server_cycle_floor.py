@@ -18,7 +18,8 @@ a loop turn between them (as upstream reads arrive), the chunked end with the la
   (`gateway.direct_send`: the relay's way under this listener) instead of ASGI messages;
   left out when this tree has no `gateway.direct_send`;
   With a tree whose listener puts a `HeadHold` in the scope (before `gateway.direct_send`),
-  `asgi` holds the head for the first chunk's write as that tree's relay did;
+  `asgi` holds the head for the first chunk's write as that tree's relay did, and
+  `asgi-nohold` does not (the head in a write of its own: what one more write costs);
 - `bare`: an asyncio protocol with httptools' parser that writes the same bytes (head with the
   first chunk, then each chunk) from a task per request: the floor of a Python server on this
   loop, with no caps, deadlines or ASGI at all; `bare-notask` the same from loop callbacks
@@ -76,7 +77,7 @@ def chunks_of(n: int) -> list[bytes]:
     return out
 
 
-def asgi_app(chunks: list[bytes], direct: bool) -> Callable[..., Any]:
+def asgi_app(chunks: list[bytes], direct: bool, hold_head: bool = True) -> Callable[..., Any]:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         more = True
         while more:
@@ -90,7 +91,7 @@ def asgi_app(chunks: list[bytes], direct: bool) -> Callable[..., Any]:
                     await asyncio.sleep(0)
                 out.body(c, i < len(chunks) - 1)
             return
-        hold = scope.get(HEAD_HOLD)
+        hold = scope.get(HEAD_HOLD) if hold_head else None
         if hold is not None:  # as that tree's relay: the head waits for the first chunk's write
             hold.hold()
         await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
@@ -217,7 +218,7 @@ async def amain(args: argparse.Namespace) -> None:
     state = ServerState()
     state.default_headers = [(b"date", b"Thu, 03 Dec 2026 13:00:00 GMT"), (b"server", b"uvicorn")]
     servers: dict[str, int] = {}
-    kinds = ["bare", "bare-notask", "uvicorn", "asgi"] + (["direct"] if DIRECT_SEND else [])
+    kinds = ["bare", "bare-notask", "uvicorn", "asgi"] + (["asgi-nohold"] if (TREE / "gateway" / "head_hold.py").exists() else []) + (["direct"] if DIRECT_SEND else [])
     for kind in kinds:
         sock = bind_socket("127.0.0.1", 0)
         if kind.startswith("bare"):
@@ -225,7 +226,7 @@ async def amain(args: argparse.Namespace) -> None:
         else:
             listeners, _ = build_listeners(GatewaySettings(), sock, None, 4096)
             http = "httptools" if kind == "uvicorn" else protocol_class(listeners)
-            config = Config(asgi_app(chunks, kind == "direct"), http=http, ws="none",
+            config = Config(asgi_app(chunks, kind == "direct", kind != "asgi-nohold"), http=http, ws="none",
                             lifespan="off", access_log=False, log_level="warning")
             config.load()
             proto = config.http_protocol_class
