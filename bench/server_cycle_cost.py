@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import peers  # noqa: E402  (bench/ is not a package)
+from raw_client import StreamClient  # noqa: E402
 
 WORDS = ("the of and to in is that for it as with was on be by at this from or an are not fleet token "
          "gateway stream route cache prefix block engine model request answer queue admit decide place "
@@ -117,38 +118,6 @@ def engine_main(port_file: str, tokens: int) -> None:
 
 # --- the client (this process) ---------------------------------------------------------
 
-class _Conn(asyncio.Protocol):
-    """One client connection: one request at a time, its answer read until the chunked end."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.done: asyncio.Future[bytes] | None = None
-        self.closed = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.done is not None and self.buf.endswith(b"\r\n0\r\n\r\n"):
-            self.done.set_result(bytes(self.buf))
-            self.buf.clear()
-            self.done = None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionError(f"connection lost mid-answer: {bytes(self.buf[:200])!r}"))
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    async def ask(self, request: bytes) -> bytes:
-        assert self.transport is not None
-        self.done = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
-        return await asyncio.wait_for(self.done, 30)
-
-
 def _requests(port: int, n: int, tokens: int, keepalive: bool) -> list[bytes]:
     out = []
     for i in range(n):
@@ -172,15 +141,15 @@ async def one_round(port: int, requests: Sequence[bytes], rate: float, keepalive
     waits for a free one past that); return the wall time and the connections opened. Every
     answer is checked."""
     loop = asyncio.get_running_loop()
-    idle: asyncio.Queue[_Conn] = asyncio.Queue()
-    pool: list[_Conn] = []
+    idle: asyncio.Queue[StreamClient] = asyncio.Queue()
+    pool: list[StreamClient] = []
     slots = asyncio.Semaphore(max_connections)
 
     async def send(req: bytes) -> None:
         async with slots:
             conn = idle.get_nowait() if not idle.empty() else None
             if conn is None:
-                _, conn = await loop.create_connection(_Conn, "127.0.0.1", port)  # type: ignore[assignment]
+                _, conn = await loop.create_connection(StreamClient, "127.0.0.1", port)  # type: ignore[assignment]
                 pool.append(conn)  # type: ignore[arg-type]
             assert conn is not None
             _check(await conn.ask(req))

@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 # commit's, from `git archive`), with this script
 TREE = Path(sys.argv[sys.argv.index("--tree") + 1]) if "--tree" in sys.argv[:-1] else REPO
 sys.path.insert(0, str(TREE))
+sys.path.insert(1, str(REPO / "bench"))  # raw_client (bench/ is a folder of scripts, not a package)
 
 import httptools  # noqa: E402
 import uvloop  # noqa: E402
@@ -59,6 +60,7 @@ from uvicorn.server import ServerState  # noqa: E402
 
 from fleetcore.fleet_config import GatewaySettings  # noqa: E402
 from gateway.listener import bind_socket, build_listeners, protocol_class  # noqa: E402
+from raw_client import StreamClient  # noqa: E402
 
 # (asked of the tree itself: the venv's editable install can answer for modules it lacks)
 DIRECT_SEND = "tokenfleet.direct_send" if (TREE / "gateway" / "direct_send.py").exists() else None
@@ -152,31 +154,6 @@ def bare_protocol(chunks: list[bytes], task: bool = True, close: bool = False) -
     return Bare
 
 
-class _Client(asyncio.Protocol):
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.done: asyncio.Future[bytes] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.done is not None and self.buf.endswith(b"\r\n0\r\n\r\n"):
-            self.done.set_result(bytes(self.buf))
-            self.buf.clear()
-            self.done = None
-
-        self.closed = asyncio.get_running_loop().create_future()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionError("lost"))
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-
 async def drive(port: int, request: bytes, n: int, concurrency: int, expect: list[bytes], fresh: bool) -> None:
     loop = asyncio.get_running_loop()
     todo = iter(range(n))
@@ -184,24 +161,20 @@ async def drive(port: int, request: bytes, n: int, concurrency: int, expect: lis
     async def worker() -> None:
         if fresh:  # a connection per request: the server closes it after the answer
             for _ in todo:
-                _, c = await loop.create_connection(_Client, "127.0.0.1", port)
-                assert isinstance(c, _Client) and c.transport is not None
-                c.done = loop.create_future()
-                c.transport.write(request)
-                got = DATE.sub(b"", await asyncio.wait_for(c.done, 10))
+                _, c = await loop.create_connection(StreamClient, "127.0.0.1", port)
+                assert isinstance(c, StreamClient) and c.transport is not None
+                got = DATE.sub(b"", await c.ask(request, 10))
                 await asyncio.wait_for(c.closed, 10)
                 if not expect:
                     expect.append(got)
                 elif got != expect[0]:
                     raise RuntimeError(f"answer differs:\n{got!r}\n{expect[0]!r}")
             return
-        _, c = await loop.create_connection(_Client, "127.0.0.1", port)
-        assert isinstance(c, _Client) and c.transport is not None
+        _, c = await loop.create_connection(StreamClient, "127.0.0.1", port)
+        assert isinstance(c, StreamClient) and c.transport is not None
         try:
             for _ in todo:
-                c.done = loop.create_future()
-                c.transport.write(request)
-                got = DATE.sub(b"", await asyncio.wait_for(c.done, 10))
+                got = DATE.sub(b"", await c.ask(request, 10))
                 if not expect:
                     expect.append(got)
                 elif got != expect[0]:
