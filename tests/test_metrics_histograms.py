@@ -98,3 +98,11 @@ def test_labels_checks_the_label_count() -> None:
     LabelledHistogram("w_seconds", "h", ["a"], buckets=[1], registry=reg)
     with pytest.raises(ValueError):  # the registry sees its names: a duplicate is refused
         LabelledHistogram("w_seconds", "h", ["a"], buckets=[1], registry=reg)
+
+
+def test_the_cuts_cost_benchmark_runs() -> None:
+    from tests.bench_scripts import load_bench
+
+    line = load_bench("cuts_cost").measure(quick=True)
+    for part in ("tokenize bench", "tokenize place_cost", "tokenize new chunks", "histograms", "render"):
+        assert part in line
