@@ -6,19 +6,21 @@ Times, on whatever code `sys.path` finds first (with `--baseline-ref`, REF's tre
 checkout alternately, `decision_replay.run_alternately`), in us of thread CPU time, the best
 of 7 repeats:
 
-- `tokenize <texts>`: `fleetcore.tokens.encode_upto(render_chat(...), 4000)` per chat prompt,
-  the gateway's parse of a prompt far below the context, on 200 prompts of three kinds:
+- `tokenize <texts>`: `fleetcore.tokens.encode_upto(render_chat(...), limit)` per chat prompt,
+  the gateway's parse of a prompt far below the context, on 200 prompts of four kinds:
   `bench` - 64 tokens of `workloads.prompts.prompt_text` (" word" from 256 words: what
   `bench/peers.py --parts overhead` sends), caches warm; `place_cost` - 28 words with a number
-  each from 23 words (`bench/place_cost.py`'s parse), warm; `new chunks` - 40 random
-  6-letter words with a 0-999,999 number each, every cache emptied before each prompt (the
-  worst case: no chunk or piece seen before);
+  each from 23 words (`bench/place_cost.py`'s parse), warm; `new pieces` - 40 random 6-letter
+  words with a 0-999,999 number each, every cache emptied before each prompt (no piece seen
+  before); `docs once` - the first 200 paragraphs (41-4,000 chars) of README.md, bench/README.md
+  and gateway/*.py beside this script (the same files for both sides of `--baseline-ref`), each
+  tokenized once after the caches are emptied: new prose and code, the piece cache warming;
 - `histograms`: one request's five histogram observations (`GatewayMetrics.record_outcome`: TTFT
   and e2e, with its three counters; `ClassHistograms.observe`: TTFT, TPOT, queue wait);
 - `render`: one public `/metrics` page (`GatewayMetrics.render()`) with 4 site series and 12
   class series per histogram, in ms (once per scrape, not per request).
 
-No input files: every text is generated from seed 0.
+Generated texts from seed 0; `docs once` reads the checkout's files (their checksums: bench/README.md).
 """
 
 from __future__ import annotations
@@ -53,14 +55,18 @@ def measure(quick: bool = False) -> str:
                   for i in range(n)],
         "place_cost": [chat([{"role": "user", "content": " ".join(rng.choice(words) + str(rng.randrange(100))
                                                                   for _ in range(28))}]) for _ in range(n)],
-        "new chunks": [chat([{"role": "user", "content": " ".join(
+        "new pieces": [chat([{"role": "user", "content": " ".join(
             "".join(rng.choice("abcdefghij") for _ in range(6)) + str(rng.randrange(10 ** 6)) for _ in range(40))}])
             for _ in range(n)],
     }
+    root = Path(__file__).resolve().parent.parent
+    paragraphs = [para for f in [root / "README.md", root / "bench" / "README.md", *sorted((root / "gateway").glob("*.py"))]
+                  for para in f.read_text(encoding="utf-8").split("\n\n") if 40 < len(para) <= 4000]
+    docs = [chat([{"role": "user", "content": para}]) for para in paragraphs[:n]]
     caches = [c for c in (getattr(tokens, "_ID_CACHE", None), getattr(tokens, "_CHUNK_IDS", None)) if c is not None]
     out = []
     for name, batch in texts.items():
-        if name == "new chunks":
+        if name == "new pieces":
             def cold(batch: list[str] = batch) -> None:
                 for t in batch:
                     for c in caches:
@@ -78,6 +84,14 @@ def measure(quick: bool = False) -> str:
                 tokens.encode_upto(t, 4000)  # (warm)
             us = _best_us(lambda batch=batch: [tokens.encode_upto(t, 4000) for t in batch], 20, len(batch), **reps)
         out.append(f"tokenize {name} {us:6.2f}")
+
+    def docs_once() -> None:
+        for c in caches:
+            c.clear()
+        for t in docs:
+            tokens.encode_upto(t, 10 ** 6)
+
+    out.append(f"tokenize docs once {_best_us(docs_once, 1, len(docs), **reps):6.2f}")
 
     metrics = GatewayMetrics()
     classes = ClassHistograms(metrics.registry)

@@ -8,7 +8,6 @@ their own tokenizer; the gateway uses this one only as an estimate for them.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,16 +29,6 @@ _PIECE = re.compile(r"\s{0,15}[A-Za-z]{1,16}|\s{0,15}\d{1,3}|\s{0,15}[^\sA-Za-z\
 
 def split_pieces(text: str) -> list[str]:
     return _PIECE.findall(text)
-
-
-# Chunks: a run of whitespace and the run of non-whitespace after it (or trailing whitespace).
-# Where whitespace follows non-whitespace a piece always ends (a piece is whitespace, then
-# letters, digits or one mark, never whitespace again), and a piece depends only on the text
-# from its start on: the pieces of a text are those of its chunks, one after another. Text
-# repeats its chunks (" the", " of,", the chat template's markers), so ids are looked up per
-# chunk (`_CHUNK_IDS`): one match and one lookup per word instead of one per piece (the
-# overhead benchmark's chat prompt: 66 chunks, 119 pieces).
-_CHUNK = re.compile(r"\s*\S+|\s+")
 
 
 def min_tokens(chars: int) -> int:
@@ -65,7 +54,7 @@ def encode_upto(text: str, limit: int) -> list[int]:
         # Every piece holds at least one character, so this text cannot have more than `cap`
         # pieces: findall gives the same list without a match object per piece (the gateway's
         # usual case, a prompt far below the context; half the time of the path below).
-        return encode(text)
+        return _ids(_PIECE.findall(text))
     return _ids([m.group() for m in itertools.islice(_PIECE.finditer(text), cap)])
 
 
@@ -105,61 +94,9 @@ def _ids(pieces: list[str]) -> list[int]:
     return out
 
 
-# A chunk's ids (`_CHUNK`), once computed, for chunks of at most CHUNK_MAX_CHARS characters
-# (the chat template's first chunk, `<|begin_of_text|><|start_header_id|>system<|end_header_id|>`,
-# is 59). Bounded: emptied when full, ~16 MB at worst (every chunk 96 one-character pieces),
-# ~2 MB of English words; thread-safe as `_ID_CACHE` is. A value is a tuple: never changed.
-_CHUNK_IDS: dict[str, tuple[int, ...]] = {}
-CHUNK_CACHE_MAX = 1 << 14
-CHUNK_MAX_CHARS = 96
-
-
-def _chunk_ids(chunks: list[str] | tuple[str, ...]) -> list[int]:
-    """The ids of the text the `_CHUNK` chunks `chunks` make up, from `_CHUNK_IDS` where it can."""
-    found = list(map(_CHUNK_IDS.get, chunks))
-    if None not in found:
-        return list(itertools.chain.from_iterable(found))  # (the usual case: every chunk seen before)
-    return _learn_chunks(chunks, found)
-
-
-def _learn_chunks(chunks: list[str] | tuple[str, ...], found: list[tuple[int, ...] | None]) -> list[int]:
-    """`_chunk_ids` for chunks some of which are not in `_CHUNK_IDS` (None in `found`): those
-    are split together, in one pass of the piece pattern over their concatenation (every chunk
-    but a text's first starts with whitespace, every one but its last ends without: where two
-    meet a piece ends, as in the text), and remembered."""
-    memo = _CHUNK_IDS
-    missing = [c for c, f in zip(chunks, found) if f is None]
-    pieces = _PIECE.findall("".join(missing))
-    ids = _ids(pieces)
-    piece_ends = list(itertools.accumulate(map(len, pieces)))  # where each piece ends in the join
-    if len(memo) + len(missing) > CHUNK_CACHE_MAX:
-        memo.clear()
-    out: list[int] = []
-    j = end = 0
-    for chunk, f in zip(chunks, found):
-        if f is None:
-            end += len(chunk)
-            k = bisect.bisect_left(piece_ends, end, j) + 1  # (a chunk's end is a piece's end)
-            f = tuple(ids[j:k])
-            j = k
-            if len(chunk) <= CHUNK_MAX_CHARS and len(memo) < CHUNK_CACHE_MAX:
-                memo[chunk] = f
-        out += f
-    return out
-
-
-# Texts up to this long are split by chunks: a chat turn, a system prompt, a conversation's
-# history sent again. A chunk seen before costs less than its pieces, one not seen more (a
-# prompt of new chunks only, 40 words: 17 -> 36 us, timeit, ad-hoc), so a long text, most often
-# a new document, is split by pieces directly.
-CHUNKED_TEXT_MAX = 4096
-
-
 def encode(text: str) -> list[int]:
     """Token ids of `text`; equal text gives equal ids."""
-    if len(text) <= CHUNKED_TEXT_MAX:
-        return _chunk_ids(_CHUNK.findall(text))
-    return _ids(_PIECE.findall(text))
+    return _ids(split_pieces(text))
 
 
 def count_tokens(text: str) -> int:

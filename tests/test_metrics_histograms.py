@@ -104,5 +104,6 @@ def test_the_cuts_cost_benchmark_runs() -> None:
     from tests.bench_scripts import load_bench
 
     line = load_bench("cuts_cost").measure(quick=True)
-    for part in ("tokenize bench", "tokenize place_cost", "tokenize new chunks", "histograms", "render"):
+    for part in ("tokenize bench", "tokenize place_cost", "tokenize new pieces", "tokenize docs once", "histograms",
+                 "render"):
         assert part in line
