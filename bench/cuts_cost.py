@@ -20,12 +20,14 @@ of 7 repeats:
 - `render`: one public `/metrics` page (`GatewayMetrics.render()`) with 4 site series and 12
   class series per histogram, in ms (once per scrape, not per request).
 
-Generated texts from seed 0; `docs once` reads the checkout's files (their checksums: bench/README.md).
+Generated texts from seed 0; `docs once` reads the checkout's files and prints the sha256 of the
+paragraphs it took (joined with NUL), first 16 hex digits.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import sys
 import time
@@ -91,7 +93,8 @@ def measure(quick: bool = False) -> str:
         for t in docs:
             tokens.encode_upto(t, 10 ** 6)
 
-    out.append(f"tokenize docs once {_best_us(docs_once, 1, len(docs), **reps):6.2f}")
+    digest = hashlib.sha256("\x00".join(paragraphs[:n]).encode()).hexdigest()[:16]
+    out.append(f"tokenize docs once {_best_us(docs_once, 1, len(docs), **reps):6.2f} (sha256 {digest})")
 
     metrics = GatewayMetrics()
     classes = ClassHistograms(metrics.registry)
