@@ -11,12 +11,18 @@ the admin (`/metrics` with an admin key).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from fleetcore.types import RequestOutcome
 
@@ -35,6 +41,85 @@ def child_of(cache: dict[Any, Any], metric: Any, key: tuple[str, ...]) -> Any:
     return child
 
 
+class HistogramChild:
+    """One label set's histogram: a count per bucket (not cumulative) and the sum."""
+
+    __slots__ = ("_bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        # The first bucket whose bound is >= amount, as prometheus_client's loop finds it; NaN
+        # is <= no bound, so it lands in no bucket there (bisect would put it in the first).
+        if amount == amount:
+            self.counts[bisect_left(self._bounds, amount)] += 1
+        self.sum += amount
+
+
+class LabelledHistogram(Collector):
+    """A labelled Prometheus histogram whose `observe` is one bisect and two additions, where
+    prometheus_client's `Histogram.observe` takes two locks and walks the bounds in Python
+    (0.61 against 0.07 us, timeit, ad-hoc; five observations per request). The same /metrics
+    text as that Histogram with the same name, help, labels, buckets and observations
+    (`tests/test_metrics_histograms.py`): series in the order their label sets first came,
+    `le` written as it writes it, `_created` unless `disable_created_metrics()` (read at scrape).
+
+    Observed and collected on the event loop (relay, telemetry and the async /metrics route),
+    so no lock: a scrape never sees half an observation."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 buckets: Iterable[float], registry: CollectorRegistry) -> None:
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(bounds):
+            raise ValueError("Buckets not in sorted order")
+        if bounds and bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        if len(bounds) < 2:
+            raise ValueError("Must have at least two buckets")
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._bounds = tuple(bounds)
+        self._le = tuple(floatToGoString(b) for b in bounds)
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: Any) -> HistogramChild:
+        """The child of one label set, made when first asked (as `Histogram.labels`: str() of each value)."""
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            if len(key) != len(self.labelnames):
+                raise ValueError("Incorrect label count")
+            child = self._children[key] = HistogramChild(self._bounds)
+        return child
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.name, self.documentation, "histogram")]
+
+    def collect(self) -> Iterable[Metric]:
+        family = Metric(self.name, self.documentation, "histogram")
+        created = prometheus_metrics._use_created  # (process-wide, as the Histogram reads it)
+        with_sum = self._bounds[0] >= 0
+        name = self.name
+        for key, child in list(self._children.items()):
+            series = dict(zip(self.labelnames, key))
+            acc = 0.0
+            for le, n in zip(self._le, child.counts):
+                acc += n
+                family.add_sample(name + "_bucket", {**series, "le": le}, acc)
+            family.add_sample(name + "_count", dict(series), acc)
+            if with_sum:
+                family.add_sample(name + "_sum", dict(series), child.sum)
+            if created:
+                family.add_sample(name + "_created", dict(series), child.created)
+        return [family]
+
+
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -43,10 +128,10 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter("tokenfleet_requests", "Requests answered, by outcome status",
                                 ["model", "site", "instance", "status"], registry=r)
-        self.ttft = Histogram("tokenfleet_ttft_seconds", "Time to first token (gateway arrival to first token)",
-                              ["model", "site"], buckets=_TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("tokenfleet_e2e_seconds", "Gateway arrival to last byte",
-                             ["model", "site"], buckets=_E2E_BUCKETS, registry=r)
+        self.ttft = LabelledHistogram("tokenfleet_ttft_seconds", "Time to first token (gateway arrival to first token)",
+                                      ["model", "site"], buckets=_TTFT_BUCKETS, registry=r)
+        self.e2e = LabelledHistogram("tokenfleet_e2e_seconds", "Gateway arrival to last byte",
+                                     ["model", "site"], buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tokenfleet_prompt_tokens", "Prompt tokens of routed requests",
                                      ["model", "site"], registry=r)
         self.output_tokens = Counter("tokenfleet_output_tokens", "Output tokens relayed",

@@ -31,12 +31,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
 from fleetcore.slo import ClassSLO
 from fleetcore.types import RequestOutcome, RequestProfile
 from gateway.logs import emit
-from gateway.metrics import child_of
+from gateway.metrics import LabelledHistogram, child_of
 from gateway.slo_log import Finished, SLOLog
 
 if TYPE_CHECKING:
@@ -169,12 +169,13 @@ class ClassHistograms:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["model", "class", "tenant"]
-        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds", "Time to first token by class",
-                              labels, buckets=TTFT_BUCKETS, registry=registry)
-        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds", "Mean time per output token by class",
-                              labels, buckets=TPOT_BUCKETS, registry=registry)
-        self.queue_wait = Histogram("tokenfleet_queue_wait_seconds", "Time spent in admission's class queue",
-                                    labels, buckets=QUEUE_BUCKETS, registry=registry)
+        self.ttft = LabelledHistogram("gen_ai_server_time_to_first_token_seconds", "Time to first token by class",
+                                      labels, buckets=TTFT_BUCKETS, registry=registry)
+        self.tpot = LabelledHistogram("gen_ai_server_time_per_output_token_seconds",
+                                      "Mean time per output token by class", labels, buckets=TPOT_BUCKETS,
+                                      registry=registry)
+        self.queue_wait = LabelledHistogram("tokenfleet_queue_wait_seconds", "Time spent in admission's class queue",
+                                            labels, buckets=QUEUE_BUCKETS, registry=registry)
         # Labelled children per histogram (`gateway.metrics.child_of`: three lookups a request).
         self._ttft: dict[tuple[str, str, str], Any] = {}
         self._tpot: dict[tuple[str, str, str], Any] = {}
