@@ -22,7 +22,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -96,6 +96,18 @@ class EngineConfigSpec(_Strict):
     pd_max_num_batched_tokens: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=256, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+
+    def step_budget(self, roles: Sequence[Role]) -> int:
+        """The per-step token budget the engines of a deployment with these instance `roles` launch
+        at (vLLM `--max-num-batched-tokens`, SGLang `--chunked-prefill-size`, the sim worker's
+        `--max-num-batched-tokens`): `pd_max_num_batched_tokens` where the deployment runs P/D (a
+        role other than `mixed`) and it is set, else `max_num_batched_tokens`. Every instance of
+        a P/D deployment gets it, whatever its role, as in the simulator
+        (`fleetsim.disagg.pd_fleet`): a decode or mixed instance admits local prefills' chunks
+        within it, and a role flip keeps it."""
+        if self.pd_max_num_batched_tokens is not None and any(r != "mixed" for r in roles):
+            return self.pd_max_num_batched_tokens
+        return self.max_num_batched_tokens
 
 
 class ModelConfig(_Strict):
