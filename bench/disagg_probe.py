@@ -182,6 +182,8 @@ class StepTracer:
                 n["kv"] += kv
                 n["on"][role] = n["on"].get(role, 0) + 1
                 n["dec_on"] = inst.iid
+                if n["first_dec"] is None:
+                    n["first_dec"] = res.start
                 if chunk:
                     n["chunk_steps"] += 1
                     n["chunk_s"] += res.duration
@@ -192,7 +194,7 @@ class StepTracer:
 
 def _blank() -> dict[str, Any]:
     return {"steps": 0, "s": 0.0, "pf": 0, "batch": 0, "kv": 0.0, "chunk_steps": 0, "chunk_s": 0.0, "on": {},
-            "preempted": 0}
+            "preempted": 0, "first_dec": None}
 
 
 def tpot_report(records: list[Any], tracer: StepTracer, q: float = 0.95) -> dict[str, Any]:
@@ -200,8 +202,9 @@ def tpot_report(records: list[Any], tracer: StepTracer, q: float = 0.95) -> dict
     steps ran on) over all requests with a TPOT and over those at or above the TPOT `q`
     quantile: requests, TPOT p50/p95 and mean, mean step, prefill tokens beside it per decode
     step, share of its decode steps that carried a chunk, its steps with and without a chunk,
-    batch and KV use, the mean TPOT less the mean step (time outside its steps) and the share
-    of requests preempted at least once. Plus, per role, the decode-carrying steps themselves."""
+    batch and KV use, the mean TPOT less the mean step (time outside its steps), the share of
+    requests preempted at least once, and the mean wait from its first token (a split request's:
+    its KV arrived) to the start of its first decode step. Plus, per role, the decode-carrying steps themselves."""
     done = [r for r in records if r.tpot_s is not None and r.request_id in tracer.req
             and tracer.req[r.request_id]["steps"]]
     if not done:
@@ -233,6 +236,9 @@ def tpot_report(records: list[Any], tracer: StepTracer, q: float = 0.95) -> dict
                 # (a preemption's recompute, a wait to be scheduled after its KV arrived)
                 "off_step_ms": round(float(t.mean()) - 1e3 * sum(n["s"] for n in ns) / steps, 1),
                 "preempted": round(sum(n["preempted"] > 0 for n in ns) / len(ns), 3),
+                # from its first token (a split request's: its KV arrived) to its first decode step
+                "first_wait_ms": round(1e3 * sum(max(0.0, n["first_dec"] - r.arrival_s - r.ttft_s)
+                                                 for r, n in zip(rows, ns)) / len(rows), 1),
                 "kv": round(sum(n["kv"] for n in ns) / steps, 3)}
 
     out: dict[str, Any] = {"tpot_p95_ms": round(cut * 1e3, 1), "all": {}, "tail": {}, "roles": {}}

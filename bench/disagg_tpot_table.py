@@ -8,8 +8,8 @@ run's TPOT p95; split or local, and the role their decode steps ran on): request
 / mean, the mean decode step, prefill tokens beside the request per decode step, the share of its
 decode steps that carried a prefill chunk, the mean step with and without a chunk, batch and KV
 use, the mean TPOT less the mean step (time between its tokens outside its steps: a
-preemption's recompute, a wait to be scheduled) and the share preempted; then each role's
-decode-carrying steps. `tpot_report` in `bench/disagg_probe.py` says what
+preemption's recompute, a wait to be scheduled), the share preempted and the wait from its
+first token to its first decode step; then each role's decode-carrying steps. `tpot_report` in `bench/disagg_probe.py` says what
 each column is.
 """
 
@@ -27,15 +27,15 @@ def _f(x: Any) -> str:
 
 def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     out = ["| mode | requests | group | n | TPOT p50 / p95 / mean ms | step ms | prefill tok per step "
-           "| steps with a chunk | step ms with / without chunk | batch | KV | TPOT less step ms | preempted |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| steps with a chunk | step ms with / without chunk | batch | KV | TPOT less step ms | preempted | first token to first decode step ms |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, rep in runs:
         for part, label in (("all", "all"), ("tail", f">= p95 ({rep['tpot_p95_ms']} ms)")):
             for g, s in rep[part].items():
                 out.append(f"| {mode} | {label} | {g} | {s['n']} | {s['tpot_p50']} / {s['tpot_p95']} / "
                            f"{s['tpot_mean']} | {s['step_ms']} | {s['pf_per_step']} | {s['chunk_share']:.2f} | "
                            f"{_f(s['chunk_step_ms'])} / {_f(s['plain_step_ms'])} | {s['batch']} | {s['kv']:.2f} | "
-                           f"{s['off_step_ms']} | {s['preempted']:.2f} |")
+                           f"{s['off_step_ms']} | {s['preempted']:.2f} | {s['first_wait_ms']} |")
     out += ["", "| mode | role | decode steps | with a chunk | step ms | prefill tok per step | batch | KV |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for mode, rep in runs:
