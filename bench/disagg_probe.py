@@ -330,6 +330,9 @@ def main() -> int:
                         "(default 0.05 s, whatever the fleet file's SLOs say)")
     p.add_argument("--local-decode-as-split", action="store_true",
                    help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
+    p.add_argument("--decision", default=None, choices=("static", "dynamo_conditional", "llm_d_decider"),
+                   help="the per-request P/D decision of that mode under this --disagg mode's controllers "
+                        "(e.g. --disagg elastic --decision dynamo_conditional: the elastic pools, Dynamo's rule)")
     p.add_argument("--tpot-by-role", action="store_true",
                    help="also break TPOT down by where requests decoded and what ran beside them (StepTracer)")
     a = p.parse_args()
@@ -339,7 +342,7 @@ def main() -> int:
     router = make_policy("tokenpilot", a.seed, fleet)
     if a.router_tpot_slo_s is not None:
         router.config = dataclasses.replace(router.config, tpot_slo_s=a.router_tpot_slo_s)
-    policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
+    policy = make_disagg_policy(a.decision or a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos()),
                                                                local_decode_as_split=a.local_decode_as_split))
     knobs = dict(decode_kv_high=a.decode_kv_high, cycle_s=a.pd_cycle_s or None, start_colocated=not a.start_from_file,
