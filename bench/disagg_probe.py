@@ -323,12 +323,6 @@ def main() -> int:
     p.add_argument("--regrow-holdoff-s", type=float, default=getattr(PDRolesConfig(), "regrow_holdoff_s", 0.0),
                    help="PDRolesConfig.regrow_holdoff_s: no prefill growth this long after an urgent take-back, "
                         "doubled per take-back (0: no back-off)")
-    p.add_argument("--grow-kv-rate", default=getattr(PDRolesConfig(), "grow_kv_rate", "pair"),
-                   choices=("pair", "slope", "max"),
-                   help="PDRolesConfig.grow_kv_rate: the growth guard's decode-KV rate (pair: two readings kv_rate_s "
-                        "apart; slope: least squares over grow_kv_slope_s; max: the higher)")
-    p.add_argument("--grow-kv-slope-s", type=float, default=getattr(PDRolesConfig(), "grow_kv_slope_s", 60.0),
-                   help="PDRolesConfig.grow_kv_slope_s: the readings the guard's slope is fitted to")
     p.add_argument("--no-grow-kv-guard", action="store_true",
                    help="PDRolesConfig.grow_kv_guard=False: prefill growth without the projected decode-KV check")
     p.add_argument("--router-tpot-slo-s", type=float, default=None,
@@ -353,8 +347,7 @@ def main() -> int:
                                                                local_decode_as_split=a.local_decode_as_split))
     knobs = dict(decode_kv_high=a.decode_kv_high, cycle_s=a.pd_cycle_s or None, start_colocated=not a.start_from_file,
                  split_demand=a.split_demand, demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s,
-                 regrow_holdoff_s=a.regrow_holdoff_s, grow_kv_guard=not a.no_grow_kv_guard,
-                 grow_kv_rate=a.grow_kv_rate, grow_kv_slope_s=a.grow_kv_slope_s)
+                 regrow_holdoff_s=a.regrow_holdoff_s, grow_kv_guard=not a.no_grow_kv_guard)
     # (only the knobs this code's controller has: `disagg_loads.py --before` runs older code with this script)
     have = {f.name for f in dataclasses.fields(PDRolesConfig)}
     ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(**{k: v for k, v in knobs.items() if k in have}))

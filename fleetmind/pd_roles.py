@@ -164,14 +164,6 @@ class PDRolesConfig:
     # instances at 54 s (decode KV 25%, +0.39%/s) and the urgent rule took them back at 116 s (46%,
     # 65% ahead); bench/DISAGG.md "P/D against colocated at the same budget".
     grow_kv_guard: bool = True
-    # The guard's rate: the least-squares slope of the decode KV readings of the last this many
-    # seconds (since the decode pool last changed size; at least `kv_rate_s` of them, else the
-    # urgency's rate), or the urgency's rate (its two readings `kv_rate_s` apart) where that is
-    # higher (`grow_kv_rate`: "max"), or the slope alone ("slope"), or the urgency's rate alone
-    # ("pair", as before). The pair is noisy: on long documents x7 it read +0.39%/s at 54 s and
-    # +0.19%/s at 56 s, which let 4 instances through that the urgent rule took back at 118 s.
-    grow_kv_rate: Literal["pair", "slope", "max"] = "max"
-    grow_kv_slope_s: float = 60.0
     # Gradual flips: the instance takes its new role at once and finishes its in-flight work
     # where it is (a decode instance turned prefill keeps decoding its streams; a prefill
     # instance turned decode still sends the KV it holds). Off: drain first, switch once idle.
@@ -252,8 +244,6 @@ class PDRoleController:
     _kv_pool: int = -1  # the decode pool's size those readings were taken at
     _kv_ahead: float = 0.0  # decode KV projected `kv_horizon_s` ahead (this cycle's)
     _kv_rate: float = 0.0  # its rate (per second, >= 0) over the readings kept
-    # (when, decode KV) of the last `grow_kv_slope_s` since the decode pool last changed size
-    _kv_trail: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=512))
     _span: float = 0.0  # seconds since the previous cycle (the window's)
     _takebacks: int = 0  # urgent moves that took prefill instances back (the back-off's count)
     _regrow_at: float = 0.0  # no prefill growth before this (the back-off)
@@ -373,7 +363,6 @@ class PDRoleController:
             # (2-4 instances to prefill lift the mean at once, which read as 61-74% ahead at 38-53%
             # and took them back within one cycle on long documents, bench/DISAGG.md "Split demand").
             seen.clear()
-            self._kv_trail.clear()
             self._kv_pool = n
         while len(seen) > 1 and now - seen[1][0] >= self.config.kv_rate_s:
             seen.popleft()  # (the newest reading old enough is kept as the base)
@@ -383,20 +372,6 @@ class PDRoleController:
             ahead = u + self._kv_rate * self.config.kv_horizon_s
         seen.append((now, u))
         self._kv_ahead = min(1.0, ahead)
-        trail = self._kv_trail
-        trail.append((now, u))
-        while now - trail[0][0] > self.config.grow_kv_slope_s:
-            trail.popleft()
-
-    def _grow_rate(self) -> float:
-        """The decode KV's rate (per second, >= 0) the growth guard projects with (`grow_kv_rate`)."""
-        cfg = self.config
-        if cfg.grow_kv_rate == "pair":
-            return self._kv_rate
-        slope = _slope(self._kv_trail, cfg.kv_rate_s)
-        if slope is None:
-            return self._kv_rate
-        return max(slope, self._kv_rate) if cfg.grow_kv_rate == "max" else slope
 
     def _urgent(self) -> bool:
         cfg = self.config
@@ -474,7 +449,7 @@ class PDRoleController:
             else "decode KV" if share_b > cfg.margin or kv_over > 0 else "TPOT"
         reason = (f"{why} pressure: TTFT missed {share_t:.0%}, TPOT missed {share_p:.0%}, "
                   f"waited for decode KV {share_b:.0%} of {window.ended}, decode KV {_decode_kv(instances):.0%} "
-                  f"(+{self._kv_rate:.2%}/s; guard's +{self._grow_rate():.2%}/s), "
+                  f"(+{self._kv_rate:.2%}/s), "
                   f"split demand unserved {starved:.1f} instances ({window.split_starved} of {window.placed})")
         return self._start(now, picks, src, want, reason)
 
@@ -499,13 +474,12 @@ class PDRoleController:
         dec = {i.instance_id: i.kv_usage for i in instances if i.role == "decode"}
         n, total = len(dec), sum(dec.values())
         limit = cfg.decode_kv_high - cfg.kv_band
-        rate = self._grow_rate()
         for k in range(len(picks), 0, -1):
             left = n - k
             if left <= 0:
                 continue
             level = (total - sum(dec.get(i, 0.0) for i in picks[:k])) / left
-            if level + rate * n / left * cfg.watch_s < limit:
+            if level + self._kv_rate * n / left * cfg.watch_s < limit:
                 return picks[:k]
         return ()
 
@@ -583,20 +557,6 @@ class PDRoleController:
         self.log.append(RoleEvent(now, kind, iid, role, reason))
         if len(self.log) > 1024:
             del self.log[:256]
-
-
-def _slope(readings: Sequence[tuple[float, float]], min_span_s: float) -> float | None:
-    """The least-squares slope (per second, >= 0) of (time, value) `readings`; None with fewer
-    than three or spanning less than `min_span_s`."""
-    if len(readings) < 3 or readings[-1][0] - readings[0][0] < min_span_s:
-        return None
-    n = len(readings)
-    mt = sum(t for t, _ in readings) / n
-    mv = sum(v for _, v in readings) / n
-    var = sum((t - mt) ** 2 for t, _ in readings)
-    if var <= 0.0:
-        return None
-    return max(0.0, sum((t - mt) * (v - mv) for t, v in readings) / var)
 
 
 def _decode_kv(instances: Sequence[RoleInstance]) -> float:
