@@ -330,9 +330,6 @@ def main() -> int:
                         "(default 0.05 s, whatever the fleet file's SLOs say)")
     p.add_argument("--local-decode-as-split", action="store_true",
                    help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
-    p.add_argument("--split-waits-decode-backlog", action="store_true",
-                   help="DisaggConfig.split_waits_decode_backlog: a split's decode priced with the decode instance's "
-                        "prefill backlog (its first decode step waits for the local prefill work ahead there)")
     p.add_argument("--decision", default=None, choices=("static", "dynamo_conditional", "llm_d_decider"),
                    help="the per-request P/D decision of that mode under this --disagg mode's controllers "
                         "(e.g. --disagg elastic --decision dynamo_conditional: the elastic pools, Dynamo's rule)")
@@ -347,9 +344,7 @@ def main() -> int:
         router.config = dataclasses.replace(router.config, tpot_slo_s=a.router_tpot_slo_s)
     policy = make_disagg_policy(a.decision or a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos()),
-                                                               local_decode_as_split=a.local_decode_as_split,
-                                                               **({"split_waits_decode_backlog": True}
-                                                                  if a.split_waits_decode_backlog else {})))
+                                                               local_decode_as_split=a.local_decode_as_split))
     knobs = dict(decode_kv_high=a.decode_kv_high, cycle_s=a.pd_cycle_s or None, start_colocated=not a.start_from_file,
                  split_demand=a.split_demand, demand_grow=a.demand_grow, kv_rate_s=a.kv_rate_s,
                  regrow_holdoff_s=a.regrow_holdoff_s, grow_kv_guard=not a.no_grow_kv_guard)

@@ -129,14 +129,6 @@ class DisaggConfig:
     # Split demand (`SplitDemand`) counts no request whose split would recompute more than this
     # x its local prefill's compute (`_Placer._would_split`).
     demand_recompute: float = 1.25
-    # Price a split's decode on D with D's prefill backlog (the router's queue term there): a
-    # request whose KV has arrived is scheduled only in a step with token budget left, and a
-    # local prefill running on D takes the whole budget of every step until its last chunk
-    # (vLLM V1 schedules running requests first), so the split stream's first decode step waits
-    # for the local prefill work ahead on D. Unpriced, a split onto a decode instance busy with a
-    # 30k-token local prefill waited 5.3-5.6 s for it (the TPOT p95 tail of `static` on Mooncake
-    # x5.5 and long documents x7, bench/DISAGG.md "TPOT by role").
-    split_waits_decode_backlog: bool = False
 
 
 def _as_priced(pool: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
@@ -299,8 +291,6 @@ class TokenPilotDisagg(_Placer):
         # at the near-zero prefill of a prompt that arrives whole, would see no pressure at all).
         streams = self.router.price(profile, [priced.pool[j] for j in whole], now, arrives_prefilled=True)
         dec = {j: float(streams.decode[streams.index(priced.ids[j])] + kv[j]) for j in whole}
-        if cfg.split_waits_decode_backlog:  # (its first decode step after D's prefill work ahead)
-            dec = {j: c + float(streams.queue[streams.index(priced.ids[j])]) for j, c in dec.items()}
         ps = sorted(prefill, key=lambda j: (pre[j], j))[: cfg.max_prefill_options]
         ds = sorted(whole, key=lambda j: (dec[j], j))[: cfg.max_decode_options]
         best: tuple[float, int, int, float] | None = None
