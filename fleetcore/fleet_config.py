@@ -90,9 +90,12 @@ class EngineConfigSpec(_Strict):
     # instance then admits a local prefill's chunks within it, so every step its running streams
     # share stays short (a step with an 8,192-token chunk of Llama-3.1-70B on 2 x H200 takes ~1 s,
     # one with 2,048 ~0.25 s, a decode step ~25 ms). Real engines set it at launch: vLLM
-    # `--max-num-batched-tokens` (decodes are scheduled first, prefill chunks fill the rest),
-    # SGLang `--chunked-prefill-size`. Static per instance, so a role flip keeps it. None:
-    # `max_num_batched_tokens` (bench/DISAGG.md "Decode-side chunk budget").
+    # `--max-num-batched-tokens` (running requests first, in arrival order: the streams already
+    # there decode, a running prefill's chunk fills the rest, and waiting requests, KV-arrived
+    # ones included, join only in a step with budget left; bench/DISAGG.md "TPOT by role"),
+    # SGLang `--chunked-prefill-size`; the live adapters launch at `step_budget`. Static per
+    # instance, so a role flip keeps it. None: `max_num_batched_tokens` (bench/DISAGG.md
+    # "Decode-side chunk budget").
     pd_max_num_batched_tokens: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=256, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
