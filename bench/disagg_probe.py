@@ -333,6 +333,9 @@ def main() -> int:
     p.add_argument("--decision", default=None, choices=("static", "dynamo_conditional", "llm_d_decider"),
                    help="the per-request P/D decision of that mode under this --disagg mode's controllers "
                         "(e.g. --disagg elastic --decision dynamo_conditional: the elastic pools, Dynamo's rule)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="every engine's EngineConfig.long_prefill_token_threshold (vLLM's flag: at most this many "
+                        "prompt tokens of one request per step; 0: off)")
     p.add_argument("--tpot-by-role", action="store_true",
                    help="also break TPOT down by where requests decoded and what ran beside them (StepTracer)")
     a = p.parse_args()
@@ -358,6 +361,9 @@ def main() -> int:
                          controllers=[*ctl, (a.every, sampler), *([(1.0, tracer)] if tracer else [])],
                          pd=(lambda s: (TailTracer if a.tail is not None else PDRuntime)(s, policy))
                          if policy is not None else None)
+    if a.long_prefill_token_threshold:
+        for inst in sim.instances():  # (their EngineConfig, shared per deployment)
+            inst.engine.config.long_prefill_token_threshold = a.long_prefill_token_threshold
     if tracer is not None:
         tracer.wrap(sim)
     res = sim.run(inputs)
