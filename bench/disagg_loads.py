@@ -65,13 +65,15 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--start-from-file", action="store_true",
                    help="the 'elastic now' runs start from the fleet file's roles (the probe's flag)")
+    p.add_argument("--now-flags", default="",
+                   help="more probe flags for the 'elastic now' runs, e.g. '--grow-kv-rate pair' (one string)")
     p.add_argument("--fleet", default=None, help="the fleet file of every run (the probe's default: deploy/sim/pd32.yaml)")
     p.add_argument("--off-at", default=None, metavar="FLEET",
                    help="one more column: `off` on this fleet file (e.g. pd32.yaml with max_num_batched_tokens set "
                         "to its pd_max_num_batched_tokens: colocated at the P/D fleet's token budget)")
     a = p.parse_args()
     fleet = ["--fleet", a.fleet] if a.fleet else []
-    extra = (["--start-from-file"] if a.start_from_file else []) + fleet
+    extra = (["--start-from-file"] if a.start_from_file else []) + fleet + a.now_flags.split()
     traces = {"agent": (a.agent, None), "mooncake": (MOONCAKE, 4000), "longdoc": (a.longdoc, None)}
     only = set(a.only.split(",")) if a.only else {w for w, _ in LOADS}
     cols: list[tuple[str, str, list[str], Path | None]] = []

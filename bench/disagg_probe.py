@@ -7,6 +7,9 @@ requests holding KV for a transfer; and for the split requests: how many are pre
 waiting for decode KV room, in transfer; and the busy links. Then the run's summary and,
 for `elastic`, the role flips. `--tail Q`: which requests make the TTFT tail (those at or
 above the Q quantile: split or local, on which role, and where their time went).
+`--tpot-by-role`: where each request decoded (split or local; the role of the instance its
+decode steps ran on), how many prefill tokens ran beside it per decode step, its batch, and
+which of those requests make the TPOT p95 (`StepTracer`, `tpot_report`).
 
     .venv/bin/python bench/disagg_probe.py --trace traces/conversation_trace.jsonl.gz \
         --fleet deploy/sim/pd32.yaml --disagg static --max-requests 2000 --rate-scale 5.5
@@ -20,6 +23,8 @@ import json
 import random
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fleetcore.fleet_config import load_fleet_file
 from fleetsim.cli import make_placement, make_policy
@@ -112,6 +117,144 @@ class TailTracer(PDRuntime):
         super()._kv_arrived(leg, now)
 
 
+# A step "carries a chunk" when at least this many of its tokens are prefill (a step's few
+# arrived-KV admissions count one token each: not a chunk).
+CHUNK_TOKENS = 32
+
+
+class StepTracer:
+    """Per request, what its decode steps were: wraps every engine's `step` (a controller tick
+    wraps engines added later) and books, for each token a step made past a request's first,
+    the step's duration, its prefill tokens (its tokens less its decode tokens), its batch
+    (sequences), the engine's KV use and the instance's role at that moment. Virtual time: the
+    wrapper changes no decision."""
+
+    def __init__(self) -> None:
+        self.req: dict[str, dict[str, Any]] = {}
+        self.roles: dict[str, dict[str, float]] = {}  # per role: decode steps, with chunk, durations
+        self._wrapped: set[int] = set()
+
+    def wrap(self, sim: FleetSimulator, now: float = 0.0) -> None:
+        for inst in sim.instances():
+            e = inst.engine
+            if id(e) in self._wrapped:
+                continue
+            self._wrapped.add(id(e))
+            e.step = self._traced(inst, e.step)  # type: ignore[method-assign]
+
+    __call__ = wrap  # as a controller: wrap what joined since
+
+    def _traced(self, inst: Any, step: Any) -> Any:
+        req, roles = self.req, self.roles
+
+        def traced(now: float) -> Any:
+            res = step(now)
+            if not res.events:
+                return res
+            dec = [ev.request_id for ev in res.events if ev.new_tokens and not ev.first_token]
+            for ev in res.events:
+                if ev.first_token:
+                    req.setdefault(ev.request_id, _blank())["first_on"] = inst.iid
+                elif ev.preempted:  # its KV dropped: it recomputes prompt and output here
+                    req.setdefault(ev.request_id, _blank())["preempted"] += 1
+            if not dec:
+                return res
+            pf = res.num_tokens - len(dec)
+            chunk = pf >= CHUNK_TOKENS
+            kv = inst.engine.kv.usage()
+            role = inst.role
+            st = roles.setdefault(role, {"steps": 0, "chunk_steps": 0, "s": 0.0, "chunk_s": 0.0, "batch": 0,
+                                         "kv": 0.0, "pf": 0})
+            st["steps"] += 1
+            st["s"] += res.duration
+            st["batch"] += res.num_seqs
+            st["kv"] += kv
+            st["pf"] += pf
+            if chunk:
+                st["chunk_steps"] += 1
+                st["chunk_s"] += res.duration
+            for rid in dec:
+                n = req.setdefault(rid, _blank())
+                n["steps"] += 1
+                n["s"] += res.duration
+                n["pf"] += pf
+                n["batch"] += res.num_seqs
+                n["kv"] += kv
+                n["on"][role] = n["on"].get(role, 0) + 1
+                n["dec_on"] = inst.iid
+                if n["first_dec"] is None:
+                    n["first_dec"] = res.start
+                if chunk:
+                    n["chunk_steps"] += 1
+                    n["chunk_s"] += res.duration
+            return res
+
+        return traced
+
+
+def _blank() -> dict[str, Any]:
+    return {"steps": 0, "s": 0.0, "pf": 0, "batch": 0, "kv": 0.0, "chunk_steps": 0, "chunk_s": 0.0, "on": {},
+            "preempted": 0, "first_dec": None}
+
+
+def tpot_report(records: list[Any], tracer: StepTracer, q: float = 0.95) -> dict[str, Any]:
+    """TPOT by where requests decoded: per group (split or local; the role most of its decode
+    steps ran on) over all requests with a TPOT and over those at or above the TPOT `q`
+    quantile: requests, TPOT p50/p95 and mean, mean step, prefill tokens beside it per decode
+    step, share of its decode steps that carried a chunk, its steps with and without a chunk,
+    batch and KV use, the mean TPOT less the mean step (time outside its steps), the share of
+    requests preempted at least once, and the mean wait from its first token (a split request's:
+    its KV arrived) to the start of its first decode step. Plus, per role, the decode-carrying steps themselves."""
+    done = [r for r in records if r.tpot_s is not None and r.request_id in tracer.req
+            and tracer.req[r.request_id]["steps"]]
+    if not done:
+        return {}
+    tp = np.array([r.tpot_s for r in done])
+    cut = float(np.quantile(tp, q))
+
+    def group(r: Any) -> str:
+        n = tracer.req[r.request_id]
+        role = max(n["on"].items(), key=lambda kv: kv[1])[0]
+        split = n.get("first_on") is not None and n.get("first_on") != n.get("dec_on")
+        return ("split" if split else "local") + " on " + role
+
+    def stats(rows: list[Any]) -> dict[str, Any]:
+        t = np.array([r.tpot_s for r in rows]) * 1e3
+        ns = [tracer.req[r.request_id] for r in rows]
+        steps = sum(n["steps"] for n in ns)
+        ch = sum(n["chunk_steps"] for n in ns)
+        return {"n": len(rows), "tpot_p50": round(float(np.quantile(t, 0.5)), 1),
+                "tpot_p95": round(float(np.quantile(t, 0.95)), 1), "tpot_mean": round(float(t.mean()), 1),
+                "step_ms": round(1e3 * sum(n["s"] for n in ns) / steps, 1),
+                "pf_per_step": round(sum(n["pf"] for n in ns) / steps),
+                "chunk_share": round(ch / steps, 3),
+                "chunk_step_ms": round(1e3 * sum(n["chunk_s"] for n in ns) / ch, 1) if ch else None,
+                "plain_step_ms": round(1e3 * sum(n["s"] - n["chunk_s"] for n in ns) / (steps - ch), 1)
+                if steps > ch else None,
+                "batch": round(sum(n["batch"] for n in ns) / steps, 1),
+                # mean TPOT less the mean step: time between its tokens outside its decode steps
+                # (a preemption's recompute, a wait to be scheduled after its KV arrived)
+                "off_step_ms": round(float(t.mean()) - 1e3 * sum(n["s"] for n in ns) / steps, 1),
+                "preempted": round(sum(n["preempted"] > 0 for n in ns) / len(ns), 3),
+                # from its first token (a split request's: its KV arrived) to its first decode step
+                "first_wait_ms": round(1e3 * sum(max(0.0, n["first_dec"] - r.arrival_s - r.ttft_s)
+                                                 for r, n in zip(rows, ns)) / len(rows), 1),
+                "kv": round(sum(n["kv"] for n in ns) / steps, 3)}
+
+    out: dict[str, Any] = {"tpot_p95_ms": round(cut * 1e3, 1), "all": {}, "tail": {}, "roles": {}}
+    for key, rows in (("all", done), ("tail", [r for r in done if r.tpot_s >= cut])):
+        groups: dict[str, list[Any]] = {}
+        for r in rows:
+            groups.setdefault(group(r), []).append(r)
+        out[key] = {"every": stats(rows), **{g: stats(v) for g, v in sorted(groups.items())}}
+    for role, st in sorted(tracer.roles.items()):
+        n = st["steps"]
+        out["roles"][role] = {"decode_steps": n, "chunk_share": round(st["chunk_steps"] / n, 3),
+                              "step_ms": round(1e3 * st["s"] / n, 1), "batch": round(st["batch"] / n, 1),
+                              "kv": round(st["kv"] / n, 3), "pf_per_step": round(st["pf"] / n)}
+    return out
+
+
 def load_inputs(trace: str, fleet: Any, max_requests: int | None, rate_scale: float) -> tuple[Any, Any]:
     """The trace's first `max_requests` at `rate_scale`, and the simulator's inputs for `fleet`."""
     wl = load_trace(trace, "auto")
@@ -187,6 +330,14 @@ def main() -> int:
                         "(default 0.05 s, whatever the fleet file's SLOs say)")
     p.add_argument("--local-decode-as-split", action="store_true",
                    help="DisaggConfig.local_decode_as_split: the local option's own decode priced without its own prefill's duty")
+    p.add_argument("--decision", default=None, choices=("static", "dynamo_conditional", "llm_d_decider"),
+                   help="the per-request P/D decision of that mode under this --disagg mode's controllers "
+                        "(e.g. --disagg elastic --decision dynamo_conditional: the elastic pools, Dynamo's rule)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="every engine's EngineConfig.long_prefill_token_threshold (vLLM's flag: at most this many "
+                        "prompt tokens of one request per step; 0: off)")
+    p.add_argument("--tpot-by-role", action="store_true",
+                   help="also break TPOT down by where requests decoded and what ran beside them (StepTracer)")
     a = p.parse_args()
     fleet = pd_fleet(load_fleet_file(Path(a.fleet)), a.disagg)  # (`off`: as it is; else its P/D token budget)
     wl, inputs = load_inputs(a.trace, fleet, a.max_requests, a.rate_scale)
@@ -194,7 +345,7 @@ def main() -> int:
     router = make_policy("tokenpilot", a.seed, fleet)
     if a.router_tpot_slo_s is not None:
         router.config = dataclasses.replace(router.config, tpot_slo_s=a.router_tpot_slo_s)
-    policy = make_disagg_policy(a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
+    policy = make_disagg_policy(a.decision or a.disagg, router, DisaggConfig(ttft_miss_weight=a.ttft_miss_weight,
                                                                slos=dict(fleet.admission.slos()),
                                                                local_decode_as_split=a.local_decode_as_split))
     knobs = dict(decode_kv_high=a.decode_kv_high, cycle_s=a.pd_cycle_s or None, start_colocated=not a.start_from_file,
@@ -204,11 +355,17 @@ def main() -> int:
     have = {f.name for f in dataclasses.fields(PDRolesConfig)}
     ctl = pd_controllers(a.disagg, fleet, PDRolesConfig(**{k: v for k, v in knobs.items() if k in have}))
     sampler = Sampler()
+    tracer = StepTracer() if a.tpot_by_role else None
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router),
                          admission=make_admission("fcfs", slomax_config(fleet)), progress=None,
-                         controllers=[*ctl, (a.every, sampler)],
+                         controllers=[*ctl, (a.every, sampler), *([(1.0, tracer)] if tracer else [])],
                          pd=(lambda s: (TailTracer if a.tail is not None else PDRuntime)(s, policy))
                          if policy is not None else None)
+    if a.long_prefill_token_threshold:
+        for inst in sim.instances():  # (their EngineConfig, shared per deployment)
+            inst.engine.config.long_prefill_token_threshold = a.long_prefill_token_threshold
+    if tracer is not None:
+        tracer.wrap(sim)
     res = sim.run(inputs)
     summary = summarize_all(res.records, fleet.admission.slos())
     last_end = max((r.end_s for r in res.records if r.end_s is not None), default=res.sim_end_s)
@@ -224,6 +381,9 @@ def main() -> int:
     if a.tail is not None:
         notes = sim.pd.notes if isinstance(sim.pd, TailTracer) else {}
         print("tail", json.dumps(tail_report(res.records, notes, a.tail)))
+    if tracer is not None:
+        row["tpot_by_role"] = tpot_report(res.records, tracer)
+        print("tpot_by_role", json.dumps(row["tpot_by_role"]))
     if a.json:
         Path(a.json).write_text(json.dumps({"samples": sampler.rows, "row": row, "flips": flips}, default=str))
     return 0

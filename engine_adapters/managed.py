@@ -173,14 +173,9 @@ class ManagedEngineAdapter(HttpEngineAdapter):
     @property
     def step_budget(self) -> int:
         """The engines' per-step token budget (vLLM `--max-num-batched-tokens`, SGLang
-        `--chunked-prefill-size`): the model's `pd_max_num_batched_tokens` where the deployment runs
-        P/D and the fleet file sets it, else `max_num_batched_tokens`. Every instance of a P/D
-        deployment gets it, whatever its role, as in the simulator (`fleetsim.disagg.pd_fleet`): a
-        decode or mixed instance admits local prefills' chunks within it, and a role flip keeps it."""
-        eng = self.engine
-        if self.runs_pd and eng.pd_max_num_batched_tokens is not None:
-            return eng.pd_max_num_batched_tokens
-        return eng.max_num_batched_tokens
+        `--chunked-prefill-size`): the P/D budget where the deployment runs P/D
+        (`EngineConfigSpec.step_budget`, which the sim adapter's workers launch at too)."""
+        return self.engine.step_budget(self.roles)
 
     def instance_env(self, index: int) -> dict[str, str]:
         """Environment of engine `index` on top of `engine_env` (per-instance P/D ports)."""

@@ -26,7 +26,7 @@ def build_adapter(config: FleetConfig, d: DeploymentConfig, id_prefix: str) -> E
         return SimAdapter(id_prefix=id_prefix, site=d.site, model=d.model, version=version,
                           instances=d.instance_count, spec=eng.spec, gpu=d.gpu, tp=d.tp,
                           block_size=eng.block_size, max_model_len=eng.max_model_len,
-                          max_num_batched_tokens=eng.max_num_batched_tokens,
+                          max_num_batched_tokens=eng.step_budget(d.instance_roles()),  # P/D: its budget
                           max_num_seqs=eng.max_num_seqs,
                           gpu_memory_utilization=eng.gpu_memory_utilization, options=d.options,
                           restart=restart_policy(config),

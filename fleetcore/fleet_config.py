@@ -22,7 +22,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -90,12 +90,27 @@ class EngineConfigSpec(_Strict):
     # instance then admits a local prefill's chunks within it, so every step its running streams
     # share stays short (a step with an 8,192-token chunk of Llama-3.1-70B on 2 x H200 takes ~1 s,
     # one with 2,048 ~0.25 s, a decode step ~25 ms). Real engines set it at launch: vLLM
-    # `--max-num-batched-tokens` (decodes are scheduled first, prefill chunks fill the rest),
-    # SGLang `--chunked-prefill-size`. Static per instance, so a role flip keeps it. None:
-    # `max_num_batched_tokens` (bench/DISAGG.md "Decode-side chunk budget").
+    # `--max-num-batched-tokens` (running requests first, in arrival order: the streams already
+    # there decode, a running prefill's chunk fills the rest, and waiting requests, KV-arrived
+    # ones included, join only in a step with budget left; bench/DISAGG.md "TPOT by role"),
+    # SGLang `--chunked-prefill-size`; the live adapters launch at `step_budget`. Static per
+    # instance, so a role flip keeps it. None: `max_num_batched_tokens` (bench/DISAGG.md
+    # "Decode-side chunk budget").
     pd_max_num_batched_tokens: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=256, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+
+    def step_budget(self, roles: Sequence[Role]) -> int:
+        """The per-step token budget the engines of a deployment with these instance `roles` launch
+        at (vLLM `--max-num-batched-tokens`, SGLang `--chunked-prefill-size`, the sim worker's
+        `--max-num-batched-tokens`): `pd_max_num_batched_tokens` where the deployment runs P/D (a
+        role other than `mixed`) and it is set, else `max_num_batched_tokens`. Every instance of
+        a P/D deployment gets it, whatever its role, as in the simulator
+        (`fleetsim.disagg.pd_fleet`): a decode or mixed instance admits local prefills' chunks
+        within it, and a role flip keeps it."""
+        if self.pd_max_num_batched_tokens is not None and any(r != "mixed" for r in roles):
+            return self.pd_max_num_batched_tokens
+        return self.max_num_batched_tokens
 
 
 class ModelConfig(_Strict):

@@ -111,3 +111,17 @@ def test_sglang_pd_roles_launch_at_the_pd_chunked_prefill_size():
     (c,) = build_adapters(pd_fleet("sglang", engine=budget, roles=None))
     assert flags(c.engine_argv(9000, None, 0))["--chunked-prefill-size"] == "8192"
     assert "--disaggregation-mode" not in c.engine_argv(9000, None, 0)
+
+
+def test_sim_workers_launch_at_the_pd_step_budget():
+    budget = {"max_num_batched_tokens": 8192, "pd_max_num_batched_tokens": 1024}
+    (a,) = build_adapters(pd_fleet("sim", {"pd_protocol": "vllm"}, engine=budget))
+    assert isinstance(a, SimAdapter)
+    assert flags(a._args)["--max-num-batched-tokens"] == "1024"  # every worker's command line
+    assert a._instance("s1/tiny/1", "http://127.0.0.1:7002").max_batched_tokens == 1024  # the router's prior agrees
+    # the same deployment without roles, or without a P/D budget, keeps the file's budget
+    (c,) = build_adapters(pd_fleet("sim", {}, engine=budget, roles=None))
+    assert flags(c._args)["--max-num-batched-tokens"] == "8192"
+    assert c._instance("s1/tiny/0", "http://127.0.0.1:7001").max_batched_tokens == 8192
+    (n,) = build_adapters(pd_fleet("sim", {}, engine={"max_num_batched_tokens": 4096}))
+    assert flags(n._args)["--max-num-batched-tokens"] == "4096"

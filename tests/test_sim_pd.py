@@ -604,3 +604,23 @@ def test_elastic_starts_colocated_before_the_first_request_is_placed() -> None:
     assert pd.stats.splits == 0 and set(where) == {"s1/m/0", "s1/m/1"}
     pd, log, _ = run_one(PDRolesConfig(start_colocated=False))  # from the file's split: it splits
     assert pd.stats.splits >= 1 and not log
+
+
+@pytest.mark.parametrize("cap", [0, 64])
+def test_a_kv_arrived_request_waits_for_a_running_prefill_unless_its_chunk_is_capped(cap: int) -> None:
+    # a local 600-token prefill running at a 256-token budget takes the whole budget of each step
+    # (running requests first, as vLLM V1), so a request whose KV has arrived joins only when it
+    # is done; vLLM's long_prefill_token_threshold caps its chunk and leaves room (DISAGG.md "TPOT by role")
+    e = engine(max_num_batched_tokens=256, long_prefill_token_threshold=cap)
+    e.add_request(req("local", 600, 2))
+    first = e.step(0.0)
+    assert first.num_tokens == (cap or 256)
+    assert e.receive(req("split", 32, 4)) == 0
+    e.kv_arrived("split")
+    joined, t, res = None, first.duration, first
+    for k in range(1, 6):
+        res = e.step(t)
+        if joined is None and any(ev.request_id == "split" for ev in res.events):
+            joined = k
+        t += res.duration
+    assert joined == (1 if cap else 2)  # capped: at once; uncapped: in the step of the prefill's last chunk (88)

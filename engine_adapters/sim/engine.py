@@ -57,6 +57,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's; always capped by KV capacity
     num_gpu_blocks_override: int | None = None
     enable_kv_events: bool = True  # simulators that never drain events can turn them off
+    # vLLM's `--long-prefill-token-threshold`: at most this many prompt tokens of one request per
+    # step (0: off, vLLM's default with one partial prefill), so a long prompt's chunk leaves the
+    # rest of the budget to other requests, KV-arrived ones included (bench/DISAGG.md "TPOT by role").
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(slots=True)
@@ -281,6 +285,7 @@ class SimEngine:
         kv = self.kv
         bs = self.block_size
         budget = self.config.max_num_batched_tokens
+        long_cap = self.config.long_prefill_token_threshold
         events: list[RequestEvent] = []
         sched: list[tuple[_Req, int]] = []
         preempted = False
@@ -292,6 +297,8 @@ class SimEngine:
             n = r.known - r.num_computed
             if n > budget:
                 n = budget
+            if long_cap and n > long_cap:
+                n = long_cap
             total = r.num_computed + n
             if total > r.cap:
                 while not kv.ensure_capacity(r.rid, total):
@@ -330,6 +337,8 @@ class SimEngine:
                 n = r.known - cached
                 if n > budget:
                     n = budget
+                if long_cap and n > long_cap:
+                    n = long_cap
                 r.cap = kv.num_blocks_of(r.rid) * bs
                 r.is_running = True
                 running.append(r)
