@@ -57,6 +57,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's; always capped by KV capacity
     num_gpu_blocks_override: int | None = None
     enable_kv_events: bool = True  # simulators that never drain events can turn them off
+    # (tokens per step, compute efficiency) points for the roofline; None: its constant
+    compute_efficiency_curve: Sequence[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True)
@@ -109,7 +111,8 @@ class _Req:
 class SimEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.timer = StepTimer(config.model, config.gpu, config.tp)
+        self.timer = StepTimer(config.model, config.gpu, config.tp,
+                               compute_efficiency_curve=config.compute_efficiency_curve)
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
         else:
