@@ -97,7 +97,8 @@ class EngineConfigSpec(_Strict):
     pd_max_num_batched_tokens: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=256, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    # Simulated engines only (fleetcore.roofline): [[tokens per step, compute efficiency], ...]
+    # `tokenfleet simulate`'s engines only (live sim workers keep the constant; nothing real reads
+    # it): [[tokens per step, compute efficiency], ...]
     # in place of the roofline's constant 0.66, interpolated in tokens and held flat outside the
     # points (real GEMMs reach a smaller fraction of the peak at small token counts). None (the
     # default): the constant, every step time as before. bench/DISAGG.md "Small-chunk kernel
