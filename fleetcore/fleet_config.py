@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fleetcore.continuation import ContinuationLimits
 from fleetcore.admission_config import AdmissionConfig, BudgetConfig, ClassSLOConfig, check_tenant_classes
 from fleetcore.region_policy import RegionPolicy, check_policy
+from fleetcore.roofline import validate_efficiency_curve
 from fleetcore.types import ROLES, Role
 
 
@@ -99,6 +100,18 @@ class EngineConfigSpec(_Strict):
     pd_max_num_batched_tokens: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=256, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # `tokenfleet simulate`'s engines only (live sim workers keep the constant; nothing real reads
+    # it): [[tokens per step, compute efficiency], ...]
+    # in place of the roofline's constant 0.66, interpolated in tokens and held flat outside the
+    # points (real GEMMs reach a smaller fraction of the peak at small token counts). None (the
+    # default): the constant, every step time as before. bench/DISAGG.md "Small-chunk kernel
+    # efficiency" derives one from a Vidur profile (bench/kernel_eff_curve.py).
+    compute_efficiency_curve: list[tuple[int, float]] | None = None
+
+    @model_validator(mode="after")
+    def _curve_valid(self) -> EngineConfigSpec:
+        validate_efficiency_curve(self.compute_efficiency_curve)
+        return self
 
     def step_budget(self, roles: Sequence[Role]) -> int:
         """The per-step token budget the engines of a deployment with these instance `roles` launch

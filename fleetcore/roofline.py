@@ -22,10 +22,19 @@ memory_eff=0.8 plus 0.5 ms of per-step overhead (launches, sampling, scheduler)
 reproduces the 1-token steps (5.6 ms, 9.7 ms). Peaks are datasheet values, see
 hardware.py. Attention, KV traffic and lm_head are not in Vidur's linear-only
 numbers; at the calibration points they add <5%.
+
+Optional small-step efficiency (off by default): `compute_efficiency_curve`, points
+(tokens per step, compute efficiency) interpolated linearly in tokens and held flat outside
+them, replaces the constant in the compute term of a step by the efficiency at that step's
+new-token count (prefill chunks and decodes together: the GEMMs' M dimension). Real GEMMs reach
+a lower fraction of the peak at small M; bench/kernel_eff_curve.py derives a curve from a Vidur
+profile (bench/DISAGG.md "Small-chunk kernel efficiency"). Without it every step time is the
+constant's, bit for bit.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from fleetcore.hardware import GpuSpec, ModelSpec
@@ -48,7 +57,8 @@ class StepTimer:
         "step_overhead_s", "tp_allreduce_latency_s", "activation_reserve_gib",
         "_inv_flops_rate", "_inv_bytes_rate", "_linear_flops_per_tok",
         "_attn_flops_per_pair", "_lm_head_flops_per_seq", "_weight_bytes",
-        "_kv_bytes_per_tok", "_comm_fixed_s", "_comm_s_per_tok",
+        "_kv_bytes_per_tok", "_comm_fixed_s", "_comm_s_per_tok", "compute_efficiency_curve",
+        "_inv_peak", "_curve_tokens", "_curve_eff",
     )
 
     def __init__(
@@ -61,6 +71,7 @@ class StepTimer:
         step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
         tp_allreduce_latency_s: float = DEFAULT_TP_ALLREDUCE_LATENCY_S,
         activation_reserve_gib: float = DEFAULT_ACTIVATION_RESERVE_GIB,
+        compute_efficiency_curve: Sequence[tuple[int, float]] | None = None,
     ) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
@@ -74,6 +85,11 @@ class StepTimer:
         self.step_overhead_s = step_overhead_s
         self.tp_allreduce_latency_s = tp_allreduce_latency_s
         self.activation_reserve_gib = activation_reserve_gib
+        curve = validate_efficiency_curve(compute_efficiency_curve)
+        self.compute_efficiency_curve = curve
+        self._curve_tokens = tuple(n for n, _ in curve) if curve else ()
+        self._curve_eff = tuple(e for _, e in curve) if curve else ()
+        self._inv_peak = 1.0 / gpu.peak_flops
 
         # Everything below is per GPU of the TP group: work is split tp ways.
         # KV heads cannot be split finer than one head per GPU (vLLM replicates).
@@ -115,7 +131,8 @@ class StepTimer:
             + self._lm_head_flops_per_seq * num_seqs
         )
         nbytes = self._weight_bytes + self._kv_bytes_per_tok * (ctx_tokens + num_tokens)
-        tc = flops * self._inv_flops_rate
+        tc = flops * self._inv_flops_rate if not self._curve_tokens else (
+            flops * self._inv_peak / self.compute_efficiency_at(num_tokens))
         tm = nbytes * self._inv_bytes_rate
         return (tc if tc > tm else tm) + self.step_overhead_s + self._comm_fixed_s + self._comm_s_per_tok * num_tokens
 
@@ -138,11 +155,27 @@ class StepTimer:
             pairs += n * p + (n * (n + 1) >> 1)
         return self.step_time_totals(tokens, n_dec + len(prefill), pairs, ctx)
 
+    def compute_efficiency_at(self, num_tokens: int) -> float:
+        """Fraction of the peak the compute term runs at for a step of `num_tokens` new tokens."""
+        xs = self._curve_tokens
+        if not xs:
+            return self.compute_efficiency
+        i = bisect_right(xs, num_tokens)
+        if i == 0:
+            return self._curve_eff[0]
+        if i == len(xs):
+            return self._curve_eff[-1]
+        x0, x1 = xs[i - 1], xs[i]
+        e0, e1 = self._curve_eff[i - 1], self._curve_eff[i]
+        return e0 + (e1 - e0) * (num_tokens - x0) / (x1 - x0)
+
     # -- derived figures --------------------------------------------------
 
     def prefill_throughput_tokens_per_s(self) -> float:
-        """Plateau of prefill throughput for short contexts (linear layers bound)."""
-        return 1.0 / (self._linear_flops_per_tok * self._inv_flops_rate + self._comm_s_per_tok)
+        """Plateau of prefill throughput for short contexts (linear layers bound; with a curve, at
+        its largest point)."""
+        inv_rate = self._inv_flops_rate if not self._curve_eff else self._inv_peak / self._curve_eff[-1]
+        return 1.0 / (self._linear_flops_per_tok * inv_rate + self._comm_s_per_tok)
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9) -> int:
         """KV tokens that fit in the TP group after weights and an activation reserve."""
@@ -164,3 +197,29 @@ class StepTimer:
     def _weight_bytes_total_per_gpu(self) -> float:
         # Memory holds all weights including the input embedding (sharded by vLLM).
         return self.model.weight_bytes / self.tp
+
+
+def validate_efficiency_curve(
+        curve: Sequence[tuple[int, float]] | Sequence[Sequence[float]] | None) -> tuple[tuple[int, float], ...] | None:
+    """A compute-efficiency curve as (tokens, efficiency) pairs, or None (off); ValueError if bad.
+
+    Tokens strictly increasing and >= 1, efficiencies in (0, 1]; an empty curve is refused
+    (None is the way to say off).
+    """
+    if curve is None:
+        return None
+    pts: list[tuple[int, float]] = []
+    for p in curve:
+        if len(p) != 2:
+            raise ValueError(f"compute_efficiency_curve point {list(p)!r}: want [tokens, efficiency]")
+        n, e = p
+        if int(n) != n or n < 1:
+            raise ValueError(f"compute_efficiency_curve tokens must be integers >= 1, got {n!r}")
+        if not 0 < e <= 1:
+            raise ValueError(f"compute_efficiency_curve efficiency must be in (0, 1], got {e!r}")
+        if pts and n <= pts[-1][0]:
+            raise ValueError("compute_efficiency_curve tokens must be strictly increasing")
+        pts.append((int(n), float(e)))
+    if not pts:
+        raise ValueError("compute_efficiency_curve needs at least one point (leave it unset for the constant)")
+    return tuple(pts)

@@ -252,7 +252,8 @@ def fleet_instances(fleet: FleetConfig) -> list[InstanceSpec]:
             max_num_seqs=eng.max_num_seqs, gpu_memory_utilization=eng.gpu_memory_utilization,
             max_model_len=eng.max_model_len,
             num_gpu_blocks_override=int(override) if override is not None else None,
-            enable_kv_events=False)  # nobody drains them here; saves time and memory
+            enable_kv_events=False,  # nobody drains them here; saves time and memory
+            compute_efficiency_curve=eng.compute_efficiency_curve)
         version = fleet.deployment_version(d)
         for n, role in enumerate(d.instance_roles()):
             out.append(InstanceSpec(f"{prefix}/{n}", d.site, d.model, version, d.gpu, d.tp, cfg, role))

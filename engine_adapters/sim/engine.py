@@ -61,6 +61,8 @@ class EngineConfig:
     # step (0: off, vLLM's default with one partial prefill), so a long prompt's chunk leaves the
     # rest of the budget to other requests, KV-arrived ones included (bench/DISAGG.md "TPOT by role").
     long_prefill_token_threshold: int = 0
+    # (tokens per step, compute efficiency) points for the roofline; None: its constant
+    compute_efficiency_curve: Sequence[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True)
@@ -113,7 +115,8 @@ class _Req:
 class SimEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.timer = StepTimer(config.model, config.gpu, config.tp)
+        self.timer = StepTimer(config.model, config.gpu, config.tp,
+                               compute_efficiency_curve=config.compute_efficiency_curve)
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
         else:
