@@ -80,9 +80,11 @@ HEALTH_INTERVAL_S = 0.2  # how often the gateway polls the engines, in both mode
 DECISIONS_POLL_S = 1.0  # how often the process mode reads /debug/decisions (it keeps the last 256)
 MODES = ("process", "embedded")
 # Columns of a run's rows: predicted TTFT, the client's, the gateway's; predicted TPOT, the
-# client's, the gateway's (s); the prompt's tokens as the gateway counted them.
-P_TTFT, C_TTFT, G_TTFT, P_TPOT, C_TPOT, G_TPOT, PROMPT = range(7)
-NAN4 = (math.nan,) * 4
+# client's, the gateway's (s); the prompt's tokens as the gateway counted them; the time from the
+# client's send to the router's decision (s, both on the wall clock: the HTTP request, the
+# gateway's parsing, tokenizing and admission; the prediction is of the TTFT after it).
+P_TTFT, C_TTFT, G_TTFT, P_TPOT, C_TPOT, G_TPOT, PROMPT, PRE = range(8)
+NAN5 = (math.nan,) * 5
 
 
 @dataclass(frozen=True)
@@ -135,14 +137,15 @@ class Sent:
     """What the client saw of one answered request."""
 
     request_id: str
+    sent_at: float  # wall clock (time.time()), as the decision log's times
     predicted_ttft_s: float  # the gateway's x-tokenfleet-predicted-ttft-ms
     ttft_s: float  # the client's: its send to the first token
     tpot_s: float  # the client's mean time per output token after the first
 
 
 # What the gateway saw of a request: its TTFT, the decision's predicted TPOT, its mean TPOT (s),
-# the prompt's tokens.
-Seen = tuple[float, float, float, float]
+# the prompt's tokens, the decision's wall-clock time.
+Seen = tuple[float, float, float, float, float]
 
 
 async def one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int) -> Sent | None:
@@ -154,7 +157,7 @@ async def one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: 
 
 async def _one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int) -> Sent | None:
     body = {"model": model, "prompt": prompt, "max_tokens": out, "stream": True, "ignore_eos": True}
-    t0 = time.monotonic()
+    sent_at, t0 = time.time(), time.monotonic()
     async with s.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
         if r.status != 200:
             await r.read()
@@ -166,7 +169,7 @@ async def _one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out:
         if first is None or predicted is None:
             return None
         tpot = (last - first) / (n - 1) if last is not None and n > 1 else math.nan
-        return Sent(rid, float(predicted) / 1000, first - t0, tpot)
+        return Sent(rid, sent_at, float(predicted) / 1000, first - t0, tpot)
 
 
 def prompts(setup: Setup, n: int, seed: int) -> list[tuple[str, int]]:
@@ -200,8 +203,9 @@ def joined(sent: Sequence[Sent | None], seen: dict[str, Seen]) -> list[tuple[flo
     for c in sent:
         if c is None:
             continue
-        gw_ttft, pred_tpot, gw_tpot, prompt_tokens = seen.get(c.request_id, NAN4)
-        rows.append((c.predicted_ttft_s, c.ttft_s, gw_ttft, pred_tpot, c.tpot_s, gw_tpot, prompt_tokens))
+        gw_ttft, pred_tpot, gw_tpot, prompt_tokens, decided_at = seen.get(c.request_id, NAN5)
+        rows.append((c.predicted_ttft_s, c.ttft_s, gw_ttft, pred_tpot, c.tpot_s, gw_tpot, prompt_tokens,
+                     decided_at - c.sent_at))
     return rows
 
 
@@ -215,7 +219,7 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
         router = f.app.state.tokenfleet.relay.router
         if model == "prior":
             router.latency = LearnedLatency(min_samples=10**9)
-        tpot_predicted: dict[str, float] = {}  # the chosen instance's predicted TPOT, per request id
+        decided: dict[str, tuple[float, float]] = {}  # the chosen instance's predicted TPOT, when (wall)
         seen: dict[str, Seen] = {}  # what the gateway saw, per request id
         route, observe = router.route, router.observe
 
@@ -223,14 +227,15 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
             d = route(profile, candidates, now)
             chosen = next((c for c in d.candidates if c.name == d.instance_id), None)
             if chosen is not None:
-                tpot_predicted[profile.request_id] = chosen.detail["tpot_s"]
+                decided[profile.request_id] = (chosen.detail["tpot_s"], time.time())
             return d
 
         def watch(outcome: RequestOutcome) -> None:
             if outcome.ttft_s is not None:
-                seen[outcome.request_id] = (outcome.ttft_s, tpot_predicted.pop(outcome.request_id, math.nan),
+                tpot, at = decided.pop(outcome.request_id, (math.nan, math.nan))
+                seen[outcome.request_id] = (outcome.ttft_s, tpot,
                                             outcome.mean_tpot_s if outcome.mean_tpot_s is not None else math.nan,
-                                            float(outcome.prompt_tokens))
+                                            float(outcome.prompt_tokens), at)
             observe(outcome)
         router.route, router.observe = routed, watch  # type: ignore[method-assign]
         await all_ready(f.url, setup.instances())
@@ -249,7 +254,7 @@ def process_fleet(setup: Setup, model: str) -> dict[str, Any]:
 
 def access_records(log_text: str) -> dict[str, Seen]:
     """The gateway's TTFT, mean TPOT and prompt tokens per request id, from its JSON access log
-    (the predicted TPOT left NaN: the decisions carry it)."""
+    (the predicted TPOT and the decision's time left NaN: the decision log carries them)."""
     seen: dict[str, Seen] = {}
     for line in log_text.splitlines():
         if not line.startswith("{"):
@@ -262,20 +267,21 @@ def access_records(log_text: str) -> dict[str, Seen]:
             continue
         tpot = rec.get("tpot_ms")
         seen[rec["request_id"]] = (rec["ttft_ms"] / 1000, math.nan, tpot / 1000 if tpot is not None else math.nan,
-                                   float(rec.get("tokens_in") or math.nan))
+                                   float(rec.get("tokens_in") or math.nan), math.nan)
     return seen
 
 
-def decision_tpots(decisions: Sequence[dict[str, Any]], into: dict[str, float]) -> None:
-    """The chosen instance's predicted TPOT per request id, from /debug/decisions' entries (a
-    request's later decision, e.g. a retry's, overrides its earlier one)."""
+def decisions_seen(decisions: Sequence[dict[str, Any]], into: dict[str, tuple[float, float]]) -> None:
+    """The chosen instance's predicted TPOT and the decision's wall-clock time per request id,
+    from /debug/decisions' entries (a request's later decision, e.g. a retry's, overrides its
+    earlier one)."""
     for d in decisions:
         chosen = next((c for c in d.get("candidates", ()) if c.get("name") == d.get("instance")), None)
         if chosen is not None and "tpot_s" in chosen.get("detail", {}):
-            into[d["request_id"]] = float(chosen["detail"]["tpot_s"])
+            into[d["request_id"]] = (float(chosen["detail"]["tpot_s"]), float(d["time"]))
 
 
-async def poll_decisions(url: str, limit: int, into: dict[str, float], stop: asyncio.Event) -> None:
+async def poll_decisions(url: str, limit: int, into: dict[str, tuple[float, float]], stop: asyncio.Event) -> None:
     """Read /debug/decisions every DECISIONS_POLL_S until `stop`, once more after it."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
         while True:
@@ -284,7 +290,7 @@ async def poll_decisions(url: str, limit: int, into: dict[str, float], stop: asy
                 async with s.get(f"{url}/debug/decisions", params={"limit": str(limit)},
                                  headers={"Authorization": f"Bearer {KEY}"}) as r:
                     if r.status == 200:
-                        decision_tpots((await r.json())["decisions"], into)
+                        decisions_seen((await r.json())["decisions"], into)
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 pass  # a missed poll shows as requests without a predicted TPOT (counted)
             if stopping:
@@ -306,10 +312,10 @@ async def run_process(setup: Setup, model: str, work: Sequence[tuple[str, int]],
                                              name=f"gateway-{model}", args=("--log-level", "info", "--log-format",
                                                                             "json"), timeout_s=900)
         url = gw.url.removesuffix("/v1")
-        tpots: dict[str, float] = {}
+        decided: dict[str, tuple[float, float]] = {}
         stop = asyncio.Event()
         # Enough of the log's last entries to span two polls at this rate; at most what it keeps.
-        poller = asyncio.create_task(poll_decisions(url, min(256, int(2 * rate * DECISIONS_POLL_S) + 16), tpots, stop))
+        poller = asyncio.create_task(poll_decisions(url, min(256, int(2 * rate * DECISIONS_POLL_S) + 16), decided, stop))
         try:
             sent = await send_all(url, setup, work, rate)
         finally:
@@ -319,8 +325,10 @@ async def run_process(setup: Setup, model: str, work: Sequence[tuple[str, int]],
         if gw is not None:
             procs.stop(gw, grace_s=60)  # it stops its engines first (vLLM's take a while)
         procs.stop_all()
-    seen = access_records(gw.log.read_text(errors="replace"))
-    seen = {rid: (g[0], tpots.get(rid, math.nan), g[2], g[3]) for rid, g in seen.items()}
+    seen: dict[str, Seen] = {}
+    for rid, (ttft, _, tpot, prompt_tokens, _) in access_records(gw.log.read_text(errors="replace")).items():
+        pred_tpot, at = decided.get(rid, (math.nan, math.nan))
+        seen[rid] = (ttft, pred_tpot, tpot, prompt_tokens, at)
     return sent, seen
 
 
@@ -361,24 +369,35 @@ SUMMARY_HEADER = (
 
 def bias(mode: str, model: str, got: np.ndarray) -> str:
     """Is the second half's error against the gateway's TTFT a bias? The median ratio of
-    predicted to observed, their correlation, and what is left after the best constant shift
-    (the median of observed - predicted) and the best constant scale (the median ratio)."""
+    predicted to observed, their correlation, what is left after the best constant shift (the
+    median of observed - predicted) and the best constant scale (the median ratio), the ratio
+    for the shorter and the longer half of the prompts (a fixed cost the prediction leaves out
+    shows as a higher ratio for long prompts than for short ones), and the error against the
+    client's TTFT from the decision on (the span the prediction is of), with the time before it."""
     half = got[len(got) // 2:]
     ok = np.isfinite(half[:, P_TTFT]) & np.isfinite(half[:, G_TTFT]) & (half[:, G_TTFT] > 0)
-    p, o = half[ok, P_TTFT], half[ok, G_TTFT]
-    if len(p) < 3:
+    h = half[ok]
+    p, o = h[:, P_TTFT], h[:, G_TTFT]
+    if len(p) < 4:
         return f"| {mode} | {model} | too few rows |"
     ratio = float(np.median(p / o))
     shift = float(np.median(o - p))
     e_shift, e_scale = errors(p + shift, o), errors(p / ratio, o)
     corr = float(np.corrcoef(p, o)[0, 1])
+    long = h[:, PROMPT] > np.median(h[:, PROMPT])
+    short_ratio, long_ratio = (float(np.median(p[m] / o[m])) if m.any() else math.nan for m in (~long, long))
+    after = errors(p, h[:, C_TTFT] - h[:, PRE])
+    pre = 1000 * float(np.nanmedian(h[:, PRE]))
     return (f"| {mode} | {model} | {ratio:.2f} | {corr:.2f} | {1000 * shift:+.1f} | {_q(e_shift, 50):.0f}% "
-            f"| {_q(e_shift, 90):.0f}% | {_q(e_scale, 50):.0f}% | {_q(e_scale, 90):.0f}% |")
+            f"| {_q(e_shift, 90):.0f}% | {_q(e_scale, 50):.0f}% | {_q(e_scale, 90):.0f}% | {short_ratio:.2f} "
+            f"| {long_ratio:.2f} | {pre:.1f} | {_q(after, 50):.0f}% | {_q(after, 90):.0f}% |")
 
 
 BIAS_HEADER = (
     "| gateway | model | median predicted / gateway's TTFT | correlation | best shift ms | after shift: median err "
-    "| P90 | after scale: median err | P90 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    "| P90 | after scale: median err | P90 | ratio, shorter half of prompts | longer half "
+    "| send to decision median ms | vs client's TTFT from the decision: median err | P90 |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def provenance(argv: Sequence[str]) -> str:
@@ -438,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workdir = Path(runs) / f"{mode}-{model}"
             workdir.mkdir()
             sent, seen = asyncio.run(RUNNERS[mode](setup, model, work, a.rate, workdir))
-            got = np.array(joined(sent, seen), dtype=float).reshape(-1, 7)
+            got = np.array(joined(sent, seen), dtype=float).reshape(-1, PRE + 1)
             if a.save:
                 np.save(f"{a.save}.{mode}.{model}.npy", got)
             results.append((mode, model, got, len(sent), (before, os.getloadavg()[0])))
