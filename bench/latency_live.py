@@ -400,6 +400,30 @@ BIAS_HEADER = (
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
+def by_length(mode: str, model: str, got: np.ndarray, parts: int = 5) -> list[str]:
+    """The second half's median predicted and gateway TTFT per prompt-length quantile: the
+    prediction's shape against the prompt (a step floor it has too high, a per-token cost too low)."""
+    half = got[len(got) // 2:]
+    h = half[np.isfinite(half[:, G_TTFT]) & np.isfinite(half[:, P_TTFT])]
+    if len(h) < parts:
+        return []
+    edges = np.quantile(h[:, PROMPT], np.linspace(0, 1, parts + 1))
+    which = np.clip(np.searchsorted(edges, h[:, PROMPT], side="right") - 1, 0, parts - 1)
+    lines = []
+    for b in range(parts):
+        r = h[which == b]
+        if len(r) == 0:
+            continue
+        pm, om = 1000 * np.median(r[:, P_TTFT]), 1000 * np.median(r[:, G_TTFT])
+        lines.append(f"| {mode} | {model} | {edges[b]:.0f}-{edges[b + 1]:.0f} | {len(r)} | {pm:.1f} | {om:.1f} "
+                     f"| {np.median(r[:, P_TTFT] / r[:, G_TTFT]):.2f} | {_q(errors(r[:, P_TTFT], r[:, G_TTFT]), 50):.0f}% |")
+    return lines
+
+
+LENGTH_HEADER = ("| gateway | model | prompt tokens | requests | median predicted ms | median gateway's TTFT ms "
+                 "| median ratio | median err |\n|---|---|---|---:|---:|---:|---:|---:|")
+
+
 def provenance(argv: Sequence[str]) -> str:
     """What a doc needs beside the figures: the command, the commit, the inputs' checksums, the machine."""
     def git(*a: str) -> str:
@@ -469,6 +493,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(BIAS_HEADER)
     for mode, model, got, _, _ in results:
         print(bias(mode, model, got))
+    print()
+    print(LENGTH_HEADER)
+    for mode, model, got, _, _ in results:
+        print("\n".join(by_length(mode, model, got)))
     print(f"load average after (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
