@@ -108,7 +108,7 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         s = k[j]
         cached = _min(matched[j] * block_size, cap_prompt)
         uncached = prompt - cached
-        token_s, kv_s, overhead, budget = m[TOKEN_EFF, s], m[KV_EFF, s], m[OVERHEAD_DF, s], m[BUDGET, s]
+        token_s, kv_s, overhead, budget = m[TOKEN_EFF, s], m[KV_EFF, s], m[OVERHEAD_S, s], m[BUDGET, s]
         attn = m[ATTN_EFF, s]
         # Context decoding alongside the prefill: what we routed there, or what the engine
         # reports running when others share it (assume our mean context per stream).
@@ -260,7 +260,7 @@ def settle(m: np.ndarray, k: int, now: float, elapsed: float, decay: float) -> N
     # (the drain rate from the slot's own streams: the engine's count is not at hand here)
     decoding = _pymax(m[STREAMS, k] - m[OUT_N, k], 0.0)
     drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[TOKEN_EFF, k], m[KV_EFF, k],
-                                   m[OVERHEAD_DF, k])
+                                   m[OVERHEAD_S, k])
     m[UNTRACKED_TOK, k] = _pymax(0.0, m[UNTRACKED_TOK, k] - drained)
     m[BACKLOG_TOK, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK, k] - drained), m[UNTRACKED_TOK, k],
                                   m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
