@@ -1,6 +1,7 @@
 """TokenPilot's TTFT and TPOT predictions live: the real gateway over real engine processes (real HTTP, real time).
 
     .venv/bin/python bench/latency_live.py [--engine sim|vllm] [--requests 1200] [--rate 40] [--models prior,learned]
+        [--gateway process|embedded|process,embedded] [--seed 0] [--save PREFIX]
 
 `--engine sim` (the default): bench/fleet_noisy_live.yaml, 2 x Llama-3.1-70B on 2 x H200
 simulated workers 4x faster than real time, which the routers' physics prior does not know
@@ -15,31 +16,48 @@ learn the CPU's speed online. Prompt lengths from the same trace clipped to 300-
 the tiny model's tokenizer, outputs to 16-64: prefills of ~40-200 ms, well above this machine's
 jitter.
 
-Either way `--requests` completions are streamed, fresh text each (nothing cached), `--rate` per
-second, open loop. Per request the gateway's `x-tokenfleet-predicted-ttft-ms` is compared with
-the TTFT the client measured and with the gateway's own (its arrival to its first token, what its
-router observes), and the router's predicted time per output token of the chosen instance (the
-decision's `tpot_s`) with the gateway's mean time per output token (what the router learns from).
-`prior`: TokenPilot with its learned latency model never fitted (the scheduler-forward prior with
-its online speed factors); `learned`: as shipped (the gateway's background task fits it once
-enough outcomes are in). Errors are over the second half of each run, once the models have data.
-One fresh fleet per model. The gap between the client's TTFT and the gateway's is this process's
-event loop (client and gateway share it) and the machine.
+Either way `--requests` completions are streamed, `--rate` per second, open loop; the text is
+fresh per request (nothing cached) and the same for every run of one `--seed`. Per request the
+gateway's `x-tokenfleet-predicted-ttft-ms` is compared with the TTFT the client measured and with
+the gateway's own (its arrival to its first token, what its router observes), and the router's
+predicted time per output token of the chosen instance (the decision's `tpot_s`) with the
+gateway's mean time per output token (what the router learns from). `prior`: TokenPilot with its
+learned latency model never fitted (the scheduler-forward prior with its online speed factors);
+`learned`: as shipped (the gateway's background task fits it once enough outcomes are in).
+Errors are over the second half of each run, once the models have data. One fresh fleet per run.
+
+`--gateway process` (the default): the gateway is `tokenfleet up` in a process of its own over
+the fleet file (written with `gateway: {health_interval_s: 0.2, learned_latency: false}` for
+`prior`), which launches the engines as its children; this process runs only the client. The
+gateway's TTFT and TPOT come from its access log (`--log-level info --log-format json`:
+`ttft_ms`, `tpot_ms`, `tokens_in`), the predicted TPOT from `/debug/decisions` (polled every
+second). `--gateway embedded`: the gateway in this process, on the client's event loop (the
+router wrapped to read its decisions and outcomes; the learned model switched off by an
+unfittable `LearnedLatency`): the client then sees the loop it shares with the gateway as well.
+Several modes (`process,embedded`) run interleaved, model by model, in one command. The machine's
+load average is printed before and after every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import json
+import math
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
@@ -47,26 +65,33 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import numpy as np  # noqa: E402
 
-from fleetcore.fleet_config import FleetConfig, load_fleet_file, parse_fleet  # noqa: E402
+from fleetcore.fleet_config import FleetConfig, parse_fleet  # noqa: E402
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile, RouteDecision  # noqa: E402
 from workloads import head, load_trace  # noqa: E402
 from workloads.prompts import prompt_text  # noqa: E402
 from noisy_live import all_ready, read_stream  # noqa: E402
+import peers  # noqa: E402  (its process helpers: `tokenfleet up` in a process of its own)
 
 FLEET = REPO / "bench" / "fleet_noisy_live.yaml"
 TRACE = REPO / "traces" / "AzureLLMInferenceTrace_conv.csv"
 KEY = "sk-live-chat"
 VLLM_VENV = Path(os.environ.get("TOKENFLEET_VLLM_VENV", "~/.cache/tokenfleet/vllm-venv")).expanduser()
+HEALTH_INTERVAL_S = 0.2  # how often the gateway polls the engines, in both modes
+DECISIONS_POLL_S = 1.0  # how often the process mode reads /debug/decisions (it keeps the last 256)
+MODES = ("process", "embedded")
 # Columns of a run's rows: predicted TTFT, the client's, the gateway's; predicted TPOT, the
-# client's, the gateway's (s); the prompt's tokens as the gateway counted them.
-P_TTFT, C_TTFT, G_TTFT, P_TPOT, C_TPOT, G_TPOT, PROMPT = range(7)
+# client's, the gateway's (s); the prompt's tokens as the gateway counted them; the time from the
+# client's send to the router's decision (s, both on the wall clock: the HTTP request, the
+# gateway's parsing, tokenizing and admission; the prediction is of the TTFT after it).
+P_TTFT, C_TTFT, G_TTFT, P_TPOT, C_TPOT, G_TPOT, PROMPT, PRE = range(8)
+NAN5 = (math.nan,) * 5
 
 
 @dataclass(frozen=True)
 class Setup:
     """What differs between the two engines: the fleet, and how many tokens a word of prompt text is."""
 
-    config: FleetConfig
+    fleet: dict[str, Any]  # the fleet file's contents
     model: str
     prompt_range: tuple[int, int]  # trace input lengths clipped to this (tokens)
     output_range: tuple[int, int]  # ... output lengths
@@ -75,9 +100,15 @@ class Setup:
     def words(self, tokens: int) -> int:
         return max(1, round(tokens / self.tokens_per_word))
 
+    def config(self) -> FleetConfig:
+        return parse_fleet(self.fleet)
+
+    def instances(self) -> int:
+        return sum(d.instance_count for d in self.config().deployments)
+
 
 def sim_setup() -> Setup:
-    return Setup(load_fleet_file(FLEET), "llama-3.1-70b", (1, 8000), (2, 64), 1.0)
+    return Setup(yaml.safe_load(FLEET.read_text()), "llama-3.1-70b", (1, 8000), (2, 64), 1.0)
 
 
 def vllm_setup(model_dir: Path, python: Path, instances: int, log_dir: Path) -> Setup:
@@ -85,7 +116,7 @@ def vllm_setup(model_dir: Path, python: Path, instances: int, log_dir: Path) -> 
     if not (model_dir / "tokenfleet-tiny.json").exists():
         subprocess.run([str(python), str(REPO / "tests" / "vllm_tiny_model.py"), str(model_dir)],
                        check=True, capture_output=True, timeout=300)
-    config = parse_fleet({
+    fleet = {
         "sites": [{"name": "cpu", "region": "local", "jurisdiction": "none"}],
         "models": [{"name": "tiny", "engine": {"spec": "llama-3.1-8b", "max_model_len": 2048, "block_size": 32,
                                                "max_num_batched_tokens": 2048, "max_num_seqs": 16}}],
@@ -93,26 +124,40 @@ def vllm_setup(model_dir: Path, python: Path, instances: int, log_dir: Path) -> 
                          "options": {"model": str(model_dir), "python": str(python), "enforce_eager": True,
                                      "ready_timeout_s": 600, "stop_grace_s": 20, "log_dir": str(log_dir)}}],
         "tenants": [{"name": "chat", "api_keys": [KEY]}],
-    })
+    }
     from fleetcore.model_tokenizer import HFTokenizer
 
     sample = 4000  # words: prompt_text's words split into a few BPE pieces each under the tiny tokenizer
     per_word = (len(HFTokenizer(model_dir).text_ids(prompt_text(range(10**9, 10**9 + 8), sample))) - 1) / sample
-    return Setup(config, "tiny", (300, 1500), (16, 64), per_word)
+    return Setup(fleet, "tiny", (300, 1500), (16, 64), per_word)
 
 
-async def one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int,
-              seen: dict[str, tuple[float, float, float, float]]) -> tuple[float, ...] | None:
+@dataclass(frozen=True)
+class Sent:
+    """What the client saw of one answered request."""
+
+    request_id: str
+    sent_at: float  # wall clock (time.time()), as the decision log's times
+    predicted_ttft_s: float  # the gateway's x-tokenfleet-predicted-ttft-ms
+    ttft_s: float  # the client's: its send to the first token
+    tpot_s: float  # the client's mean time per output token after the first
+
+
+# What the gateway saw of a request: its TTFT, the decision's predicted TPOT, its mean TPOT (s),
+# the prompt's tokens, the decision's wall-clock time.
+Seen = tuple[float, float, float, float, float]
+
+
+async def one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int) -> Sent | None:
     try:
-        return await _one(s, url, model, prompt, out, seen)
+        return await _one(s, url, model, prompt, out)
     except aiohttp.ClientError:  # counted as not answered (the summary's last column), the run goes on
         return None
 
 
-async def _one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int,
-               seen: dict[str, tuple[float, float, float, float]]) -> tuple[float, ...] | None:
+async def _one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int) -> Sent | None:
     body = {"model": model, "prompt": prompt, "max_tokens": out, "stream": True, "ignore_eos": True}
-    t0 = time.monotonic()
+    sent_at, t0 = time.time(), time.monotonic()
     async with s.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
         if r.status != 200:
             await r.read()
@@ -123,56 +168,172 @@ async def _one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out:
         first, last, n = st.first_token_at, st.last_token_at, st.output_tokens()
         if first is None or predicted is None:
             return None
-        await asyncio.sleep(0)  # the relay's release (the router's outcome) runs after the stream's end
-        tpot = (last - first) / (n - 1) if last is not None and n > 1 else float("nan")
-        gw_ttft, pred_tpot, gw_tpot, prompt_tokens = seen.pop(rid, (float("nan"),) * 4)
-        return float(predicted) / 1000, first - t0, gw_ttft, pred_tpot, tpot, gw_tpot, prompt_tokens
+        tpot = (last - first) / (n - 1) if last is not None and n > 1 else math.nan
+        return Sent(rid, sent_at, float(predicted) / 1000, first - t0, tpot)
 
 
-async def run(setup: Setup, model: str, n: int, rate: float) -> tuple[list[tuple[float, ...]], int]:
-    """Each answered request's row, and how many were sent."""
+def prompts(setup: Setup, n: int, seed: int) -> list[tuple[str, int]]:
+    """(text, max_tokens) per request: the trace's first `n` lengths, clipped; fresh text per
+    request (its own blocks), the same text for every run of one seed."""
+    lo, hi = setup.prompt_range
+    out_lo, out_hi = setup.output_range
+    base = (seed + 2) * 10**9  # clear of vllm_setup's sample (10**9 ...)
+    got = []
+    for i, r in enumerate(head(load_trace(TRACE), n).requests):
+        tokens = min(max(r.input_length, lo), hi)
+        text = prompt_text(range(base + 100 * i, base + 100 * i + max(1, tokens // 512)), setup.words(tokens))
+        got.append((text, max(out_lo, min(r.output_length, out_hi))))
+    return got
+
+
+async def send_all(url: str, setup: Setup, work: Sequence[tuple[str, int]], rate: float) -> list[Sent | None]:
+    """Every request, open loop at `rate` per second, streamed; each answered one's `Sent`."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+        tasks = []
+        for text, out in work:
+            tasks.append(asyncio.create_task(one(s, url, setup.model, text, out)))
+            await asyncio.sleep(1 / rate)
+        return list(await asyncio.gather(*tasks))
+
+
+def joined(sent: Sequence[Sent | None], seen: dict[str, Seen]) -> list[tuple[float, ...]]:
+    """One row (the columns above) per answered request, in sending order."""
+    rows = []
+    for c in sent:
+        if c is None:
+            continue
+        gw_ttft, pred_tpot, gw_tpot, prompt_tokens, decided_at = seen.get(c.request_id, NAN5)
+        rows.append((c.predicted_ttft_s, c.ttft_s, gw_ttft, pred_tpot, c.tpot_s, gw_tpot, prompt_tokens,
+                     decided_at - c.sent_at))
+    return rows
+
+
+async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]], rate: float,
+                       workdir: Path) -> tuple[list[Sent | None], dict[str, Seen]]:
+    """The gateway in this process (`gateway.embedded`), its router wrapped to see what it decided and observed."""
     from gateway.embedded import serve_fleet
     from tokenpilot.latency_model import LearnedLatency
 
-    config = setup.config
-    rows = head(load_trace(TRACE), n).requests
-    lo, hi = setup.prompt_range
-    out_lo, out_hi = setup.output_range
-    async with serve_fleet(config, poll_interval_s=0.2) as f:
+    async with serve_fleet(setup.config(), poll_interval_s=HEALTH_INTERVAL_S) as f:
         router = f.app.state.tokenfleet.relay.router
         if model == "prior":
             router.latency = LearnedLatency(min_samples=10**9)
-        tpot_predicted: dict[str, float] = {}  # the chosen instance's predicted TPOT, per request id
-        seen: dict[str, tuple[float, float, float, float]] = {}  # what the gateway saw, per request id
+        decided: dict[str, tuple[float, float]] = {}  # the chosen instance's predicted TPOT, when (wall)
+        seen: dict[str, Seen] = {}  # what the gateway saw, per request id
         route, observe = router.route, router.observe
 
         def routed(profile: RequestProfile, candidates: Sequence[InstanceSnapshot], now: float) -> RouteDecision:
             d = route(profile, candidates, now)
             chosen = next((c for c in d.candidates if c.name == d.instance_id), None)
             if chosen is not None:
-                tpot_predicted[profile.request_id] = chosen.detail["tpot_s"]
+                decided[profile.request_id] = (chosen.detail["tpot_s"], time.time())
             return d
 
         def watch(outcome: RequestOutcome) -> None:
             if outcome.ttft_s is not None:
-                seen[outcome.request_id] = (outcome.ttft_s, tpot_predicted.pop(outcome.request_id, float("nan")),
-                                            outcome.mean_tpot_s if outcome.mean_tpot_s is not None else float("nan"),
-                                            float(outcome.prompt_tokens))
+                tpot, at = decided.pop(outcome.request_id, (math.nan, math.nan))
+                seen[outcome.request_id] = (outcome.ttft_s, tpot,
+                                            outcome.mean_tpot_s if outcome.mean_tpot_s is not None else math.nan,
+                                            float(outcome.prompt_tokens), at)
             observe(outcome)
         router.route, router.observe = routed, watch  # type: ignore[method-assign]
-        await all_ready(f.url, sum(d.instance_count for d in config.deployments))
-        base = int(time.time() * 1000) % 1_000_000 * 1000
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
-                                         connector=aiohttp.TCPConnector(limit=0)) as s:
-            tasks = []
-            for i, r in enumerate(rows):
-                tokens = min(max(r.input_length, lo), hi)
-                text = prompt_text(range(base + 100 * i, base + 100 * i + max(1, tokens // 512)), setup.words(tokens))
-                tasks.append(asyncio.create_task(one(s, f.url, setup.model, text,
-                                                     max(out_lo, min(r.output_length, out_hi)), seen)))
-                await asyncio.sleep(1 / rate)
-            got = await asyncio.gather(*tasks)
-    return [g for g in got if g is not None], len(got)
+        await all_ready(f.url, setup.instances())
+        sent = await send_all(f.url, setup, work, rate)
+        await asyncio.sleep(0)  # the relay's release (the router's outcome) runs after a stream's end
+    return sent, seen
+
+
+def process_fleet(setup: Setup, model: str) -> dict[str, Any]:
+    """The fleet file of the gateway's own process: the setup's, polled as the embedded one is,
+    with the learned model off for `prior` (`gateway.learned_latency`)."""
+    gateway = {**setup.fleet.get("gateway", {}), "health_interval_s": HEALTH_INTERVAL_S,
+               "learned_latency": model != "prior"}
+    return {**setup.fleet, "gateway": gateway}
+
+
+def access_records(log_text: str) -> dict[str, Seen]:
+    """The gateway's TTFT, mean TPOT and prompt tokens per request id, from its JSON access log
+    (the predicted TPOT and the decision's time left NaN: the decision log carries them)."""
+    seen: dict[str, Seen] = {}
+    for line in log_text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("logger") != "tokenfleet.access" or rec.get("ttft_ms") is None:
+            continue
+        tpot = rec.get("tpot_ms")
+        seen[rec["request_id"]] = (rec["ttft_ms"] / 1000, math.nan, tpot / 1000 if tpot is not None else math.nan,
+                                   float(rec.get("tokens_in") or math.nan), math.nan)
+    return seen
+
+
+def decisions_seen(decisions: Sequence[dict[str, Any]], into: dict[str, tuple[float, float]]) -> None:
+    """The chosen instance's predicted TPOT and the decision's wall-clock time per request id,
+    from /debug/decisions' entries (a request's later decision, e.g. a retry's, overrides its
+    earlier one)."""
+    for d in decisions:
+        chosen = next((c for c in d.get("candidates", ()) if c.get("name") == d.get("instance")), None)
+        if chosen is not None and "tpot_s" in chosen.get("detail", {}):
+            into[d["request_id"]] = (float(chosen["detail"]["tpot_s"]), float(d["time"]))
+
+
+async def poll_decisions(url: str, limit: int, into: dict[str, tuple[float, float]], stop: asyncio.Event) -> None:
+    """Read /debug/decisions every DECISIONS_POLL_S until `stop`, once more after it."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        while True:
+            stopping = stop.is_set()
+            try:
+                async with s.get(f"{url}/debug/decisions", params={"limit": str(limit)},
+                                 headers={"Authorization": f"Bearer {KEY}"}) as r:
+                    if r.status == 200:
+                        decisions_seen((await r.json())["decisions"], into)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # a missed poll shows as requests without a predicted TPOT (counted)
+            if stopping:
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), DECISIONS_POLL_S)
+            except TimeoutError:
+                pass
+
+
+async def run_process(setup: Setup, model: str, work: Sequence[tuple[str, int]], rate: float,
+                      workdir: Path) -> tuple[list[Sent | None], dict[str, Seen]]:
+    """`tokenfleet up` in its own process (peers' helpers), its engines its children; this process
+    only sends. What the gateway saw comes from its access log and its decision log."""
+    procs = peers.Processes(workdir)
+    gw = None
+    try:
+        gw = await peers.start_gateway_fleet(procs, process_fleet(setup, model), setup.instances(), "tokenpilot",
+                                             name=f"gateway-{model}", args=("--log-level", "info", "--log-format",
+                                                                            "json"), timeout_s=900)
+        url = gw.url.removesuffix("/v1")
+        decided: dict[str, tuple[float, float]] = {}
+        stop = asyncio.Event()
+        # Enough of the log's last entries to span two polls at this rate; at most what it keeps.
+        poller = asyncio.create_task(poll_decisions(url, min(256, int(2 * rate * DECISIONS_POLL_S) + 16), decided, stop))
+        try:
+            sent = await send_all(url, setup, work, rate)
+        finally:
+            stop.set()
+            await poller
+    finally:
+        if gw is not None:
+            procs.stop(gw, grace_s=60)  # it stops its engines first (vLLM's take a while)
+        procs.stop_all()
+    seen: dict[str, Seen] = {}
+    for rid, (ttft, _, tpot, prompt_tokens, _) in access_records(gw.log.read_text(errors="replace")).items():
+        pred_tpot, at = decided.get(rid, (math.nan, math.nan))
+        seen[rid] = (ttft, pred_tpot, tpot, prompt_tokens, at)
+    return sent, seen
+
+
+RUNNERS: dict[str, Callable[..., Awaitable[tuple[list[Sent | None], dict[str, Seen]]]]] = {
+    "process": run_process, "embedded": run_embedded}
 
 
 def errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
@@ -181,35 +342,127 @@ def errors(predicted: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return 100 * np.abs(predicted[ok] - observed[ok]) / observed[ok]
 
 
-def summary(model: str, got: np.ndarray, sent: int) -> str:
+def _q(e: np.ndarray, pct: float) -> float:
+    return float(np.percentile(e, pct)) if len(e) else math.nan
+
+
+def summary(mode: str, model: str, got: np.ndarray, sent: int, load: tuple[float, float]) -> str:
     half = got[len(got) // 2:]
     e, g, t = errors(half[:, P_TTFT], half[:, C_TTFT]), errors(half[:, P_TTFT], half[:, G_TTFT]), \
         errors(half[:, P_TPOT], half[:, G_TPOT])
     med: Callable[[int], float] = lambda col: 1000 * float(np.nanmedian(half[:, col]))
-    return (f"| {model} | {len(half)} | {np.median(e):.0f}% | {np.percentile(e, 90):.0f}% | {med(P_TTFT):.0f} "
-            f"| {med(C_TTFT):.0f} | {np.median(g):.0f}% | {np.percentile(g, 90):.0f}% | {med(G_TTFT):.0f} "
-            f"| {np.median(t):.0f}% | {np.percentile(t, 90):.0f}% | {med(P_TPOT):.1f} | {med(G_TPOT):.1f} | {sent - len(got)} |")
+    gap = 1000 * float(np.nanmedian(half[:, C_TTFT] - half[:, G_TTFT]))
+    unseen = int(np.sum(~np.isfinite(half[:, G_TTFT]) | ~np.isfinite(half[:, P_TPOT])))
+    return (f"| {mode} | {model} | {len(half)} | {_q(e, 50):.0f}% | {_q(e, 90):.0f}% | {med(P_TTFT):.0f} "
+            f"| {med(C_TTFT):.0f} | {_q(g, 50):.0f}% | {_q(g, 90):.0f}% | {med(G_TTFT):.0f} | {gap:.1f} "
+            f"| {_q(t, 50):.0f}% | {_q(t, 90):.0f}% | {med(P_TPOT):.1f} | {med(G_TPOT):.1f} | {sent - len(got)} "
+            f"| {unseen} | {load[0]:.1f} -> {load[1]:.1f} |")
+
+
+SUMMARY_HEADER = (
+    "| gateway | model | requests (second half) | TTFT median err | TTFT P90 err | median predicted ms "
+    "| median observed ms | vs gateway's TTFT: median err | P90 err | gateway's median ms "
+    "| client - gateway median ms | TPOT median err | TPOT P90 err | median predicted TPOT ms "
+    "| median observed TPOT ms | not answered | no gateway record | load (1 min) before -> after |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+
+
+def bias(mode: str, model: str, got: np.ndarray) -> str:
+    """Is the second half's error against the gateway's TTFT a bias? The median ratio of
+    predicted to observed, their correlation, what is left after the best constant shift (the
+    median of observed - predicted) and the best constant scale (the median ratio), the ratio
+    for the shorter and the longer half of the prompts (a fixed cost the prediction leaves out
+    shows as a higher ratio for long prompts than for short ones), and the error against the
+    client's TTFT from the decision on (the span the prediction is of), with the time before it."""
+    half = got[len(got) // 2:]
+    ok = np.isfinite(half[:, P_TTFT]) & np.isfinite(half[:, G_TTFT]) & (half[:, G_TTFT] > 0)
+    h = half[ok]
+    p, o = h[:, P_TTFT], h[:, G_TTFT]
+    if len(p) < 4:
+        return f"| {mode} | {model} | too few rows |"
+    ratio = float(np.median(p / o))
+    shift = float(np.median(o - p))
+    e_shift, e_scale = errors(p + shift, o), errors(p / ratio, o)
+    corr = float(np.corrcoef(p, o)[0, 1])
+    long = h[:, PROMPT] > np.median(h[:, PROMPT])
+    short_ratio, long_ratio = (float(np.median(p[m] / o[m])) if m.any() else math.nan for m in (~long, long))
+    after = errors(p, h[:, C_TTFT] - h[:, PRE])
+    pre = 1000 * float(np.nanmedian(h[:, PRE]))
+    return (f"| {mode} | {model} | {ratio:.2f} | {corr:.2f} | {1000 * shift:+.1f} | {_q(e_shift, 50):.0f}% "
+            f"| {_q(e_shift, 90):.0f}% | {_q(e_scale, 50):.0f}% | {_q(e_scale, 90):.0f}% | {short_ratio:.2f} "
+            f"| {long_ratio:.2f} | {pre:.1f} | {_q(after, 50):.0f}% | {_q(after, 90):.0f}% |")
+
+
+BIAS_HEADER = (
+    "| gateway | model | median predicted / gateway's TTFT | correlation | best shift ms | after shift: median err "
+    "| P90 | after scale: median err | P90 | ratio, shorter half of prompts | longer half "
+    "| send to decision median ms | vs client's TTFT from the decision: median err | P90 |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def by_length(mode: str, model: str, got: np.ndarray, parts: int = 5) -> list[str]:
+    """The second half's median predicted and gateway TTFT per prompt-length quantile: the
+    prediction's shape against the prompt (a step floor it has too high, a per-token cost too low)."""
+    half = got[len(got) // 2:]
+    h = half[np.isfinite(half[:, G_TTFT]) & np.isfinite(half[:, P_TTFT])]
+    if len(h) < parts:
+        return []
+    edges = np.quantile(h[:, PROMPT], np.linspace(0, 1, parts + 1))
+    which = np.clip(np.searchsorted(edges, h[:, PROMPT], side="right") - 1, 0, parts - 1)
+    lines = []
+    for b in range(parts):
+        r = h[which == b]
+        if len(r) == 0:
+            continue
+        pm, om = 1000 * np.median(r[:, P_TTFT]), 1000 * np.median(r[:, G_TTFT])
+        lines.append(f"| {mode} | {model} | {edges[b]:.0f}-{edges[b + 1]:.0f} | {len(r)} | {pm:.1f} | {om:.1f} "
+                     f"| {np.median(r[:, P_TTFT] / r[:, G_TTFT]):.2f} | {_q(errors(r[:, P_TTFT], r[:, G_TTFT]), 50):.0f}% |")
+    return lines
+
+
+LENGTH_HEADER = ("| gateway | model | prompt tokens | requests | median predicted ms | median gateway's TTFT ms "
+                 "| median ratio | median err |\n|---|---|---|---:|---:|---:|---:|---:|")
+
+
+def provenance(argv: Sequence[str]) -> str:
+    """What a doc needs beside the figures: the command, the commit, the inputs' checksums, the machine."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
+    dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    sha = hashlib.sha256(TRACE.read_bytes()).hexdigest()
+    return (f"command: python bench/latency_live.py {shlex.join(argv)}\n"
+            f"commit: {git('rev-parse', '--short', 'HEAD')}{dirty}; at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n"
+            f"trace: {TRACE.relative_to(REPO)} sha256 {sha}; {os.cpu_count()} CPUs; "
+            f"load average (1/5/15 min) {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     p.add_argument("--requests", type=int, default=1200)
     p.add_argument("--rate", type=float, default=40.0)
     p.add_argument("--models", default="prior,learned")
+    p.add_argument("--gateway", default="process",
+                   help=f"where the gateway runs: {' or '.join(MODES)}, or several, comma-separated, run "
+                        "interleaved (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the prompts' text (the same for every run of one seed)")
     p.add_argument("--prompt-min", type=int, default=None, help="clip prompts from below (tokens; default: the engine's)")
     p.add_argument("--prompt-max", type=int, default=None, help="... from above")
     p.add_argument("--instances", type=int, default=1, help="vLLM engines (--engine vllm)")
     p.add_argument("--model-dir", type=Path, default=Path("~/.cache/tokenfleet/tiny-llama").expanduser(),
                    help="the tiny model (--engine vllm; made there if missing)")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/tokenfleet-latency-live"),
-                   help="the vLLM engines' logs (--engine vllm)")
+                   help="the vLLM engines' logs (--engine vllm), and the gateway processes' (a run's own folder)")
     p.add_argument("--save", default=None,
-                   help="write each model's rows (predicted, client, gateway TTFT s; the same for TPOT; "
-                        "prompt tokens) to SAVE.MODEL.npy")
+                   help="write each run's rows (predicted, client, gateway TTFT s; the same for TPOT; "
+                        "prompt tokens) to SAVE.MODE.MODEL.npy")
     a = p.parse_args(argv)
+    modes = a.gateway.split(",")
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--gateway: {a.gateway!r}: each of {', '.join(MODES)}")
+    a.log_dir.mkdir(parents=True, exist_ok=True)
     if a.engine == "vllm":
-        a.log_dir.mkdir(parents=True, exist_ok=True)
         setup = vllm_setup(a.model_dir, VLLM_VENV / "bin" / "python", a.instances, a.log_dir)
         print(f"vLLM on CPU, {a.instances} instance(s); prompt text: {setup.tokens_per_word:.2f} tokens a word")
     else:
@@ -217,16 +470,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.prompt_min is not None or a.prompt_max is not None:
         lo, hi = setup.prompt_range
         setup = replace(setup, prompt_range=(a.prompt_min or lo, a.prompt_max or hi))
-    print("| model | requests (second half) | TTFT median err | TTFT P90 err | median predicted ms "
-          "| median observed ms | vs gateway's TTFT: median err | P90 err | gateway's median ms "
-          "| TPOT median err | TPOT P90 err | median predicted TPOT ms | median observed TPOT ms | not answered |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(provenance(argv), flush=True)
+    work = prompts(setup, a.requests, a.seed)
+    runs = tempfile.mkdtemp(prefix="run-", dir=a.log_dir)
+    print(f"gateway logs: {runs}")
+    results = []
     for model in a.models.split(","):
-        rows, sent = asyncio.run(run(setup, model, a.requests, a.rate))
-        got = np.array(rows)
-        if a.save:
-            np.save(f"{a.save}.{model}.npy", got)
-        print(summary(model, got, sent), flush=True)
+        for mode in modes:
+            before = os.getloadavg()[0]
+            workdir = Path(runs) / f"{mode}-{model}"
+            workdir.mkdir()
+            sent, seen = asyncio.run(RUNNERS[mode](setup, model, work, a.rate, workdir))
+            got = np.array(joined(sent, seen), dtype=float).reshape(-1, PRE + 1)
+            if a.save:
+                np.save(f"{a.save}.{mode}.{model}.npy", got)
+            results.append((mode, model, got, len(sent), (before, os.getloadavg()[0])))
+            print(f"done: {mode} {model}, {len(got)} of {len(sent)} answered, load {results[-1][4][1]:.2f}", flush=True)
+    print(SUMMARY_HEADER)
+    for mode, model, got, sent_n, load in results:
+        print(summary(mode, model, got, sent_n, load))
+    print()
+    print(BIAS_HEADER)
+    for mode, model, got, _, _ in results:
+        print(bias(mode, model, got))
+    print()
+    print(LENGTH_HEADER)
+    for mode, model, got, _, _ in results:
+        print("\n".join(by_length(mode, model, got)))
+    print(f"load average after (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

@@ -317,15 +317,26 @@ async def start_gateway(procs: Processes, shape: FleetShape, urls: Sequence[str]
     """Our gateway over `urls`; `stack` forces uvicorn's HTTP parser/event loop (see
     GATEWAY_SHIM). proc.extra["stack"] is the stack it really runs, e.g. 'httptools+uvloop'.
     `tree`: run the gateway code of that source tree (another commit's, `--baseline-ref`)."""
+    return await start_gateway_fleet(procs, gateway_fleet(shape, urls), len(urls), router, name, stack, tree)
+
+
+async def start_gateway_fleet(procs: Processes, fleet: dict[str, Any], instances: int, router: str,
+                              name: str = "gateway", stack: str = "auto", tree: Path | None = None,
+                              args: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S) -> Proc:
+    """`tokenfleet up` over the fleet file `fleet` (written to the work dir), ready once its
+    /health counts `instances` ready instances; `args` go to `up` as well (e.g. `--log-level
+    info`: its access log lands in proc.log). The engines a fleet file launches (`adapter: sim`,
+    `vllm`) are the gateway's children: stop it with a grace that lets it stop them."""
     http, loop = parse_stack(stack)
     path = procs.workdir / f"{name}-fleet.yaml"
-    path.write_text(yaml.safe_dump(gateway_fleet(shape, urls), sort_keys=False))
+    path.write_text(yaml.safe_dump(fleet, sort_keys=False))
     env = {"PYTHONPATH": str(tree)} if tree is not None else None
     proc = procs.spawn(name, [PY, "-c", GATEWAY_SHIM, http, loop, "up", "--fleet", str(path), "--port", "0",
-                              "--router", router], env=env, cwd=tree or REPO)
-    m = await _wait_for_log(proc, r"gateway\s+(http://\S+)")
+                              "--router", router, *args], env=env, cwd=tree or REPO)
+    m = await _wait_for_log(proc, r"gateway\s+(http://\S+)", timeout_s)
     proc.url = m.group(1)
-    await _wait_http(proc.url.removesuffix("/v1") + "/health", lambda j: j.get("ready_instances") == len(urls))
+    await _wait_http(proc.url.removesuffix("/v1") + "/health", lambda j: j.get("ready_instances") == instances,
+                     timeout_s)
     proc.extra["stack"] = (await _wait_for_log(proc, r"^gateway-stack (\S+)$")).group(1)
     want = [w for w in (http, loop) if w != "auto"]
     if not set(want) <= set(proc.extra["stack"].split("+")):

@@ -341,6 +341,11 @@ class GatewaySettings(_Strict):
                                      "holds it, and a second thread only contends with the event loop)")
     tokenize_queue: int = Field(default=256, ge=1, description="prompts waiting for a tokenizer thread; more: 503")
     tokenize_timeout_s: float = Field(default=5.0, gt=0)
+    # --- routing ---
+    learned_latency: bool = Field(
+        default=True, description="fit the router's learned latency model in the background (TokenPilot, "
+                                  "gateway.router_refit); false: never fitted, its predictions stay the "
+                                  "prior with its online speed factors (bench/latency_live.py's `prior`)")
     # --- shared state ---
     store_timeout_s: float = Field(default=1.0, gt=0, description="one policy-store (Redis) operation")
     state_dir: str | None = Field(

@@ -197,8 +197,9 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
             if placement is not None:
                 placement.start()
             dash_sampler.start()
-            await refit.prepare()  # (before the freeze below: what it imports lives as long)
-            refit.start()
+            if config.gateway.learned_latency:  # off: the router's prior only, nothing fitted
+                await refit.prepare()  # (before the freeze below: what it imports lives as long)
+                refit.start()
             # Everything built so far (config, tokenizers, indexes, the app) lives as long as the
             # process: moved out of the collector's reach, a full collection scans only what
             # requests allocate (its pause drops from ~100 ms to ~10 ms; bench/README.md, "Soak").

@@ -95,3 +95,29 @@ async def test_gateway_start_up_prepares_the_refit_before_serving(
     assert router.prepared_on == []
     async with serve_app(app):  # the lifespan has run when it serves
         assert len(router.prepared_on) == 1 and router.prepared_on[0] != threading.get_ident()
+
+
+async def test_fleet_file_can_turn_the_learned_model_off(
+        fake_adapter: Any, instance_factory: Any, config_factory: Any, refused_url: str) -> None:
+    """`gateway.learned_latency: false` (bench/latency_live.py's `prior` in a gateway of its own):
+    the refit is neither prepared nor started, so the router keeps its prior; the default does both."""
+    def tasks() -> list[str]:
+        return [t.get_name() for t in asyncio.all_tasks()]
+
+    for learned in (True, False):
+        config = config_factory()
+        config = config.model_copy(update={"gateway": config.gateway.model_copy(update={"learned_latency": learned})})
+        router = _Recording()
+        app = create_app(config, [fake_adapter([instance_factory("i0", refused_url)])], router=router)
+        async with serve_app(app):
+            assert ("router-refit" in tasks()) is learned
+            assert len(router.prepared_on) == int(learned)
+        assert "router-refit" not in tasks()
+
+
+def test_learned_latency_is_on_unless_the_fleet_file_says_off(config_factory: Any) -> None:
+    from fleetcore.fleet_config import parse_fleet
+
+    raw = config_factory().model_dump(mode="json", exclude_defaults=True)
+    assert parse_fleet(raw).gateway.learned_latency is True
+    assert parse_fleet({**raw, "gateway": {"learned_latency": False}}).gateway.learned_latency is False
