@@ -223,7 +223,9 @@ class DisconnectWatch:
             if asyncio.iscoroutine(aw):
                 aw.close()
             raise ClientGone()
-        task = asyncio.current_task()
+        # The loop given: CPython 3.11's current_task() without one looks it up with a getpid()
+        # system call each time (get_running_loop's fork check), 3-4 races a request.
+        task = asyncio.current_task(self._loop)
         if task is None or task in self._waiting:  # nested: the outer race covers it
             return await aw
         self._waiting.add(task)
