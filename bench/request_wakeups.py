@@ -20,8 +20,11 @@ round of `--requests` requests at `--rate`, it reads, per request:
 - with `--stamps`: afterwards one more round per gateway with a bench-only hook (module patches in
   the gateway's start-up shim, nothing in the gateway's code) that stamps each request's
   arrival (first bytes read) -> request complete (parsed by the HTTP parser) -> handler entered
-  -> admitted -> routed -> upstream written -> upstream head -> first upstream body byte ->
-  first bytes written to the client; the medians of each step, against the direct path's TTFT.
+  -> admitted -> routed -> upstream write called -> returned -> first upstream bytes -> upstream
+  head -> first body bytes -> first event read (prefetch) -> response object called -> client
+  write called -> returned; the medians of each step, against the direct path's TTFT. A write's
+  step is wall time: on loopback the woken peer (worker, client) often runs on the writer's core
+  before the write returns (the gateway's involuntary switches).
 
 Only requests that ran alone are kept by `--stamps` (at 200 req/s, 5 ms apart, nearly all).
 `--baseline-ref REF` also starts the gateway of git commit REF (`git archive`, this venv), rounds
@@ -151,6 +154,17 @@ def _stamp_patches():
         _st("upstream_body")
         return ob(self, body)
     U._Connection.on_body = _ob
+    prefetch = R.RelayStream.prefetch
+    async def _prefetch(self):
+        r = await prefetch(self)
+        _st("prefetched")
+        return r
+    R.RelayStream.prefetch = _prefetch
+    rcall = R.RelayStreamingResponse.__call__
+    async def _rcall(self, scope, receive, send):
+        _st("response_called")
+        return await rcall(self, scope, receive, send)
+    R.RelayStreamingResponse.__call__ = _rcall
     hw = H.HeadHold.write
     def _hw(self, data):
         if self._held is not None and "upstream_body" in _cur:
@@ -173,7 +187,8 @@ _sig.signal(_sig.SIGUSR2, _dump_stamps)
 """
 
 STEPS = ("arrived", "parsed", "handler", "admitted", "routed", "upstream_send", "upstream_written",
-         "upstream_first_bytes", "upstream_head", "upstream_body", "client_write_call", "client_first_write")
+         "upstream_first_bytes", "upstream_head", "upstream_body", "prefetched", "response_called",
+         "client_write_call", "client_first_write")
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
