@@ -17,12 +17,13 @@ round of `--requests` requests at `--rate`, it reads, per request:
   by callback, and `call_soon_threadsafe` (a thread handing a result back: a wakeup of the loop);
 - with `--strace`: afterwards one more round per gateway under `strace -f -c` (all threads),
   system calls by kind per request (strace slows the process: the counts, not the times);
-- with `--stamps`: afterwards one more round per gateway with a bench-only hook (module patches in
-  the gateway's start-up shim, nothing in the gateway's code) that stamps each request's
+- with `--stamps`: in every round, a bench-only hook (module patches in the gateway's start-up
+  shim, nothing in the gateway's code; its calls are in the round's CPU) that stamps each request's
   arrival (first bytes read) -> request complete (parsed by the HTTP parser) -> handler entered
   -> admitted -> routed -> upstream write called -> returned -> first upstream bytes -> upstream
   head -> first body bytes -> first event read (prefetch) -> response object called -> client
-  write called -> returned; the medians of each step, against the direct path's TTFT. A write's
+  write called -> returned; per step the median over rounds of its per-round median, and the
+  direct path's TTFT (one round of its own after the others). A write's
   step is wall time: on loopback the woken peer (worker, client) often runs on the writer's core
   before the write returns (the gateway's involuntary switches).
 
@@ -279,8 +280,10 @@ async def start(procs: peers.Processes, shape: peers.FleetShape, url: str, route
     return Gateway(label, proc, counts, stamp_file)
 
 
-async def measure_round(gw: Gateway, worker: peers.Proc, wl: Any, session: Any) -> dict[str, Any]:
+async def measure_round(gw: Gateway, worker: peers.Proc, wl: Any, session: Any, stamps: bool) -> dict[str, Any]:
     n = len(wl.requests)
+    if stamps:
+        await _signal_and_read(gw.pid, signal.SIGUSR2, gw.stamps)  # forget what came before the round
     c0 = await gw.read_counts()
     t0, w0 = _thread_stats(gw.pid), _thread_stats(worker.popen.pid)
     busy0, wall0 = peers._system_busy_s(), time.monotonic()
@@ -289,6 +292,7 @@ async def measure_round(gw: Gateway, worker: peers.Proc, wl: Any, session: Any) 
     t1, w1 = _thread_stats(gw.pid), _thread_stats(worker.popen.pid)
     busy, wall = peers._system_busy_s() - busy0, time.monotonic() - wall0
     c1 = await gw.read_counts()
+    steps = stamp_steps(await _signal_and_read(gw.pid, signal.SIGUSR2, gw.stamps)) if stamps else None
     threads = thread_deltas(t0, t1, c1["threads"], gw.pid, n)
     ok = sum(1 for r in run.records if r.status == "completed")
     if ok < n:
@@ -302,7 +306,7 @@ async def measure_round(gw: Gateway, worker: peers.Proc, wl: Any, session: Any) 
             "soon": counter_deltas(c0["soon"], c1["soon"], n),
             "armed": counter_deltas(c0["armed"], c1["armed"], n),
             "fired": counter_deltas(c0["fired"], c1["fired"], n),
-            "machine_busy_cores": busy / wall, "load_avg_1m": os.getloadavg()[0]}
+            "stamps": steps, "machine_busy_cores": busy / wall, "load_avg_1m": os.getloadavg()[0]}
 
 
 def _med(rounds: list[dict[str, Any]], get: Any) -> float:
@@ -314,6 +318,13 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"cpu_us_per_req": _med(rounds, lambda r: r["cpu_us_per_req"]),
                            "switches_per_req": _med(rounds, lambda r: r["switches_per_req"]),
                            "cpu_us_per_req_rounds": [round(r["cpu_us_per_req"], 1) for r in rounds]}
+    if rounds[0].get("stamps") is not None:
+        steps = list(rounds[0]["stamps"]["steps_us_p50"])
+        out["stamps_us_p50"] = {k: _med(rounds, lambda r, k=k: r["stamps"]["steps_us_p50"][k]) for k in steps}
+        out["stamps_us_p50"]["arrived -> client_first_write"] = _med(
+            rounds, lambda r: r["stamps"]["arrived_to_first_write_us_p50"])
+        out["stamps_kept"] = sum(r["stamps"]["complete"] for r in rounds)
+        out["stamps_records"] = sum(r["stamps"]["records"] for r in rounds)
     for part in ("threads", "worker"):
         names = sorted({k for r in rounds for k in r[part]})
         out[part] = {k: {f: _med(rounds, lambda r, k=k, f=f: r[part].get(k, {}).get(f, 0.0))
@@ -374,11 +385,8 @@ async def strace_round(gw: Gateway, wl: Any, session: Any, tmp: Path) -> dict[st
     return {k: v / n for k, v in sorted(calls.items(), key=lambda kv: -kv[1])}
 
 
-async def stamps_round(gw: Gateway, wl: Any, session: Any) -> dict[str, Any]:
-    await _signal_and_read(gw.pid, signal.SIGUSR2, gw.stamps)  # forget the warm-up's
-    await replay(wl, Target(gw.proc.url.removesuffix("/v1"), peers.MODEL, peers.API_KEY), session=session,
-                 timeout_s=30)
-    recs = await _signal_and_read(gw.pid, signal.SIGUSR2, gw.stamps)
+def stamp_steps(recs: list[dict[str, int]]) -> dict[str, Any]:
+    """One round's stamped requests: the median of each step (us) over the requests that ran alone."""
     full = [r for r in recs if all(s in r for s in STEPS) and "overlap" not in r]
     steps: dict[str, float] = {}
     prev = "arrived"
@@ -403,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-ref", metavar="REF", help="also the gateway at git commit REF, rounds interleaved")
     p.add_argument("--router", default="tokenpilot")
     p.add_argument("--strace", action="store_true", help="then a round per gateway under strace -f -c")
-    p.add_argument("--stamps", action="store_true", help="then a round per gateway with per-step stamps")
+    p.add_argument("--stamps", action="store_true", help="per-step stamps of every request in every round")
     p.add_argument("--max-busy", type=float, default=1.5,
                    help="start a round once the machine is below this many busy cores (waits <= 60 s)")
     p.add_argument("--top", type=int, default=25, help="callbacks listed per kind (default 25)")
@@ -436,7 +444,7 @@ async def amain(args: argparse.Namespace) -> int:
                 for r in range(args.rounds):
                     for g in (gws if r % 2 == 0 else list(reversed(gws))):
                         await peers.wait_quiet(args.max_busy, 60.0)
-                        m = await measure_round(g, worker, wl, session)
+                        m = await measure_round(g, worker, wl, session, args.stamps)
                         per[g.label].append(m)
                         print(f"round {r + 1} {g.label:<24} {m['ok']}/{m['requests']} ok  cpu {m['cpu_us_per_req']:.0f} "
                               f"us/req  switches {m['switches_per_req']:.2f}/req  timers armed "
@@ -461,17 +469,15 @@ async def amain(args: argparse.Namespace) -> int:
                                                         for g in gws))
                     print()
                 if args.stamps:
-                    report["stamps"] = {g.label: await stamps_round(g, wl, session) for g in gws}
+                    res = report["results"]
                     report["direct_ttft_ms_p50"] = d = await direct_ttft(worker, wl, session)
-                    print(f"{'step (us, p50 of requests alone)':<48}" + "".join(f"{g.label:>16}" for g in gws))
-                    for k in report["stamps"][gws[0].label]["steps_us_p50"]:
-                        print(f"  {k:<46}" + "".join(f"{report['stamps'][g.label]['steps_us_p50'][k]:>16.1f}"
-                                                      for g in gws))
-                    print(f"  {'arrived -> client_first_write':<46}" + "".join(
-                        f"{report['stamps'][g.label]['arrived_to_first_write_us_p50']:>16.1f}" for g in gws))
-                    print(f"  direct path TTFT p50 (client side) {d:.3f} ms; records kept "
-                          + ", ".join(f"{g.label} {report['stamps'][g.label]['complete']}/"
-                                      f"{report['stamps'][g.label]['records']}" for g in gws))
+                    print(f"{'step (us: median over rounds of the p50 of requests alone)':<60}"
+                          + "".join(f"{g.label:>16}" for g in gws))
+                    for k in res[gws[0].label]["stamps_us_p50"]:
+                        print(f"  {k:<58}" + "".join(f"{res[g.label]['stamps_us_p50'][k]:>16.1f}" for g in gws))
+                    print(f"  direct path TTFT p50 (client side, one round after) {d:.3f} ms; requests kept "
+                          + ", ".join(f"{g.label} {res[g.label]['stamps_kept']}/{res[g.label]['stamps_records']}"
+                                      for g in gws))
         finally:
             procs.stop_all()
     if args.json:
