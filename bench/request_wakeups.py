@@ -19,8 +19,9 @@ round of `--requests` requests at `--rate`, it reads, per request:
   system calls by kind per request (strace slows the process: the counts, not the times);
 - with `--stamps`: in every round, a bench-only hook (module patches in the gateway's start-up
   shim, nothing in the gateway's code; its calls are in the round's CPU) that stamps each request's
-  arrival (first bytes read) -> request complete (parsed by the HTTP parser) -> handler entered
-  -> admitted -> routed -> upstream write called -> returned -> first upstream bytes -> upstream
+  arrival (first bytes read) -> request complete (parsed by the HTTP parser) -> the endpoint
+  entered (`serve_endpoint`: uvicorn's task, the fast path) -> body parsed and tokenized -> relay
+  entered -> admitted -> routed -> upstream write called -> returned -> first upstream bytes -> upstream
   head -> first body bytes -> first event read (prefetch) -> response object called -> client
   write called -> returned; per step the median over rounds of its per-round median, and the
   direct path's TTFT (one round of its own after the others). A write's
@@ -101,16 +102,36 @@ _sig.signal(_sig.SIGUSR1, _dump)
 # patched onto the classes the gateway uses (the listener's protocol, the relay, the upstream
 # client, the head hold); SIGUSR2 writes the finished records to $WAKE_STAMPS_OUT.
 STAMPS_PRELUDE = r"""
-import time as _t
+import inspect as _insp, time as _t
 _cur, _recs = {}, []
 def _st(step):
     if "arrived" in _cur and step not in _cur:
         _cur[step] = _t.perf_counter_ns()
+def _wrap(owner, attr, before=None, after=None):
+    # owner.attr stamped `before` it runs and `after` it returns (a coroutine function: awaited)
+    f = getattr(owner, attr)
+    if _insp.iscoroutinefunction(f):
+        async def w(*a, **k):
+            if before:
+                _st(before)
+            r = await f(*a, **k)
+            if after:
+                _st(after)
+            return r
+    else:
+        def w(*a, **k):
+            if before:
+                _st(before)
+            r = f(*a, **k)
+            if after:
+                _st(after)
+            return r
+    setattr(owner, attr, w)
 def _stamp_patches():
     import gateway.listener as L, gateway.relay as R, gateway.upstream_http as U, gateway.head_hold as H
-    import gateway.admission as A
+    import gateway.app as APP
     P = L.GuardedHttpToolsProtocol
-    dr, omc = P.data_received, P.on_message_complete
+    dr = P.data_received
     def data_received(self, data):
         if getattr(self, "_listener", None) is not None and self._listener.limits.name == "public":
             if not _cur:
@@ -118,54 +139,18 @@ def _stamp_patches():
             elif _cur["conn"] != id(self):
                 _cur["overlap"] = 1  # another request while this one is in flight: not kept
         return dr(self, data)
-    def on_message_complete(self):
-        _st("parsed")
-        return omc(self)
-    P.data_received, P.on_message_complete = data_received, on_message_complete
-    handle = R.Relay.handle
-    async def _handle(self, request, parsed, path):
-        _st("handler")
-        return await handle(self, request, parsed, path)
-    R.Relay.handle = _handle
-    choose = R.Relay.choose
-    def _choose(self, *a, **k):
-        _st("admitted")
-        try:
-            return choose(self, *a, **k)
-        finally:
-            _st("routed")
-    R.Relay.choose = _choose
-    send = U._Connection.send
-    def _send(self, head, body):
-        _st("upstream_send")
-        r = send(self, head, body)
-        _st("upstream_written")
-        return r
-    U._Connection.send = _send
-    udr, ohc = U._Connection.data_received, U._Connection.on_headers_complete
-    def _udr(self, data):
-        _st("upstream_first_bytes")
-        return udr(self, data)
-    def _ohc(self):
-        _st("upstream_head")
-        return ohc(self)
-    U._Connection.data_received, U._Connection.on_headers_complete = _udr, _ohc
-    ob = U._Connection.on_body
-    def _ob(self, body):
-        _st("upstream_body")
-        return ob(self, body)
-    U._Connection.on_body = _ob
-    prefetch = R.RelayStream.prefetch
-    async def _prefetch(self):
-        r = await prefetch(self)
-        _st("prefetched")
-        return r
-    R.RelayStream.prefetch = _prefetch
-    rcall = R.RelayStreamingResponse.__call__
-    async def _rcall(self, scope, receive, send):
-        _st("response_called")
-        return await rcall(self, scope, receive, send)
-    R.RelayStreamingResponse.__call__ = _rcall
+    P.data_received = data_received
+    _wrap(P, "on_message_complete", before="parsed")
+    _wrap(APP, "serve_endpoint", before="endpoint")  # looked up in gateway.app's globals at each request
+    _wrap(APP, "parse_off_loop", after="body_parsed")
+    _wrap(R.Relay, "handle", before="handler")
+    _wrap(R.Relay, "choose", before="admitted", after="routed")
+    _wrap(U._Connection, "send", before="upstream_send", after="upstream_written")
+    _wrap(U._Connection, "data_received", before="upstream_first_bytes")
+    _wrap(U._Connection, "on_headers_complete", before="upstream_head")  # httptools binds callbacks per parser
+    _wrap(U._Connection, "on_body", before="upstream_body")
+    _wrap(R.RelayStream, "prefetch", after="prefetched")
+    _wrap(R.RelayStreamingResponse, "__call__", before="response_called")
     hw = H.HeadHold.write
     def _hw(self, data):
         if self._held is not None and "upstream_body" in _cur:
@@ -187,7 +172,8 @@ def _dump_stamps(*_a):
 _sig.signal(_sig.SIGUSR2, _dump_stamps)
 """
 
-STEPS = ("arrived", "parsed", "handler", "admitted", "routed", "upstream_send", "upstream_written",
+STEPS = ("arrived", "parsed", "endpoint", "body_parsed", "handler", "admitted", "routed", "upstream_send",
+         "upstream_written",
          "upstream_first_bytes", "upstream_head", "upstream_body", "prefetched", "response_called",
          "client_write_call", "client_first_write")
 
