@@ -99,7 +99,7 @@ class UpstreamWatch:
             if asyncio.iscoroutine(aw):
                 aw.close()
             raise self._interrupt
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)  # the loop given: no getpid() (gateway.relay.DisconnectWatch.race)
         assert task is not None
         self._task = task
         self._cancelling = task.cancelling()
