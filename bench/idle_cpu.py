@@ -77,17 +77,21 @@ class Sample:
     threads: int
 
 
-def _run_ns(task: Path) -> int:
-    """Nanoseconds a thread has run on a CPU (`schedstat`): finer than `stat`'s 10 ms ticks."""
+def run_ns(task: Path) -> int:
+    """Nanoseconds a thread (`/proc/PID/task/TID`) has run on a CPU (`schedstat`): finer than
+    `stat`'s 10 ms ticks. Also read by bench/request_wakeups.py."""
     return int((task / "schedstat").read_text().split()[0])
 
 
-def _switches(task: Path) -> int:
-    n = 0
+def ctx_switches(task: Path) -> tuple[int, int]:
+    """A thread's (voluntary, involuntary) context switches (`status`)."""
+    vol = invol = 0
     for line in (task / "status").read_text().splitlines():
-        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-            n += int(line.split()[1])
-    return n
+        if line.startswith("voluntary_ctxt_switches"):
+            vol = int(line.split()[1])
+        elif line.startswith("nonvoluntary_ctxt_switches"):
+            invol = int(line.split()[1])
+    return vol, invol
 
 
 def sample(pid: int) -> Sample:
@@ -97,7 +101,7 @@ def sample(pid: int) -> Sample:
     wake, main_wake, cpu_ns, main_ns, threads = 0, 0, 0, 0, 0
     for t in Path(f"/proc/{pid}/task").iterdir():
         try:
-            n, ns = _switches(t), _run_ns(t)
+            n, ns = sum(ctx_switches(t)), run_ns(t)
         except (OSError, ValueError, IndexError):
             continue  # ended between listing and reading
         threads += 1

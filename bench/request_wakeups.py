@@ -54,6 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (bench/ is not a package: the same worker, gateway and load as the overhead runs)
+from idle_cpu import ctx_switches, run_ns  # noqa: E402  (one reader of a thread's /proc figures)
 from fleetsim.live import Target, new_session, replay  # noqa: E402
 
 # Prepended to peers.GATEWAY_SHIM: uvloop's loop with counted callbacks; SIGUSR1 writes the counts
@@ -187,15 +188,10 @@ def _thread_stats(pid: int) -> dict[int, tuple[int, int, int, float]]:
     out: dict[int, tuple[int, int, int, float]] = {}
     for t in Path(f"/proc/{pid}/task").iterdir():
         try:
-            ns = int((t / "schedstat").read_text().split()[0])
+            ns = run_ns(t)
             stat = (t / "stat").read_text().rpartition(")")[2].split()
             stime = int(stat[12]) * _TICK_S  # field 15 of stat, counted after the ")" of the name
-            vol = invol = 0
-            for line in (t / "status").read_text().splitlines():
-                if line.startswith("voluntary_ctxt_switches"):
-                    vol = int(line.split()[1])
-                elif line.startswith("nonvoluntary_ctxt_switches"):
-                    invol = int(line.split()[1])
+            vol, invol = ctx_switches(t)
         except (OSError, ValueError, IndexError):
             continue  # ended between listing and reading
         out[int(t.name)] = (ns, vol, invol, stime)
