@@ -499,3 +499,26 @@ async def test_a_refused_connection_sends_its_fin_and_waits_for_the_client_befor
     no_eof = _RefusedTransport(can_eof=False)
     _Proto()._close_refused(no_eof)  # type: ignore[arg-type]
     assert no_eof.events == ["close"] and lst._Lingering.count == before
+
+
+def test_client_key_skips_the_address_parse_only_where_it_would_give_the_host() -> None:
+    """A host without a colon is not IPv6, so `client_key` returns it unparsed: the same key as
+    the ipaddress reading gives for IPv4, a malformed address, a name or a socket path."""
+    import ipaddress
+
+    def reference(host: str) -> str:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host
+        if isinstance(ip, ipaddress.IPv6Address):
+            if ip.ipv4_mapped is not None:
+                return str(ip.ipv4_mapped)
+            return str(ipaddress.IPv6Network((ip, 64), strict=False))
+        return host
+
+    hosts = ["127.0.0.1", "10.1.2.3", "255.255.255.255", "0.0.0.0", "1.2.3", "01.2.3.4", "1.2.3.4.5", "300.1.1.1",
+             "", "testclient", "/run/tokenfleet.sock", "::1", "::ffff:10.0.0.7", "2001:db8::1", "fe80::1%eth0",
+             "2001:db8:1:2:3:4:5:6", ":::", "1.2.3.4:80", "[::1]"]
+    for host in hosts:
+        assert client_key(host) == reference(host), host
