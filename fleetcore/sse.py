@@ -136,16 +136,18 @@ def plain_token_text(raw: bytes) -> str | None:
     quote."""
     if not (raw.startswith(b"data: {") and raw.endswith(b"}\n\n")) or raw.count(b"\n") != 2:
         return None
-    find = raw.find  # (`find`, not `in`: module docstring)
-    for bad in _NOT_PLAIN:
-        if find(bad) >= 0:
-            return None
+    # Each test below refuses on its own, so their order is free: first those that refuse the
+    # events every stream ends with (the last token's finish reason, the usage chunk).
     n_fin = raw.count(b'"finish_reason"')
     if n_fin and n_fin != raw.count(b'"finish_reason":null') + raw.count(b'"finish_reason": null'):
         return None
     n_usage = raw.count(b'"usage"')
     if n_usage and n_usage != raw.count(b'"usage":null') + raw.count(b'"usage": null'):
         return None
+    find = raw.find  # (`find`, not `in`: module docstring)
+    for bad in _NOT_PLAIN:
+        if find(bad) >= 0:
+            return None
     if raw.count(b'"index"') != 1 or (find(b'"index":0,') < 0 and find(b'"index": 0,') < 0
                                       and find(b'"index":0}') < 0 and find(b'"index": 0}') < 0):
         return None
