@@ -37,7 +37,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -152,76 +151,69 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    shape = peers.FleetShape(workers=1, time_scale=0.001)
     print(f"machine   {os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before starting", flush=True)
     wl = peers.fixed_rate_workload(args.rate, args.requests)
-    with tempfile.TemporaryDirectory(prefix="tokenfleet-callgrind-") as tmp_s:
-        tmp = Path(tmp_s)
-        procs = peers.Processes(tmp)
+    async with peers.fast_worker_session("tokenfleet-callgrind-") as (procs, worker, shape, tmp):
+        specs: list[tuple[str, str, Path | None]] = []
+        if args.baseline_ref:
+            specs.append((f"@{args.baseline_ref}", "gw-base", peers._tree_at(args.baseline_ref, tmp / "base")))
+        specs.append(("this tree", "gw", None))
+        shim = peers.GATEWAY_SHIM
+        if args.tick_s > 0:
+            os.environ["CALLGRIND_TICK_S"] = repr(args.tick_s)
+            peers.GATEWAY_SHIM = TICK_PRELUDE + shim
         try:
-            worker = await peers.start_worker(procs, shape, 0)
-            specs: list[tuple[str, str, Path | None]] = []
-            if args.baseline_ref:
-                specs.append((f"@{args.baseline_ref}", "gw-base", peers._tree_at(args.baseline_ref, tmp / "base")))
-            specs.append(("this tree", "gw", None))
-            shim = peers.GATEWAY_SHIM
-            if args.tick_s > 0:
-                os.environ["CALLGRIND_TICK_S"] = repr(args.tick_s)
-                peers.GATEWAY_SHIM = TICK_PRELUDE + shim
-            try:
-                gws = await asyncio.gather(*(start(procs, shape, worker.url, args.router, label, name, tree, tmp)
-                                             for label, name, tree in specs))
-            finally:
-                peers.GATEWAY_SHIM = shim
-            print(f"started under valgrind; load average {os.getloadavg()[0]:.2f}", flush=True)
-            async with new_session(64) as session:
-                def target(g: Gateway) -> Target:
-                    return Target(g.proc.url.removesuffix("/v1"), peers.MODEL, peers.API_KEY)
-
-                warm = peers.fixed_rate_workload(args.rate, args.warmup)
-                for g in gws:
-                    await replay(warm, target(g), session=session, timeout_s=120)
-                    if args.idle_s > 0:
-                        ir, wall, _ = await g.counted(lambda: asyncio.sleep(args.idle_s))
-                        g.idle_ir_per_s = ir / wall
-                        print(f"idle      {g.label:<20} {ir / wall / 1e6:8.2f} M instructions/s", flush=True)
-                per: dict[str, list[tuple[float, float]]] = {g.label: [] for g in gws}
-                last: dict[str, Path] = {}
-                for r in range(args.rounds):
-                    for g in (gws if r % 2 == 0 else list(reversed(gws))):
-                        box: dict[str, Any] = {}
-
-                        async def work(g: Gateway = g, box: dict[str, Any] = box) -> None:
-                            box["run"] = await replay(wl, target(g), session=session, timeout_s=120)
-
-                        ir, wall, path = await g.counted(work)
-                        ok = sum(1 for x in box["run"].records if x.status == "completed")
-                        n = len(wl.requests)
-                        raw = ir / n
-                        net = (ir - (g.idle_ir_per_s or 0.0) * wall) / n
-                        per[g.label].append((raw, net))
-                        last[g.label] = path
-                        print(f"round {r + 1} {g.label:<20} {ok}/{n} ok  {raw / 1e3:9.1f} k instr/req  net of idle "
-                              f"{net / 1e3:9.1f} k  wall {wall:5.1f} s  load {os.getloadavg()[0]:.2f}", flush=True)
-                print()
-                base = None
-                for g in gws:
-                    rs = per[g.label]
-                    raw = statistics.median(x for x, _ in rs)
-                    net = statistics.median(y for _, y in rs)
-                    ratio = "" if base is None else f"  ({raw / base[0]:.3f}x raw, {net / base[1]:.3f}x net)"
-                    base = base or (raw, net)
-                    print(f"median    {g.label:<20} {raw / 1e3:9.1f} k instr/req  net {net / 1e3:9.1f} k{ratio}")
-                if args.keep:
-                    Path(args.keep).mkdir(parents=True, exist_ok=True)
-                    for g in gws:
-                        shutil.copy(last[g.label], Path(args.keep) / f"{g.proc.name}.callgrind")
-                if args.top:
-                    for g in gws:
-                        print(f"\n{g.label}: C functions by instructions (last round, self)")
-                        print(top_functions(last[g.label], args.top))
+            gws = await asyncio.gather(*(start(procs, shape, worker.url, args.router, label, name, tree, tmp)
+                                         for label, name, tree in specs))
         finally:
-            procs.stop_all()
+            peers.GATEWAY_SHIM = shim
+        print(f"started under valgrind; load average {os.getloadavg()[0]:.2f}", flush=True)
+        async with new_session(64) as session:
+            def target(g: Gateway) -> Target:
+                return Target(g.proc.url.removesuffix("/v1"), peers.MODEL, peers.API_KEY)
+
+            warm = peers.fixed_rate_workload(args.rate, args.warmup)
+            for g in gws:
+                await replay(warm, target(g), session=session, timeout_s=120)
+                if args.idle_s > 0:
+                    ir, wall, _ = await g.counted(lambda: asyncio.sleep(args.idle_s))
+                    g.idle_ir_per_s = ir / wall
+                    print(f"idle      {g.label:<20} {ir / wall / 1e6:8.2f} M instructions/s", flush=True)
+            per: dict[str, list[tuple[float, float]]] = {g.label: [] for g in gws}
+            last: dict[str, Path] = {}
+            for r in range(args.rounds):
+                for g in (gws if r % 2 == 0 else list(reversed(gws))):
+                    box: dict[str, Any] = {}
+
+                    async def work(g: Gateway = g, box: dict[str, Any] = box) -> None:
+                        box["run"] = await replay(wl, target(g), session=session, timeout_s=120)
+
+                    ir, wall, path = await g.counted(work)
+                    ok = sum(1 for x in box["run"].records if x.status == "completed")
+                    n = len(wl.requests)
+                    raw = ir / n
+                    net = (ir - (g.idle_ir_per_s or 0.0) * wall) / n
+                    per[g.label].append((raw, net))
+                    last[g.label] = path
+                    print(f"round {r + 1} {g.label:<20} {ok}/{n} ok  {raw / 1e3:9.1f} k instr/req  net of idle "
+                          f"{net / 1e3:9.1f} k  wall {wall:5.1f} s  load {os.getloadavg()[0]:.2f}", flush=True)
+            print()
+            base = None
+            for g in gws:
+                rs = per[g.label]
+                raw = statistics.median(x for x, _ in rs)
+                net = statistics.median(y for _, y in rs)
+                ratio = "" if base is None else f"  ({raw / base[0]:.3f}x raw, {net / base[1]:.3f}x net)"
+                base = base or (raw, net)
+                print(f"median    {g.label:<20} {raw / 1e3:9.1f} k instr/req  net {net / 1e3:9.1f} k{ratio}")
+            if args.keep:
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                for g in gws:
+                    shutil.copy(last[g.label], Path(args.keep) / f"{g.proc.name}.callgrind")
+            if args.top:
+                for g in gws:
+                    print(f"\n{g.label}: C functions by instructions (last round, self)")
+                    print(top_functions(last[g.label], args.top))
     return 0
 
 
