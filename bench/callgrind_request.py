@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import re
 import shutil
@@ -190,6 +191,9 @@ async def amain(args: argparse.Namespace) -> int:
 
                     ir, wall, path = await g.counted(work)
                     ok = sum(1 for x in box["run"].records if x.status == "completed")
+                    if ok < len(wl.requests):  # a starved valgrind gateway sheds load (503s): say so
+                        print("  not completed:", collections.Counter(x.reason for x in box["run"].records
+                                                                       if x.status != "completed").most_common(3))
                     n = len(wl.requests)
                     raw = ir / n
                     net = (ir - (g.idle_ir_per_s or 0.0) * wall) / n
