@@ -74,7 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,6 +248,22 @@ async def start_worker(procs: Processes, shape: FleetShape, i: int) -> Proc:
     m = await _wait_for_log(proc, r'^\{"event": "ready".*$')
     proc.url = json.loads(m.group(0))["url"]
     return proc
+
+
+@contextlib.asynccontextmanager
+async def fast_worker_session(prefix: str) -> AsyncIterator[tuple[Processes, Proc, FleetShape, Path]]:
+    """What the per-request tools start from (`request_wakeups.py`, `callgrind_request.py`): the
+    overhead runs' one time_scale-0.001 worker, a work dir, and every child started there
+    stopped at the end (procs, worker, shape, work dir)."""
+    shape = FleetShape(workers=1, time_scale=0.001)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp_s:
+        tmp = Path(tmp_s)
+        procs = Processes(tmp)
+        try:
+            worker = await start_worker(procs, shape, 0)
+            yield procs, worker, shape, tmp
+        finally:
+            procs.stop_all()
 
 
 def gateway_fleet(shape: FleetShape, urls: Sequence[str], *, simulated: bool = False) -> dict[str, Any]:

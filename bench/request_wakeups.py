@@ -47,7 +47,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -402,66 +401,59 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    shape = peers.FleetShape(workers=1, time_scale=0.001)
     report: dict[str, Any] = {"args": vars(args), "load_avg_1m_before": os.getloadavg()[0]}
     print(f"machine   {os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before starting", flush=True)
     wl = peers.fixed_rate_workload(args.rate, args.requests)
-    with tempfile.TemporaryDirectory(prefix="tokenfleet-wakeups-") as tmp_s:
-        tmp = Path(tmp_s)
-        procs = peers.Processes(tmp)
-        try:
-            worker = await peers.start_worker(procs, shape, 0)
-            gws: list[Gateway] = []
-            if args.baseline_ref:
-                tree = peers._tree_at(args.baseline_ref, tmp / "baseline-tree")
-                gws.append(await start(procs, shape, worker.url, args.router, f"@{args.baseline_ref}", "gw-base",
-                                       tree, tmp, args.stamps))
-            gws.append(await start(procs, shape, worker.url, args.router, "this tree", "gw", None, tmp, args.stamps))
-            async with new_session(1024) as session:
-                warm = peers.fixed_rate_workload(args.rate, max(50, args.requests // 10))
-                for g in gws:
-                    await replay(warm, Target(g.proc.url.removesuffix("/v1"), peers.MODEL, peers.API_KEY),
-                                 session=session, timeout_s=30)
-                per: dict[str, list[dict[str, Any]]] = {g.label: [] for g in gws}
-                for r in range(args.rounds):
-                    for g in (gws if r % 2 == 0 else list(reversed(gws))):
-                        await peers.wait_quiet(args.max_busy, 60.0)
-                        m = await measure_round(g, worker, wl, session, args.stamps)
-                        per[g.label].append(m)
-                        print(f"round {r + 1} {g.label:<24} {m['ok']}/{m['requests']} ok  cpu {m['cpu_us_per_req']:.0f} "
-                              f"us/req  switches {m['switches_per_req']:.2f}/req  timers armed "
-                              f"{sum(m['armed'].values()):.2f} fired {sum(m['fired'].values()):.2f}  call_soon "
-                              f"{sum(m['soon'].values()):.2f}  busy {m['machine_busy_cores']:.2f}  load "
-                              f"{m['load_avg_1m']:.1f}", flush=True)
-                report["rounds"] = per
-                report["results"] = {label: summarize(rs) for label, rs in per.items()}
+    async with peers.fast_worker_session("tokenfleet-wakeups-") as (procs, worker, shape, tmp):
+        gws: list[Gateway] = []
+        if args.baseline_ref:
+            tree = peers._tree_at(args.baseline_ref, tmp / "baseline-tree")
+            gws.append(await start(procs, shape, worker.url, args.router, f"@{args.baseline_ref}", "gw-base",
+                                   tree, tmp, args.stamps))
+        gws.append(await start(procs, shape, worker.url, args.router, "this tree", "gw", None, tmp, args.stamps))
+        async with new_session(1024) as session:
+            warm = peers.fixed_rate_workload(args.rate, max(50, args.requests // 10))
+            for g in gws:
+                await replay(warm, Target(g.proc.url.removesuffix("/v1"), peers.MODEL, peers.API_KEY),
+                             session=session, timeout_s=30)
+            per: dict[str, list[dict[str, Any]]] = {g.label: [] for g in gws}
+            for r in range(args.rounds):
+                for g in (gws if r % 2 == 0 else list(reversed(gws))):
+                    await peers.wait_quiet(args.max_busy, 60.0)
+                    m = await measure_round(g, worker, wl, session, args.stamps)
+                    per[g.label].append(m)
+                    print(f"round {r + 1} {g.label:<24} {m['ok']}/{m['requests']} ok  cpu {m['cpu_us_per_req']:.0f} "
+                          f"us/req  switches {m['switches_per_req']:.2f}/req  timers armed "
+                          f"{sum(m['armed'].values()):.2f} fired {sum(m['fired'].values()):.2f}  call_soon "
+                          f"{sum(m['soon'].values()):.2f}  busy {m['machine_busy_cores']:.2f}  load "
+                          f"{m['load_avg_1m']:.1f}", flush=True)
+            report["rounds"] = per
+            report["results"] = {label: summarize(rs) for label, rs in per.items()}
+            print()
+            for label, s in report["results"].items():
+                print(format_summary(label, s, args.top))
                 print()
-                for label, s in report["results"].items():
-                    print(format_summary(label, s, args.top))
-                    print()
-                if args.strace:
-                    report["strace"] = {}
-                    for g in gws:
-                        report["strace"][g.label] = calls = await strace_round(g, wl, session, tmp)
-                    names = list(dict.fromkeys(k for c in report["strace"].values() for k in c))
-                    print(f"{'syscalls per request (strace -f -c)':<40}" + "".join(f"{g.label:>16}" for g in gws))
-                    for k in names:
-                        print(f"  {k:<38}" + "".join(f"{report['strace'][g.label].get(k, 0.0):>16.2f}" for g in gws))
-                    print(f"  {'total':<38}" + "".join(f"{sum(report['strace'][g.label].values()):>16.2f}"
-                                                        for g in gws))
-                    print()
-                if args.stamps:
-                    res = report["results"]
-                    report["direct_ttft_ms_p50"] = d = await direct_ttft(worker, wl, session)
-                    print(f"{'step (us: median over rounds of the p50 of requests alone)':<60}"
-                          + "".join(f"{g.label:>16}" for g in gws))
-                    for k in res[gws[0].label]["stamps_us_p50"]:
-                        print(f"  {k:<58}" + "".join(f"{res[g.label]['stamps_us_p50'][k]:>16.1f}" for g in gws))
-                    print(f"  direct path TTFT p50 (client side, one round after) {d:.3f} ms; requests kept "
-                          + ", ".join(f"{g.label} {res[g.label]['stamps_kept']}/{res[g.label]['stamps_records']}"
-                                      for g in gws))
-        finally:
-            procs.stop_all()
+            if args.strace:
+                report["strace"] = {}
+                for g in gws:
+                    report["strace"][g.label] = calls = await strace_round(g, wl, session, tmp)
+                names = list(dict.fromkeys(k for c in report["strace"].values() for k in c))
+                print(f"{'syscalls per request (strace -f -c)':<40}" + "".join(f"{g.label:>16}" for g in gws))
+                for k in names:
+                    print(f"  {k:<38}" + "".join(f"{report['strace'][g.label].get(k, 0.0):>16.2f}" for g in gws))
+                print(f"  {'total':<38}" + "".join(f"{sum(report['strace'][g.label].values()):>16.2f}"
+                                                    for g in gws))
+                print()
+            if args.stamps:
+                res = report["results"]
+                report["direct_ttft_ms_p50"] = d = await direct_ttft(worker, wl, session)
+                print(f"{'step (us: median over rounds of the p50 of requests alone)':<60}"
+                      + "".join(f"{g.label:>16}" for g in gws))
+                for k in res[gws[0].label]["stamps_us_p50"]:
+                    print(f"  {k:<58}" + "".join(f"{res[g.label]['stamps_us_p50'][k]:>16.1f}" for g in gws))
+                print(f"  direct path TTFT p50 (client side, one round after) {d:.3f} ms; requests kept "
+                      + ", ".join(f"{g.label} {res[g.label]['stamps_kept']}/{res[g.label]['stamps_records']}"
+                                  for g in gws))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

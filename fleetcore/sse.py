@@ -18,11 +18,17 @@ output, so reasoning and tool-call streams had no first token for it.
 
 Pure and clock-free: callers pass `now`. The relay calls this once per token event, so
 the common case (one `data: {...}` line, LF-terminated) takes a short path.
+
+Bytes are searched with `find`, not `in`: on CPython 3.11 `needle in raw` first tries the
+needle as an integer (`65 in raw` asks for a byte value), which for a bytes needle builds,
+formats and clears a TypeError every time (~2,000 instructions, ~0.1 us): ~40 such tests a
+relayed request made that their whole cost.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -47,7 +53,7 @@ class SSESplitter:
         buf = self._buf + data if self._buf else data
         events: list[bytes] = []
         start = 0
-        if b"\r" not in buf:
+        if buf.find(b"\r") < 0:  # (`find`, not `in`: module docstring)
             # LF-only streams (vLLM, SGLang, the simulated worker): one separator to look for.
             while (i := buf.find(b"\n\n", start)) >= 0:
                 events.append(buf[start:i + 2])
@@ -98,7 +104,7 @@ _NO_DATA = SSEEvent(None)
 def parse_sse_event(raw: bytes) -> SSEEvent:
     if raw.startswith(b"data: "):
         body = raw[6:].rstrip(b"\r\n")
-        if b"\n" not in body and b"\r" not in body:
+        if body.find(b"\n") < 0 and body.find(b"\r") < 0:  # (`find`, not `in`: module docstring)
             # The usual event: a single data line (saves splitting into lines and joining).
             return _data_event(body.decode("utf-8", errors="replace"))
     # bytes.splitlines ends lines exactly where SSE does (LF, CRLF, CR); str.splitlines would
@@ -130,17 +136,20 @@ def plain_token_text(raw: bytes) -> str | None:
     quote."""
     if not (raw.startswith(b"data: {") and raw.endswith(b"}\n\n")) or raw.count(b"\n") != 2:
         return None
-    for bad in _NOT_PLAIN:
-        if bad in raw:
-            return None
+    # Each test below refuses on its own, so their order is free: first those that refuse the
+    # events every stream ends with (the last token's finish reason, the usage chunk).
     n_fin = raw.count(b'"finish_reason"')
     if n_fin and n_fin != raw.count(b'"finish_reason":null') + raw.count(b'"finish_reason": null'):
         return None
     n_usage = raw.count(b'"usage"')
     if n_usage and n_usage != raw.count(b'"usage":null') + raw.count(b'"usage": null'):
         return None
-    if raw.count(b'"index"') != 1 or (b'"index":0,' not in raw and b'"index": 0,' not in raw
-                                      and b'"index":0}' not in raw and b'"index": 0}' not in raw):
+    find = raw.find  # (`find`, not `in`: module docstring)
+    for bad in _NOT_PLAIN:
+        if find(bad) >= 0:
+            return None
+    if raw.count(b'"index"') != 1 or (find(b'"index":0,') < 0 and find(b'"index": 0,') < 0
+                                      and find(b'"index":0}') < 0 and find(b'"index": 0}') < 0):
         return None
     if raw.count(b'"content"') + raw.count(b'"text"') != 1:
         return None
@@ -165,11 +174,16 @@ _KEY_WORDS = frozenset((b"error", b"tool_calls", b"function_call", b"token_ids",
                         b"index", b"content", b"text"))
 
 
+# A byte of a text that changes what the scans see: a quote, a backslash, a newline.
+_SCANNED_BYTE = re.compile(rb'["\\\n]')
+
+
 def _template_safe(text: bytes) -> bool:
     """Whether `text` between a template's halves reads as the template's own text did: no quote,
     backslash or newline (each changes what the scans see), none of the key words, not
-    `reasoning...` (`"reasoning` is refused as a prefix)."""
-    return (b'"' not in text and b"\\" not in text and b"\n" not in text
+    `reasoning...` (`"reasoning` is refused as a prefix). The three bytes are looked for by one
+    regex search rather than three `in` tests (module docstring)."""
+    return (_SCANNED_BYTE.search(text) is None
             and text not in _KEY_WORDS and not text.startswith(b"reasoning"))
 
 

@@ -200,6 +200,10 @@ class PathFilter:
 def client_key(host: str) -> str:
     """What the per-client cap counts by: the IPv4 address, or the /64 of an IPv6 one (a
     single host commonly holds a whole /64 and could rotate through it)."""
+    if ":" not in host:
+        # Not IPv6 (every IPv6 text has a colon): an IPv4 address or no address at all, and
+        # both are counted as they are. Skips the ipaddress parse for each new IPv4 connection.
+        return host
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:

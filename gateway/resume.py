@@ -75,8 +75,9 @@ def continuation_of(host: ResumeHost, parsed: ParsedRequest) -> Continuation | N
     """The request's continuation state, or None when it is never continued (why: a label kept
     for when it fails mid-stream)."""
     usable, tok = continuation_tokenizer(host.config, parsed.profile.model, host.tokenizers)
-    why = static_refusal(parsed, usable, host.continuation_limits)
-    if why is not None:
+    # Without a usable tokenizer `static_refusal` refuses whatever else it finds (its reason
+    # matters only to the label counted at a failure, `_refused_label`): no need to look.
+    if not usable or static_refusal(parsed, usable, host.continuation_limits) is not None:
         return None
     return Continuation(parsed, host.continuation_limits, tok,
                         engine_ids=engine_gives_ids(host.config, parsed.profile.model))

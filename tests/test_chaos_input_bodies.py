@@ -125,3 +125,12 @@ async def test_counting_stops_exactly_at_the_context_edge(gateway: Any) -> None:
     assert r.status_code == 200, r.text
     err = await _error(client, json.dumps({**body, "max_tokens": 3997}), "/v1/completions")
     assert err["code"] == "context_length_exceeded" and "at least 4097 tokens" in err["message"], err
+
+
+def test_surrogate_probe_is_the_three_in_tests() -> None:
+    """`_may_hold_surrogate` (written with `find`) answers as the `in` tests it replaced."""
+    from gateway.json_body import _may_hold_surrogate
+
+    for raw in (b"", b'{"a":"\\ud83d"}', b'{"a":"\\uD83D"}', b'{"a":"\xed\xa0\x80"}', b'{"a":"\\u00e9"}',
+                b'{"a":"ud83d"}', b'{"a":"\\\\ud"}', b"\\u", b"\\ud", b"\\uD", b"\xed", b"plain text", b"\\UD83D"):
+        assert _may_hold_surrogate(raw) is (b"\\ud" in raw or b"\\uD" in raw or b"\xed" in raw), raw

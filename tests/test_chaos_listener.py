@@ -499,3 +499,20 @@ async def test_a_refused_connection_sends_its_fin_and_waits_for_the_client_befor
     no_eof = _RefusedTransport(can_eof=False)
     _Proto()._close_refused(no_eof)  # type: ignore[arg-type]
     assert no_eof.events == ["close"] and lst._Lingering.count == before
+
+
+def test_client_key_skips_the_address_parse_only_where_it_would_give_the_host() -> None:
+    """`client_key` returns a host without a colon unparsed. That is exact: such a host is no IPv6
+    address, so the parse finds IPv4 (counted as given) or nothing (counted as given too); IPv6,
+    mapped IPv4 included, still takes the parse (`test_per_client_cap_counts_an_ipv6_client_by_its_64`)."""
+    import ipaddress
+
+    hosts = ["127.0.0.1", "10.1.2.3", "255.255.255.255", "0.0.0.0", "1.2.3", "01.2.3.4", "1.2.3.4.5", "300.1.1.1",
+             "", "testclient", "/run/tokenfleet.sock", "1.2.3.4/32", " 1.2.3.4"]
+    for host in hosts:
+        try:
+            parsed = ipaddress.ip_address(host)
+        except ValueError:
+            parsed = None
+        assert parsed is None or isinstance(parsed, ipaddress.IPv4Address), host
+        assert client_key(host) == host

@@ -148,3 +148,32 @@ def test_assembled_answer_of_a_spliced_stream() -> None:
                      "finish_reason": "length"}], "usage": {"completion_tokens": 3}}
     answer, error = assembled_answer(stream.replace(b"data: [DONE]", b'data: {"error":{"message":"boom"}}'), True)
     assert answer is None and error == {"message": "boom"}
+
+
+class _Host:
+    """What `gateway.resume.continuation_of` reads of the relay."""
+
+    def __init__(self, cfg: FleetConfig, limits: ContinuationLimits | None = None) -> None:
+        self.config, self.tokenizers, self.continuation_limits = cfg, {}, limits or ContinuationLimits()
+
+
+@pytest.mark.parametrize("adapter", ["sim", "vllm"])  # the built-in tokenizer usable, and not
+@pytest.mark.parametrize(("kind", "extra"), [
+    ("chat", {}), ("chat", {"n": 2}), ("completion", {"echo": True}), ("completion", {"prompt": ["one", "two"]}),
+    ("chat", {"chat_template_kwargs": {"x": 1}}), ("completion", {}),
+])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_continuation_state_exactly_when_static_refusal_finds_no_reason(adapter: str, kind: str,
+                                                                        extra: dict[str, Any], enabled: bool) -> None:
+    """`continuation_of` looks at the tokenizer before the rest (it refuses without one, whatever
+    else): a request has continuation state exactly when `static_refusal` gives no reason."""
+    from gateway.resume import continuation_of
+
+    cfg = config(adapter)
+    base: dict[str, Any] = {"messages": MESSAGES} if kind == "chat" else {"prompt": "hi"}
+    p = parsed(kind, {**base, "max_tokens": 10, "stream": True, **extra}, cfg)
+    host = _Host(cfg, ContinuationLimits(enabled=enabled))
+    usable, _ = continuation_tokenizer(cfg, MODEL, {})
+    c = continuation_of(host, p)  # type: ignore[arg-type]
+    assert (c is None) == (static_refusal(p, usable, host.continuation_limits) is not None)
+    assert c is None or (c.parsed is p and c.engine_ids is False and c.tok is None)

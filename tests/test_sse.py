@@ -21,6 +21,7 @@ from fleetcore.sse import (
     usage_counts,
     usage_of_body,
 )
+from fleetcore.sse import _KEY_WORDS, _template_safe  # the template's byte test, pinned below
 
 
 def ev(obj: Any) -> bytes:
@@ -341,3 +342,36 @@ def test_plain_tokens_learn_a_template_and_read_later_events_from_it() -> None:
     assert reader.text(later) == " later"
     for odd in (b"error", b"reasoning more", b"a\\nb", b""):  # the template refuses; the full reading decides
         assert reader.text(_event_around(odd, 0)) == plain_token_text(_event_around(odd, 0))
+
+
+# --- the byte tests written with `find` / one regex instead of `in` (fleetcore.sse docstring) ---
+
+def _template_safe_reference(text: bytes) -> bool:
+    return (b'"' not in text and b"\\" not in text and b"\n" not in text
+            and text not in _KEY_WORDS and not text.startswith(b"reasoning"))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_WORDS) | st.binary(max_size=6), max_size=4).map(b"".join))
+def test_template_safe_is_the_three_in_tests(text: bytes) -> None:
+    assert _template_safe(text) is _template_safe_reference(text)
+
+
+def test_template_safe_refuses_exactly_the_three_scanned_bytes_alone_and_inside() -> None:
+    for b in range(256):
+        one = bytes([b])
+        for text in (one, b"ab" + one, one + b"cd", b"a" + one + b"b"):
+            assert _template_safe(text) is _template_safe_reference(text), text
+
+
+@pytest.mark.parametrize("raw", [
+    b'data: {"a":1}\n\n', b'data: {"a":1}\r\n\r\n', b'data: {"a":"x\ry"}\n\n', b'data: {"a":1}\ndata: {"b":2}\n\n',
+    b"data: [DONE]\r\r", b"data:{\"a\":1}\n\n",
+])
+def test_parse_event_single_line_test_with_find(raw: bytes) -> None:
+    """The single-data-line shortcut is taken only without CR or LF inside: same event as the
+    line-by-line reading."""
+    lines = [ln[5:].removeprefix(b" ") for ln in raw.splitlines() if ln.startswith(b"data:")]
+    want = b"\n".join(lines).decode()
+    got = parse_sse_event(raw)
+    assert got.data == want
