@@ -229,9 +229,13 @@ async def test_slow_header_flood_is_closed_by_the_deadline_and_capped_per_addres
     still_open = [o for o in outcomes if not o.closed]
     assert not still_open, f"{len(still_open)} trickling connections were never closed"
     # Over the per-address cap: refused at once (503, or reset when our bytes crossed the close).
-    refused = [o for o in outcomes if o.lifetime_s < HEADER_TIMEOUT_S / 2]
-    held = [o for o in outcomes if o.lifetime_s >= HEADER_TIMEOUT_S / 2]
-    assert len(refused) == n - PER_CLIENT, sorted(round(o.lifetime_s, 2) for o in outcomes)
+    # Told apart by what the server said, not by when: on a loaded machine the flood's own client
+    # loop reads the refusals late (1.8 s, once), yet still well before any header deadline.
+    held = [o for o in outcomes if o.status == 408]
+    refused = [o for o in outcomes if o.status != 408]
+    assert len(refused) == n - PER_CLIENT, sorted((round(o.lifetime_s, 2), o.status) for o in outcomes)
+    assert max(o.lifetime_s for o in refused) < min(o.lifetime_s for o in held)
+    assert min(o.lifetime_s for o in held) >= HEADER_TIMEOUT_S / 2  # the deadline, not a refusal
     assert all(o.status in (503, None) for o in refused)
     assert any(o.status == 503 and b"too_many_connections" in o.body for o in refused)
     # The rest: held until the header deadline, then answered 408 and closed.
