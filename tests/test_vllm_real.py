@@ -396,14 +396,19 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         # supervision and killed. It used to be killed only when the client had read its first
         # delta: on a loaded 2-core machine that came after the engine, a separate process
         # generating as fast as the CPU lets it, had sent ~1,900 tokens and [DONE], and the
-        # stream had ended on it with nothing left to continue. Frozen at the gateway's read, it
-        # cannot finish however late the relay and the client catch up: it could only have
-        # finished between sending its first token and the gateway reading it — the whole budget
-        # below within one scheduling delay of the gateway's loop — and then the read that froze
-        # it carried [DONE] too (`fired.done`), which fails here by name.
+        # stream had ended on it with nothing left to continue (the gateway's loop, this test's
+        # process, was seen kept off the CPU for 4-10 s at a time at load 10-12, the time the
+        # engine takes for the whole budget). Frozen at the gateway's read, it cannot finish
+        # however late the relay and the client catch up. What is left is the time between its
+        # first token and the gateway's read of it; so the engine the request is sent to runs
+        # at nice 19 from before it has the request (`before_first_send`): while this process
+        # (nice 0) is runnable, the scheduler runs it first and the engine gets ~1/68 of a CPU
+        # it competes for, so it cannot run through the budget while the gateway waits for a
+        # CPU. Should it still have finished first, its [DONE], sent before the freeze, is on
+        # that leg (`fired.done`, `tap.finished`), which fails by name. The killed engine is
+        # the only one niced; the continuation runs on the other at normal priority.
         # How long: as long as the context allows (prompt + max_tokens must fit its 2,048, since
-        # the continuation's prompt is the prompt plus what was generated), so that the budget
-        # the engine would need to finish unseen in that one delay is as large as it can be.
+        # the continuation's prompt is the prompt plus what was generated).
         messages = [{"role": "user", "content": text(31, 60)}]
         max_tokens = 2048 - len(f.ctx.tokenizers["tiny"].chat_ids(messages)) - 16
         assert max_tokens > 1024
@@ -413,7 +418,14 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         events: list[Any] = []
         deltas = 0
         frozen: list[str] = []
+        niced: list[str] = []
         killed: str | None = None
+
+        def below_the_gateway(iid: str) -> None:
+            proc = f.adapter.process(f.instances[iid])
+            assert proc is not None
+            os.setpriority(os.PRIO_PGRP, proc.pid, 19)  # every thread of its group (API server, engine core)
+            niced.append(iid)
 
         def freeze(iid: str) -> None:
             signal_engine(f, iid, signal.SIGSTOP)  # not one more token from it
@@ -425,6 +437,7 @@ class TestGatewayInFrontOfTwoVLLMEngines:
 
         try:
             with UpstreamTap(f.ctx.relay) as tap:
+                tap.before_first_send(rid, below_the_gateway)
                 tap.at_tokens(rid, 1, freeze)
                 async with f.session.post(f"{f.url}/v1/chat/completions", json=body,
                                           headers={**AUTH, "X-Request-Id": rid}) as r:
@@ -441,7 +454,7 @@ class TestGatewayInFrontOfTwoVLLMEngines:
                             deltas += 1
                             if deltas == 1 and killed is None:
                                 (fired,) = tap.fired_for(rid)  # the gateway read it first
-                                assert fired.instance_id == iid and frozen == [iid], (fired, frozen)
+                                assert fired.instance_id == iid and frozen == niced == [iid], (fired, frozen, niced)
                                 assert not fired.done, (
                                     f"the engine had sent all its tokens before the gateway read its first: {fired}")
                                 await kill(iid)

@@ -10,7 +10,7 @@ before the client had read its first).
 `UpstreamTap` wraps the relay's upstream client (`Relay.session`, set by the app's lifespan:
 every leg the relay sends, first attempt, retry or continuation, goes through its `post`, and
 the relay reads every byte through the answer's `content.readany()`). The test's action runs
-inside the gateway's read that brings a request's token count to n, before the relay has
+inside the gateway's read that brings a leg of a request to its n-th token, before the relay has
 processed those bytes: the earliest moment the gateway itself can know, with nothing of the
 gateway or the client run in between. An action that signals the engine (SIGSTOP, SIGKILL) is a
 system call there; an action on the gateway's own state should be scheduled (`loop.call_soon`),
@@ -19,6 +19,10 @@ between sending the n-th token and the gateway's read of it; `Fired.done` says w
 happened (the same read carried [DONE]), and `finished` whether [DONE] came on that leg at all
 (sent before the action, read after it), so a test can fail saying so rather than on a usage
 without a continuation.
+
+`before_first_send` runs an action inside the gateway's `post` of a request's first leg, before
+a byte of it has left: on the engine the request is about to go to, which cannot have started
+on it yet (lowering that engine's priority below the gateway's, say).
 
 No production code knows about it; the relay's session is put back when the `with` ends.
 """
@@ -58,13 +62,14 @@ class Fired:
 class _Trigger:
     tokens: int
     act: Action
-    leg: int | None  # None: the request's token events over all its legs
+    leg: int  # 0: the first leg; 1: the first continuation ...
     fired: bool = False
 
 
 @dataclass
 class _Request:
     triggers: list[_Trigger] = field(default_factory=list)
+    before_send: list[Action] = field(default_factory=list)  # once, at its first send
     legs: int = 0  # SSE answers opened for it so far
     tokens: int = 0  # token events the gateway has read for it, all legs
     finished: set[int] = field(default_factory=set)  # the legs whose [DONE] the gateway has read
@@ -134,8 +139,9 @@ class _TappedResponse:
 
 class UpstreamTap:
     """`with UpstreamTap(relay) as tap:` — while open, `tap.at_tokens(rid, n, act)` runs `act(iid)`
-    inside the gateway's read that brings request `rid` (the client's `X-Request-Id`) to n token
-    events. Only requests with a trigger are tapped; every other call goes straight through."""
+    inside the gateway's read that brings the first leg of request `rid` (the client's
+    `X-Request-Id`) to its n-th token event (`leg=`: a continuation's). Only requests with a
+    trigger are tapped; every other call goes straight through."""
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
@@ -144,11 +150,17 @@ class UpstreamTap:
         self._inner: UpstreamClient | None = None
         self._requests: dict[str, _Request] = {}
 
-    def at_tokens(self, request_id: str, n: int, act: Action, leg: int | None = 0) -> None:
-        """Once the gateway has read `n` token events of leg `leg` of `request_id` (None: of all
-        its legs together), call `act` with that leg's instance id, once, inside that read."""
+    def at_tokens(self, request_id: str, n: int, act: Action, leg: int = 0) -> None:
+        """Once the gateway has read `n` token events of leg `leg` of `request_id` (each leg
+        counts its own: a dying leg's last tokens never reach the next one's count), call `act`
+        with that leg's instance id, once, inside that read."""
         assert n >= 1
         self._requests.setdefault(request_id, _Request()).triggers.append(_Trigger(n, act, leg))
+
+    def before_first_send(self, request_id: str, act: Action) -> None:
+        """Call `act` with the instance id the gateway sends `request_id` to first, inside its
+        `post`, before a byte of the request has left (the engine cannot have started on it)."""
+        self._requests.setdefault(request_id, _Request()).before_send.append(act)
 
     def fired_for(self, request_id: str) -> list[Fired]:
         return [f for f in self.fired if f.request_id == request_id]
@@ -177,9 +189,13 @@ class UpstreamTap:
 
     async def post(self, url: str, *, data: bytes, headers: Mapping[str, str]) -> Any:
         assert self._inner is not None
-        resp = await self._inner.post(url, data=data, headers=headers)
         rid = headers.get("X-Request-Id", "")
         req = self._requests.get(rid)
+        if req is not None and req.before_send:
+            acts, req.before_send = req.before_send, []
+            for act in acts:
+                self._run(act, self._instance_of(url))
+        resp = await self._inner.post(url, data=data, headers=headers)
         if req is None or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             return resp
         leg, req.legs = req.legs, req.legs + 1
@@ -201,12 +217,14 @@ class UpstreamTap:
         req = self._requests[rid]
         req.tokens += new
         for t in req.triggers:
-            count = req.tokens if t.leg is None else leg_tokens if t.leg == leg else 0
-            if t.fired or count < t.tokens:
+            if t.fired or t.leg != leg or leg_tokens < t.tokens:
                 continue
             t.fired = True
             self.fired.append(Fired(rid, leg, iid, req.tokens, leg_tokens, done, time.monotonic()))
-            try:
-                t.act(iid)
-            except Exception as e:  # never into the gateway's read: the test hears it at the end
-                self.errors.append(e)
+            self._run(t.act, iid)
+
+    def _run(self, act: Action, iid: str) -> None:
+        try:
+            act(iid)
+        except Exception as e:  # never into the gateway's send or read: the test hears it at the end
+            self.errors.append(e)
