@@ -4,6 +4,13 @@ The gateway runs in-process over real sim worker processes on loopback (`gateway
 engines are SIGKILLed or SIGSTOPped mid-stream, or drained. The client must see one stream:
 exactly `max_tokens` tokens, one `id`, one usage counting every token, `[DONE]` once, no
 error event; or, where the request cannot be continued, the error event as before.
+
+When: inside the gateway's own read of a request's n-th token (`tests.upstream_tap`), not when
+the client has read it. The engine is another process and keeps generating while the gateway
+relays and the client reads; timed off the client, a loaded machine can let it finish the whole
+stream first, and the test then checks a stream that never failed. At the gateway's read it can
+only have finished if it generated the rest of its budget between sending the n-th token and
+that read, and then that read carried [DONE] too (`Fired.done`, checked by `acted`).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +32,7 @@ from engine_adapters.base import Instance
 from engine_adapters.sim.launcher import SimAdapter
 from fleetcore.fleet_config import FleetConfig
 from gateway.embedded import ServedFleet, serve_fleet
+from tests.upstream_tap import Fired, UpstreamTap
 from tests.waits import wait_until
 
 MODEL = "llama-3.1-8b"
@@ -76,7 +84,7 @@ class Fleet:
     def instances(self, site: str) -> list[Instance]:
         return [i for a in self.served.adapters for i in a.instances if i.site == site]
 
-    async def kill(self, iid: str) -> None:
+    def kill(self, iid: str) -> None:
         adapter, inst = self.instance(iid)
         proc = adapter.process(inst)
         assert proc is not None
@@ -141,6 +149,36 @@ async def healthy(fleet: Fleet) -> AsyncIterator[Fleet]:
     fleet.cont_all()
 
 
+@pytest.fixture
+def tap(healthy: Fleet) -> Iterator[UpstreamTap]:
+    """Actions inside the gateway's reads of a request's stream, for this test only."""
+    with UpstreamTap(healthy.ctx.relay) as t:
+        yield t
+
+
+def new_rid(what: str) -> str:
+    """A request id of the test's own (the client's X-Request-Id): what `UpstreamTap` keys on."""
+    return f"{what}-{os.urandom(6).hex()}"
+
+
+def kill_at(f: Fleet, tap: UpstreamTap, n: int) -> str:
+    """A request id whose first engine is SIGKILLed inside the gateway's read of its n-th token."""
+    rid = new_rid("kill")
+    tap.at_tokens(rid, n, f.kill)
+    return rid
+
+
+def acted(tap: UpstreamTap, rid: str, times: int = 1, cut: bool = True) -> list[Fired]:
+    """The tap's actions on `rid`, each taken while its engine was still generating: the read it
+    ran in did not carry [DONE] and, where the action cut the leg (`cut`: a kill or a stop), no
+    [DONE] came on that leg at all (one would have been sent before the action)."""
+    fired = tap.fired_for(rid)
+    assert len(fired) == times, f"expected {times} action(s) on {rid}, took {fired}"
+    late = [x for x in fired if x.done or (cut and tap.finished(rid, x.leg))]
+    assert not late, f"the engine had sent its whole answer before the gateway read the token acted on: {late}"
+    return fired
+
+
 @dataclass
 class Stream:
     status: int = 0
@@ -171,10 +209,11 @@ def _token_text(ev: dict[str, Any], chat: bool) -> str:
 
 
 async def read_stream(f: Fleet, body: dict[str, Any], *, chat: bool = True, key: str = KEY,
-                      on_token: Callable[[Stream], Any] | None = None) -> Stream:
+                      request_id: str | None = None) -> Stream:
     s = Stream()
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+    headers = {"Authorization": f"Bearer {key}", **({"X-Request-Id": request_id} if request_id else {})}
+    async with httpx.AsyncClient(base_url=f.url, headers=headers, timeout=60) as c:
         async with c.stream("POST", path, json=body) as r:
             s.status = r.status_code
             s.instance = r.headers.get("x-tokenfleet-instance", "")
@@ -195,10 +234,6 @@ async def read_stream(f: Fleet, body: dict[str, Any], *, chat: bool = True, key:
                         s.tokens += 1
                         s.text += text
                         s.last_token_at = now
-                        if on_token is not None:
-                            res = on_token(s)
-                            if asyncio.iscoroutine(res):
-                                await res
     return s
 
 
@@ -223,17 +258,9 @@ def assert_whole(s: Stream, max_tokens: int) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + max_tokens
 
 
-def kill_after(f: Fleet, n: int, at: list[float]) -> Callable[[Stream], Any]:
-    async def on_token(s: Stream) -> None:
-        if s.tokens == n:
-            at.append(time.monotonic())
-            await f.kill(s.instance)
-    return on_token
-
-
 # --- where it continues: the instance holding the prefix re-prefills only the tail ---
 
-async def test_continuation_prefers_the_instance_holding_the_prefix(healthy: Fleet) -> None:
+async def test_continuation_prefers_the_instance_holding_the_prefix(healthy: Fleet, tap: UpstreamTap) -> None:
     """First in the module, before any engine was killed: an engine its supervisor restarted
     may take long to feed the index its KV events again (seen: over 30 s)."""
     f = healthy
@@ -259,14 +286,15 @@ async def test_continuation_prefers_the_instance_holding_the_prefix(healthy: Fle
     await wait_until(warmed, 30, "both warm engines indexed", ok=lambda v: min(v) >= prompt_tokens // 16,
                      every_s=0.5)
     full_blocks = prompt_tokens // 16
-    at: list[float] = []
     body = {**chat_body("", 300), "messages": messages}
-    s = await read_stream(f, body, on_token=kill_after(f, 20, at))
+    rid = kill_at(f, tap, 20)
+    s = await read_stream(f, body, request_id=rid)
+    acted(tap, rid)
     assert s.instance in {i.instance_id for i in warm}
     assert_whole(s, 300)
     usage = s.usage
     assert usage is not None
-    leg = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1][-1]
+    leg = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1 and d["request_id"] == rid][-1]
     assert leg["instance"] in {i.instance_id for i in warm} and leg["instance"] != cold.instance_id
     # the engine served the original prompt's full blocks from its cache: only the tail was prefilled
     reprefill, cached = usage["tokenfleet_reprefill_tokens"], usage["tokenfleet_reprefill_cached_tokens"]
@@ -277,17 +305,18 @@ async def test_continuation_prefers_the_instance_holding_the_prefix(healthy: Fle
 
 # --- the engine dies or stalls mid-stream ---
 
-async def test_engine_killed_mid_stream_chat_completes_elsewhere(healthy: Fleet) -> None:
+async def test_engine_killed_mid_stream_chat_completes_elsewhere(healthy: Fleet, tap: UpstreamTap) -> None:
     f = healthy
     before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued")
-    at: list[float] = []
-    s = await read_stream(f, chat_body("tell me a long story about fleets", 300), on_token=kill_after(f, 20, at))
-    assert at, "the engine was never killed"
+    rid = kill_at(f, tap, 20)
+    s = await read_stream(f, chat_body("tell me a long story about fleets", 300), request_id=rid)
+    (fired,) = acted(tap, rid)
+    assert fired.instance_id == s.instance
     assert_whole(s, 300)
     usage = s.usage
     assert usage is not None and usage["tokenfleet_continuations"] == 1
     # the continuation re-prefilled the prompt and the tokens already relayed (at least the 20 the
-    # client had read when the engine died; a few more may have been in flight to it)
+    # gateway had read when the engine died; a few more may have been in flight to it)
     assert usage["prompt_tokens"] + 20 <= usage["tokenfleet_reprefill_tokens"] < usage["prompt_tokens"] + 300
     assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued") == before + 1
     # one stream to the client: its id and the chat shape throughout
@@ -301,26 +330,23 @@ async def test_engine_killed_mid_stream_chat_completes_elsewhere(healthy: Fleet)
     assert not f.ctx.relay.live
 
 
-async def test_engine_killed_mid_stream_completions(healthy: Fleet) -> None:
+async def test_engine_killed_mid_stream_completions(healthy: Fleet, tap: UpstreamTap) -> None:
     f = healthy
-    at: list[float] = []
-    s = await read_stream(f, completion_body("Once upon a time in a datacenter", 200), chat=False,
-                          on_token=kill_after(f, 50, at))
-    assert at
+    rid = kill_at(f, tap, 50)
+    s = await read_stream(f, completion_body("Once upon a time in a datacenter", 200), chat=False, request_id=rid)
+    acted(tap, rid)
     assert_whole(s, 200)
     assert all(e.get("object") == "text_completion" for e in s.events if isinstance(e, dict))
     assert s.text.startswith(" ")  # completions words keep their spaces across the splice
 
 
-async def test_engine_stopped_mid_stream_continues_after_idle_deadline(healthy: Fleet) -> None:
+async def test_engine_stopped_mid_stream_continues_after_idle_deadline(healthy: Fleet, tap: UpstreamTap) -> None:
     f = healthy
     before = f.metric("tokenfleet_continuations_total", reason="stalled", outcome="continued")
-
-    def stop_at_ten(s: Stream) -> None:
-        if s.tokens == 10:
-            f.stop(s.instance)
-
-    s = await read_stream(f, chat_body("a story told slowly", 150), on_token=stop_at_ten)
+    rid = new_rid("stop")
+    tap.at_tokens(rid, 10, f.stop)
+    s = await read_stream(f, chat_body("a story told slowly", 150), request_id=rid)
+    acted(tap, rid)
     assert_whole(s, 150)
     # the gap the client saw: the idle deadline (detection), then choice and re-prefill
     gap = max(s.gaps)
@@ -328,31 +354,19 @@ async def test_engine_stopped_mid_stream_continues_after_idle_deadline(healthy: 
     assert f.metric("tokenfleet_continuations_total", reason="stalled", outcome="continued") == before + 1
 
 
-def live_stream(f: Fleet, min_tokens: int) -> Any:
-    """The one stream the relay has in flight once it relayed `min_tokens` tokens, else None."""
-    for s in f.ctx.relay.live:
-        if s.d.stats.token_events >= min_tokens:
-            return s
-    return None
-
-
-async def test_non_streaming_request_continued_with_header(healthy: Fleet) -> None:
+async def test_non_streaming_request_continued_with_header(healthy: Fleet, tap: UpstreamTap) -> None:
     f = healthy
     for chat in (True, False):
         body = chat_body("a whole answer please", 200) if chat else completion_body("A whole answer:", 200)
         body.pop("stream_options")
         body["stream"] = False
-
-        async def killer() -> str:
-            s = await wait_until(lambda: live_stream(f, 20), 20, "20 tokens generated")
-            iid: str = s.d.iid
-            await f.kill(iid)
-            return iid
-
-        k = asyncio.create_task(killer())
-        async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        # The gateway reads a continuable whole answer from the engine as a stream: the tap sees it.
+        rid = kill_at(f, tap, 20)
+        async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}",
+                                                              "X-Request-Id": rid}, timeout=60) as c:
             r = await c.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
-        killed = await k
+        (fired,) = acted(tap, rid)
+        killed = fired.instance_id
         assert r.status_code == 200, r.text
         assert r.headers["x-tokenfleet-continued"] == "1"
         assert r.headers["x-tokenfleet-instance"] == killed  # the first leg's; the answer is whole anyway
@@ -366,18 +380,17 @@ async def test_non_streaming_request_continued_with_header(healthy: Fleet) -> No
 
 # --- limits and honesty ---
 
-async def test_third_failure_ends_with_error_event(healthy: Fleet) -> None:
+async def test_third_failure_ends_with_error_event(healthy: Fleet, tap: UpstreamTap) -> None:
     f = healthy
     before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="limit")
-    killed: list[str] = []
-
-    async def kill_current(s: Stream) -> None:
-        if s.tokens in (10, 40, 70):  # the first leg, then each continuation
-            current = await wait_until(lambda: live_stream(f, 0), 10, "the stream's current leg")
-            killed.append(current.d.iid)
-            await f.kill(current.d.iid)
-
-    s = await read_stream(f, chat_body("a story that keeps losing its engine", 300), on_token=kill_current)
+    rid = new_rid("thrice")
+    # the first leg at its 10th token, then each continuation at its 30th (each leg's own count:
+    # a dying leg's last tokens, read after its kill, never kill the next one)
+    for leg, n in enumerate((10, 30, 30)):
+        tap.at_tokens(rid, n, f.kill, leg=leg)
+    s = await read_stream(f, chat_body("a story that keeps losing its engine", 300), request_id=rid)
+    killed = [x.instance_id for x in acted(tap, rid, times=3)]
+    assert [x.leg for x in tap.fired_for(rid)] == [0, 1, 2]
     assert len(set(killed)) == 3, killed  # each continuation went to an instance that had not failed it
     assert s.events[-1] == "[DONE]" and s.events.count("[DONE]") == 1
     (err,) = s.errors
@@ -389,28 +402,29 @@ async def test_third_failure_ends_with_error_event(healthy: Fleet) -> None:
 
 @pytest.mark.parametrize(("extra", "label"), [({"logprobs": True, "top_logprobs": 2}, "logprobs"),
                                               ({"n": 2}, "n_gt_1")])
-async def test_unfaithful_request_ends_with_error_event_as_before(healthy: Fleet, extra: dict[str, Any],
-                                                                  label: str) -> None:
+async def test_unfaithful_request_ends_with_error_event_as_before(healthy: Fleet, tap: UpstreamTap,
+                                                                  extra: dict[str, Any], label: str) -> None:
     f = healthy
     before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome=label)
-    at: list[float] = []
-    s = await read_stream(f, chat_body("an answer with extras", 300, **extra), on_token=kill_after(f, 10, at))
-    assert at
+    rid = kill_at(f, tap, 10)
+    s = await read_stream(f, chat_body("an answer with extras", 300, **extra), request_id=rid)
+    acted(tap, rid)
     (err,) = s.errors
     assert err["code"] == "upstream_error"
     assert s.events[-1] == "[DONE]" and s.tokens < 300 * extra.get("n", 1)
     assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome=label) == before + 1
 
 
-async def test_pinned_tenant_is_not_continued_across_sites(healthy: Fleet) -> None:
+async def test_pinned_tenant_is_not_continued_across_sites(healthy: Fleet, tap: UpstreamTap) -> None:
     """The tenant may only run in the EU (one instance there): the continuation would have to leave
     it, and placement, the same as for a first attempt, allows none."""
     f = healthy
     (west,) = f.instances("west")
     before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="no_instance")
     east_before = sum(f.metric("tokenfleet_requests_total", instance=i.instance_id) for i in f.instances("east"))
-    at: list[float] = []
-    s = await read_stream(f, chat_body("stay in the EU", 300), key=PINNED_KEY, on_token=kill_after(f, 10, at))
+    rid = kill_at(f, tap, 10)
+    s = await read_stream(f, chat_body("stay in the EU", 300), key=PINNED_KEY, request_id=rid)
+    acted(tap, rid)
     assert s.instance == west.instance_id
     (err,) = s.errors
     assert err["code"] == "upstream_error" and s.events[-1] == "[DONE]"
@@ -423,25 +437,36 @@ async def test_pinned_tenant_is_not_continued_across_sites(healthy: Fleet) -> No
 
 # --- drain migration ---
 
-async def test_drain_moves_streams_that_would_outlive_the_drain_timeout(healthy: Fleet) -> None:
+async def test_drain_moves_streams_that_would_outlive_the_drain_timeout(healthy: Fleet, tap: UpstreamTap) -> None:
     """drain_timeout_s is 2 s here; ~6 ms a token: 40 tokens fit, 600 do not."""
     f = healthy
     before = f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued")
+    drained: list[tuple[str, bool]] = []
 
-    def drain_at(n: int) -> Callable[[Stream], None]:
-        def on_token(s: Stream) -> None:
-            if s.tokens == n:
-                assert f.ctx.state.drain(s.instance)
-        return on_token
+    def drain_at(n: int) -> str:
+        """A request id whose instance is drained once the gateway has read its n-th token: right
+        after the relay processed that read (a drain is the gateway's own state, not touched from
+        inside its read; the stream is in the relay's live set by then)."""
+        def drain(iid: str) -> None:
+            asyncio.get_running_loop().call_soon(lambda: drained.append((iid, f.ctx.state.drain(iid))))
+        rid = new_rid("drain")
+        tap.at_tokens(rid, n, drain)
+        return rid
 
-    short = await read_stream(f, chat_body("a short one", 40), on_token=drain_at(10))
+    rid = drain_at(10)
+    short = await read_stream(f, chat_body("a short one", 40), request_id=rid)
+    acted(tap, rid, cut=False)  # it finishes where it is
+    assert drained == [(short.instance, True)], drained
     assert_whole(short, 40)
     assert short.usage is not None and "tokenfleet_continuations" not in short.usage  # finished where it was
     assert f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued") == before
     for st in f.ctx.state.states():
         st.draining = False
 
-    long = await read_stream(f, chat_body("a long one", 600), on_token=drain_at(20))
+    rid = drain_at(20)
+    long = await read_stream(f, chat_body("a long one", 600), request_id=rid)
+    acted(tap, rid)
+    assert drained[1:] == [(long.instance, True)], drained
     assert_whole(long, 600)
     assert long.usage is not None and long.usage["tokenfleet_continuations"] == 1
     assert f.metric("tokenfleet_continuations_total", reason="drained", outcome="continued") == before + 1
@@ -450,22 +475,23 @@ async def test_drain_moves_streams_that_would_outlive_the_drain_timeout(healthy:
     assert st is not None and st.up and st.draining
 
 
-async def test_client_leaving_during_a_continuation_releases_every_leg(healthy: Fleet) -> None:
+async def test_client_leaving_during_a_continuation_releases_every_leg(healthy: Fleet, tap: UpstreamTap) -> None:
     f = healthy
     gone_before = f.metric("tokenfleet_requests_total", status="499")
     body = chat_body("a story nobody finishes reading", 2000)
+    rid = kill_at(f, tap, 10)
+    continued: list[str] = []
+    tap.at_tokens(rid, 1, continued.append, leg=1)  # the continuation leg's first token reached the gateway
     tokens = 0
-    async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}
+    async with httpx.AsyncClient(base_url=f.url, headers=headers, timeout=60) as c:
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            iid = r.headers["x-tokenfleet-instance"]
             async for line in r.aiter_lines():
                 if '"content":"' in line or '"content": "' in line:
                     tokens += 1
-                if tokens == 10:
-                    await f.kill(iid)
-                    tokens += 1
-                if tokens >= 60:
+                if tokens >= 60 and continued:
                     break  # well into the continuation: the client goes away
+    acted(tap, rid, times=2)
     cont = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued")
     assert cont >= 1
     await wait_until(lambda: [st.inflight for st in f.ctx.state.states()], 10, "no dispatch in flight",
@@ -475,7 +501,8 @@ async def test_client_leaving_during_a_continuation_releases_every_leg(healthy: 
                      ok=lambda n: n == gone_before + 1)
 
 
-async def test_client_leaving_while_a_continuation_waits_for_its_first_event_is_a_499(healthy: Fleet) -> None:
+async def test_client_leaving_while_a_continuation_waits_for_its_first_event_is_a_499(healthy: Fleet,
+                                                                                      tap: UpstreamTap) -> None:
     """The client leaves after its engine died and while the continuation leg still waits for its
     first event (every other engine SIGSTOPped: the leg is sent, nothing comes back). That leg was
     once finished as "continuation ended early" with no status, and the first leg as a
@@ -483,23 +510,28 @@ async def test_client_leaving_while_a_continuation_waits_for_its_first_event_is_
     f = healthy
     gone_before = f.metric("tokenfleet_requests_total", status="499")
     body = chat_body("a story whose reader leaves during its continuation", 2000)
+    rid = new_rid("strand")
+    others: list[str] = []
+
+    def strand(iid: str) -> None:
+        others.extend(st.instance.instance_id for st in f.ctx.state.states() if st.instance.instance_id != iid)
+        for other in others:
+            f.stop(other)  # the continuation is sent to one of them and waits there
+        f.kill(iid)
+
+    tap.at_tokens(rid, 10, strand)
     try:
-        async with httpx.AsyncClient(base_url=f.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}
+        async with httpx.AsyncClient(base_url=f.url, headers=headers, timeout=60) as c:
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                iid = r.headers["x-tokenfleet-instance"]
-                tokens = 0
-                async for line in r.aiter_lines():
-                    if '"content":"' in line or '"content": "' in line:
-                        tokens += 1
-                    if tokens == 10:
-                        others = [st.instance.instance_id for st in f.ctx.state.states()
-                                  if st.instance.instance_id != iid]
-                        for other in others:
-                            f.stop(other)  # the continuation is sent to one of them and waits there
-                        await f.kill(iid)
+                async for _ in r.aiter_lines():
+                    if tap.fired_for(rid):  # the engine is dead, the others stopped: the stream is mid-way
+                        acted(tap, rid)
                         await wait_until(lambda: sum(f.ctx.state.get(o).inflight for o in others), 10,
                                          "the continuation leg to be sent", ok=lambda n: n == 1)
                         break  # the client goes away while the continuation waits for its first event
+                else:
+                    raise AssertionError(f"the stream ended before its 10th token reached the gateway: {tap.fired}")
         await wait_until(lambda: f.metric("tokenfleet_requests_total", status="499"), 10, "the 499 counted",
                          ok=lambda n: n == gone_before + 1)
         await wait_until(lambda: [st.inflight for st in f.ctx.state.states()], 10, "no dispatch in flight",

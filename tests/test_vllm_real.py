@@ -46,6 +46,8 @@ from fleetcore.prefix import block_hashes
 from gateway.app import GatewayContext, create_app
 from gateway.routing import build_router
 from tests.replicas import alive, descendants
+from tests.upstream_tap import UpstreamTap
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 MAKE_VENV = ROOT / "deploy" / "vllm-cpu" / "make-venv.sh"
@@ -188,6 +190,14 @@ async def sse_events(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
     raise AssertionError("stream ended without [DONE]")
 
 
+def signal_engine(f: Fleet, iid: str, sig: int) -> None:
+    """`sig` to the engine's whole process group (the API server and its engine core)."""
+    from engine_adapters.process import kill_group
+
+    proc = f.adapter.process(f.instances[iid])
+    assert proc is not None and kill_group(proc, sig), f"engine {iid} has no process group to signal"
+
+
 async def complete(f: Fleet, prompt: str, max_tokens: int = 4) -> tuple[str, dict[str, Any]]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     async with f.session.post(f"{f.url}/v1/completions", json=body, headers=AUTH) as r:
@@ -294,18 +304,25 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         # cores often notices the closed connection only after the engine finished, so the
         # engine-side token count is not asserted here.
         before = await self._statuses(fleet)
-        iid = await self._abandon_one_request(fleet)
-        deadline = time.monotonic() + 10
-        while True:
-            after = await self._statuses(fleet)
-            changed = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
-            if changed.get("499", 0.0) >= 1 and fleet.ctx.state.get(iid).inflight == 0:
-                break
-            assert time.monotonic() < deadline, (
-                f"no 499 counted within 10 s of the client leaving; statuses counted since: {changed}, "
-                f"in flight on {iid}: {fleet.ctx.state.get(iid).inflight}")
-            await asyncio.sleep(0.05)
-        assert changed == {"499": 1.0}, changed
+        frozen: list[str] = []
+        try:
+            with UpstreamTap(fleet.ctx.relay) as tap:
+                iid = await self._abandon_one_request(fleet, tap, frozen)
+            deadline = time.monotonic() + 10
+            while True:
+                after = await self._statuses(fleet)
+                changed = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+                if changed.get("499", 0.0) >= 1 and fleet.ctx.state.get(iid).inflight == 0:
+                    break
+                assert time.monotonic() < deadline, (
+                    f"no 499 counted within 10 s of the client leaving; statuses counted since: {changed}, "
+                    f"in flight on {iid}: {fleet.ctx.state.get(iid).inflight}, the engine's [DONE] read "
+                    f"(sent before it was frozen): {[tap.finished(x.request_id, x.leg) for x in tap.fired]}")
+                await asyncio.sleep(0.05)
+            assert changed == {"499": 1.0}, changed
+        finally:
+            for i in frozen:  # the gateway has dropped the connection: the engine may go on and notice
+                signal_engine(fleet, i, signal.SIGCONT)
         # the engine finishes (or aborts) the request: nothing of it is left running
         t0 = time.monotonic()
         while (await engine_metrics(fleet, iid))["vllm:num_requests_running"] > 0:
@@ -324,20 +341,41 @@ class TestGatewayInFrontOfTwoVLLMEngines:
             out[labels.get("status", "")] = out.get(labels.get("status", ""), 0.0) + v
         return out
 
-    async def _abandon_one_request(self, f: Fleet) -> str:
+    async def _abandon_one_request(self, f: Fleet, tap: UpstreamTap, frozen: list[str]) -> str:
         """Start a long generation, leave once the stream has begun; the instance that served it.
 
         The client leaves only after the gateway answered 200 and relayed the first bytes, so
         the request is mid-stream (not queued, not refused) when it goes: the test knows which
-        path it exercises instead of inferring it from engine counters that lag on 2 cores."""
+        path it exercises instead of inferring it from engine counters that lag on 2 cores.
+
+        Its engine is frozen (SIGSTOP of its process group, listed in `frozen` for the caller to
+        SIGCONT) inside the gateway's read of the first token (`UpstreamTap`): it cannot finish
+        the stream before the client leaves. Left running, it could: on a loaded machine the
+        client's first read may come after the engine generated all its tokens, and a stream
+        that ended is a 200, not the 499 this test is about."""
+        rid = f"vllm-abandon-{os.urandom(6).hex()}"
+
+        def freeze(iid: str) -> None:
+            signal_engine(f, iid, signal.SIGSTOP)
+            frozen.append(iid)
+
+        tap.at_tokens(rid, 1, freeze)
         body = {"model": "tiny", "prompt": text(7, 20), "max_tokens": self.MAX_TOKENS, "ignore_eos": True,
                 "stream": True}
         client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         try:
-            r = await client.post(f"{f.url}/v1/completions", json=body, headers=AUTH)
+            r = await client.post(f"{f.url}/v1/completions", json=body, headers={**AUTH, "X-Request-Id": rid})
             assert r.status == 200, (r.status, await r.text())
             iid = r.headers["x-tokenfleet-instance"]
-            assert await r.content.readany(), "the stream ended before its first bytes"
+            got = b""
+            while not got or not tap.fired_for(rid):  # until the first token has reached the gateway
+                chunk = await r.content.readany()
+                assert chunk, f"the stream ended before its first token: {got[-500:]!r}"
+                got += chunk
+            (fired,) = tap.fired_for(rid)
+            assert fired.instance_id == iid and not fired.done, (
+                f"the engine had finished before the gateway read its first token: {fired}")
+            assert frozen == [iid]
             assert f.ctx.state.get(iid).inflight >= 1
         finally:
             await client.close()  # the client goes away mid-generation (its connection is closed)
@@ -348,40 +386,84 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         """Last in the class: it leaves one engine dead. The gateway continues the stream on the
         other engine (prompt ids + the engine's generated ids, `return_token_ids`): one stream, no
         error event, a usage that counts every token."""
-        from engine_adapters.process import kill_group
-
         f = fleet
-        # As long as the context allows, so that the engine is still generating when the client
-        # has read its first token: the tiny model on CPU is fast, and with 160 tokens (once)
-        # and 1,024 (once, after the relay got leaner) it had finished, and the gateway read it
-        # all, before the kill, leaving nothing to continue. The continuation's prompt is the
-        # prompt plus what was generated, so prompt + max_tokens must fit the 2,048 context.
+        # Both up: the continuation needs the other one (the previous check froze an engine a while).
+        await wait_until(lambda: [i for i in f.instances if not f.ctx.state.get(i).up], 30,
+                         "both engines ready", ok=lambda down: not down)
+        # When it dies. The engine is frozen (SIGSTOP of its process group: API server and engine
+        # core) inside the gateway's own read of its first token (`UpstreamTap`), before the relay
+        # has processed that read; once the client has read that token it is taken off
+        # supervision and killed. It used to be killed only when the client had read its first
+        # delta: on a loaded 2-core machine that came after the engine, a separate process
+        # generating as fast as the CPU lets it, had sent ~1,900 tokens and [DONE], and the
+        # stream had ended on it with nothing left to continue (the gateway's loop, this test's
+        # process, was seen kept off the CPU for 4-10 s at a time at load 10-12, the time the
+        # engine takes for the whole budget). Frozen at the gateway's read, it cannot finish
+        # however late the relay and the client catch up. What is left is the time between its
+        # first token and the gateway's read of it; so the engine the request is sent to runs
+        # at nice 19 from before it has the request (`before_first_send`): while this process
+        # (nice 0) is runnable, the scheduler runs it first and the engine gets ~1/68 of a CPU
+        # it competes for, so it cannot run through the budget while the gateway waits for a
+        # CPU. Should it still have finished first, its [DONE], sent before the freeze, is on
+        # that leg (`fired.done`, `tap.finished`), which fails by name. The killed engine is
+        # the only one niced; the continuation runs on the other at normal priority.
+        # How long: as long as the context allows (prompt + max_tokens must fit its 2,048, since
+        # the continuation's prompt is the prompt plus what was generated).
         messages = [{"role": "user", "content": text(31, 60)}]
         max_tokens = 2048 - len(f.ctx.tokenizers["tiny"].chat_ids(messages)) - 16
         assert max_tokens > 1024
         body = {"model": "tiny", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}, "messages": messages}
+        rid = f"vllm-kill-{os.urandom(6).hex()}"
         events: list[Any] = []
         deltas = 0
+        frozen: list[str] = []
+        niced: list[str] = []
         killed: str | None = None
-        async with f.session.post(f"{f.url}/v1/chat/completions", json=body, headers=AUTH) as r:
-            assert r.status == 200, await r.text()
-            iid = r.headers["x-tokenfleet-instance"]
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                ev: Any = "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
-                events.append(ev)
-                if isinstance(ev, dict) and any((c.get("delta") or {}).get("content") for c in ev.get("choices") or ()):
-                    deltas += 1
-                    if deltas == 1 and killed is None:
-                        proc = f.adapter.process(f.instances[iid])
-                        assert proc is not None
-                        assert kill_group(proc)  # first: not one more token from it
-                        await f.adapter.supervisor.release(iid)  # stays dead: no restart on 2 cores
-                        killed = iid
+
+        def below_the_gateway(iid: str) -> None:
+            proc = f.adapter.process(f.instances[iid])
+            assert proc is not None
+            os.setpriority(os.PRIO_PGRP, proc.pid, 19)  # every thread of its group (API server, engine core)
+            niced.append(iid)
+
+        def freeze(iid: str) -> None:
+            signal_engine(f, iid, signal.SIGSTOP)  # not one more token from it
+            frozen.append(iid)
+
+        async def kill(iid: str) -> None:
+            await f.adapter.supervisor.release(iid)  # stays dead: no restart on 2 cores
+            signal_engine(f, iid, signal.SIGKILL)
+
+        try:
+            with UpstreamTap(f.ctx.relay) as tap:
+                tap.before_first_send(rid, below_the_gateway)
+                tap.at_tokens(rid, 1, freeze)
+                async with f.session.post(f"{f.url}/v1/chat/completions", json=body,
+                                          headers={**AUTH, "X-Request-Id": rid}) as r:
+                    assert r.status == 200, await r.text()
+                    iid = r.headers["x-tokenfleet-instance"]
+                    async for raw in r.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: "):
+                            continue
+                        ev: Any = "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+                        events.append(ev)
+                        if isinstance(ev, dict) and any((c.get("delta") or {}).get("content")
+                                                        for c in ev.get("choices") or ()):
+                            deltas += 1
+                            if deltas == 1 and killed is None:
+                                (fired,) = tap.fired_for(rid)  # the gateway read it first
+                                assert fired.instance_id == iid and frozen == niced == [iid], (fired, frozen, niced)
+                                assert not fired.done, (
+                                    f"the engine had sent all its tokens before the gateway read its first: {fired}")
+                                await kill(iid)
+                                killed = iid
+        finally:
+            if frozen and killed is None:  # failed on the way: leave no engine stopped
+                await kill(frozen[0])
         assert killed is not None, "the stream ended before the engine could be killed"
+        assert not tap.finished(rid, 0), "the engine had sent its whole answer before the gateway froze it"
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         assert not errors, errors
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
@@ -390,9 +472,10 @@ class TestGatewayInFrontOfTwoVLLMEngines:
         assert usage["completion_tokens"] == max_tokens and usage["tokenfleet_continuations"] == 1, usage
         leg = [d for d in f.ctx.decisions.last(20) if d["continuation"] == 1][-1]
         (other,) = [i for i in f.instances if i != killed]
-        assert leg["instance"] == other and killed in leg["excluded"], leg
+        assert leg["request_id"] == rid and leg["instance"] == other and killed in leg["excluded"], leg
         assert all("token_ids" not in c for e in events if isinstance(e, dict) for c in e.get("choices") or ())
-        _say(f"continued on {other} after {killed} was killed: usage {usage}")
+        _say(f"continued on {other} after {killed} was frozen at the gateway's token {fired.tokens} "
+             f"and killed: usage {usage}")
 
 
 # --- `tokenfleet up` with a vLLM deployment next to a simulated one ----------------------
