@@ -100,13 +100,15 @@ def _reference_score(tp, m, profile, pool, k, matched_blocks, now):  # type: ign
     duty = g[s.DUTY]
     np.multiply(duty, np.exp(elapsed / -window), out=duty)
     decoding = np.maximum(streams - g[s.OUT_N], 0.0)
-    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, token_s, kv_s, overhead)
+    # (the forward TTFT's own step costs since i19-pred: the prefill factor's until a step fit is in)
+    f_token, f_attn, f_overhead = g[s.FWD_TOKEN_EFF], g[s.FWD_ATTN_EFF], g[s.FWD_OVERHEAD]
+    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
     untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
     backlog_tok = _np_reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
                                 g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
     ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
-    forward = _np_forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
-                               overhead)
+    forward = _np_forward_ttft(ahead, uncached, cached, decoding, context, budget, f_token, f_attn, kv_s,
+                               f_overhead)
     np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
     m[s.BACKLOG:s.DECAYED_AT + 1, k] = g[s.BACKLOG:s.DECAYED_AT + 1]
     m[s.BACKLOG_TOK, k] = backlog_tok
@@ -211,6 +213,11 @@ def test_compiled_scoring_equals_the_numpy_code_it_replaced(seed: int, learned: 
     cfg = TokenPilotConfig(learned_cost=learned, interference_weight=rng.choice((1.0, 0.7)),
                            locality_weight=rng.choice((1.0, 1.5)), decode_slo_weight=rng.choice((1.0, 2.0)))
     tp, pool = _router(rng, rng.choice((1, 7, 64)), cfg)
+    slots = tp._s
+    for j in range(len(slots.ids)):  # the forward TTFT's step fit in on some instances (i19-pred)
+        if rng.random() < 0.5:
+            slots.m[slots.FWD_OVERHEAD_F, j], slots.m[slots.FWD_TOKEN_F, j] = rng.uniform(1 / 16, 4), rng.uniform(1 / 16, 4)
+            slots.refresh(j)
     if learned:
         nrng = np.random.default_rng(seed)
         tp.latency.ttft, tp.latency.tpot = _fit(nrng), _fit(nrng)

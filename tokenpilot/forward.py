@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import float64, njit
+from numba.types import UniTuple
 
-from tokenpilot.jit import INLINE, fmax, fmin
+from tokenpilot.jit import INLINE, JIT, fmax, fmin
 
 
 @njit(float64(float64, float64, float64, float64, float64, float64), **INLINE)
@@ -65,3 +66,41 @@ def forward_ttft(ahead_tokens: float, uncached: float, cached: float, decoding: 
     busy = step_s(now_tokens, context, token_s, kv_s, overhead_s, budget) if now_tokens > 0 else 0.0
     own_attention = attn_s * uncached * (cached + uncached / 2)
     return 0.5 * busy + (steps - 1.0) * full + last + own_attention
+
+
+@njit(UniTuple(float64, 3)(float64, float64, float64, float64, float64, float64, float64, float64), **INLINE)
+def _step_parts(tokens: float, context: float, token_s: float, kv_s: float, overhead_s: float, budget: float,
+                token_f: float, overhead_f: float) -> tuple[float, float, float]:
+    """`step_s` at token cost `token_s * token_f` and fixed cost `overhead_s * overhead_f`, split
+    into (the fixed-cost part per unit of `overhead_f`, the per-token part per unit of `token_f`,
+    the rest): the branch of the max taken at the scaled values."""
+    ov, tok = overhead_s * overhead_f, token_s * token_f
+    if ov + context * kv_s >= tokens * (tok + ov / budget):
+        return overhead_s, 0.0, context * kv_s
+    return tokens * overhead_s / budget, tokens * token_s, 0.0
+
+
+@njit(UniTuple(float64, 3)(float64, float64, float64, float64, float64, float64, float64, float64, float64,
+                           float64, float64, float64), **JIT)
+def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding: float, context: float,
+                  budget: float, token_s: float, attn_s: float, kv_s: float, overhead_s: float,
+                  token_f: float, overhead_f: float) -> tuple[float, float, float]:
+    """`forward_ttft` at per-token costs `token_s`, `attn_s` times `token_f` and step fixed cost
+    `overhead_s` times `overhead_f`, as (a, b, c) with TTFT = overhead_f * a + token_f * b + c:
+    `a`, the steps' fixed cost at factor 1; `b`, their per-token compute and own attention at
+    factor 1; `c`, the decode streams' KV reads (the decode factor's, already in `kv_s`). Linear
+    in the two factors for a given split of each step's max, which is what lets
+    `tokenpilot.learning.StepFit` fit them by least squares from observed TTFTs."""
+    chunk = fmax(budget - decoding, 1.0)
+    work = ahead_tokens + uncached
+    steps = fmax(np.ceil(work / chunk), 1.0)
+    fa, fb, fc = _step_parts(budget, context, token_s, kv_s, overhead_s, budget, token_f, overhead_f)
+    la, lb, lc = _step_parts(work - (steps - 1.0) * chunk + decoding, context, token_s, kv_s, overhead_s, budget,
+                             token_f, overhead_f)
+    now_tokens = fmin(ahead_tokens + decoding, budget)
+    ba, bb, bc = 0.0, 0.0, 0.0
+    if now_tokens > 0:
+        ba, bb, bc = _step_parts(now_tokens, context, token_s, kv_s, overhead_s, budget, token_f, overhead_f)
+    own_attention = attn_s * uncached * (cached + uncached / 2)
+    n = steps - 1.0
+    return (0.5 * ba + n * fa + la, 0.5 * bb + n * fb + lb + own_attention, 0.5 * bc + n * fc + lc)

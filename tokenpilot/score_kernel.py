@@ -41,7 +41,12 @@ TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
 # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
 # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
 BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
-STATE_ROWS = 27
+# The scheduler-forward TTFT's own step costs (`tokenpilot.learning.StepFit`): its per-token factor
+# on TOKEN_S / ATTN_S (NaN: none fitted, the prefill factor's) and its fixed-cost factor on
+# OVERHEAD_S (1: none fitted), and the costs they give (derived by `refresh`). The routing cost
+# reads none of them: only the forward TTFT (what a decision reports) and its token drain do.
+FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = range(27, 32)
+STATE_ROWS = 32
 
 # -- rows of a decision's results (`o`) ---------------------------------------------------------
 (O_COST, O_TTFT, O_QUEUE, O_PREFILL, O_INTERFERENCE, O_KV, O_CACHED, O_DECODE, O_COMPUTE, O_OWN_STEP,
@@ -144,13 +149,14 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # what the decision reports and the learned residual corrects; the cost ranks by the
         # physics above unless `learned_cost`.
         decoding = _max(streams - m[OUT_N, s], 0.0)
-        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
+        f_token, f_attn, f_overhead = m[FWD_TOKEN_EFF, s], m[FWD_ATTN_EFF, s], m[FWD_OVERHEAD, s]
+        drained_tok = elapsed * drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
         untracked_tok = _max(0.0, m[UNTRACKED_TOK, s] - drained_tok)
         # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
         backlog_tok = reconcile(_max(0.0, m[BACKLOG_TOK, s] - drained_tok), untracked_tok, m[OUT_TOK, s],
                                 m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
         ahead = _max(backlog_tok, waiting_ctx)
-        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, attn, kv_s, overhead)
+        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, f_token, f_attn, kv_s, f_overhead)
         duty_after = _min(max_duty, duty + compute / window)
         decode_step = m[OVERHEAD_DF, s] + context_kv
         tpot_factor = m[TPOT_FACTOR, s]
@@ -206,6 +212,12 @@ def refresh(m: np.ndarray, k: int) -> None:
     m[ATTN_EFF, k] = m[ATTN_S, k] * m[PREFILL_FACTOR, k]
     m[KV_EFF, k] = m[KV_S, k] * m[DECODE_FACTOR, k]
     m[OVERHEAD_DF, k] = m[OVERHEAD_S, k] * m[DECODE_FACTOR, k]
+    token_f = m[FWD_TOKEN_F, k]
+    if token_f != token_f:  # none fitted: the prefill factor's costs, the very floats
+        m[FWD_TOKEN_EFF, k], m[FWD_ATTN_EFF, k] = m[TOKEN_EFF, k], m[ATTN_EFF, k]
+    else:
+        m[FWD_TOKEN_EFF, k], m[FWD_ATTN_EFF, k] = m[TOKEN_S, k] * token_f, m[ATTN_S, k] * token_f
+    m[FWD_OVERHEAD, k] = m[OVERHEAD_S, k] * m[FWD_OVERHEAD_F, k]
     refresh_context(m, k)
 
 
@@ -259,8 +271,8 @@ def settle(m: np.ndarray, k: int, now: float, elapsed: float, decay: float) -> N
     m[BACKLOG, k] = reconcile(m[BACKLOG, k], m[BACKLOG_UNTRACKED, k], m[OUT_S, k], m[HEAD_S, k])
     # (the drain rate from the slot's own streams: the engine's count is not at hand here)
     decoding = _pymax(m[STREAMS, k] - m[OUT_N, k], 0.0)
-    drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[TOKEN_EFF, k], m[KV_EFF, k],
-                                   m[OVERHEAD_S, k])
+    drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[FWD_TOKEN_EFF, k], m[KV_EFF, k],
+                                   m[FWD_OVERHEAD, k])
     m[UNTRACKED_TOK, k] = _pymax(0.0, m[UNTRACKED_TOK, k] - drained)
     m[BACKLOG_TOK, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK, k] - drained), m[UNTRACKED_TOK, k],
                                   m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
