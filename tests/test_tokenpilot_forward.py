@@ -170,7 +170,7 @@ def test_step_fit_recovers_both_factors_and_holds_the_unidentified_one() -> None
     assert fit.factors(1.0, 0.5) is None  # no data: no fit
     for i in range(200):
         a, b, c = rng.uniform(0.02, 0.06), rng.uniform(0.0, 0.2), rng.uniform(0.0, 0.002)
-        fit.update(a, b, c, 0.25 * a + 0.4 * b + c)
+        fit.update(a, b, c, 0.25 * a + 0.4 * b + c, a + 0.5 * b + c)
         if i + 1 < fit.min_samples:
             assert fit.factors(1.0, 0.5) is None  # thin data: the caller keeps its prior
     x, t = fit.factors(1.0, 0.5)
@@ -179,7 +179,7 @@ def test_step_fit_recovers_both_factors_and_holds_the_unidentified_one() -> None
     # the ridge keeps the pair near the fallback along the unidentified direction, within bounds.
     same = StepFit()
     for _ in range(100):
-        same.update(0.03, 0.01, 0.0, 0.25 * 0.03 + 0.4 * 0.01)
+        same.update(0.03, 0.01, 0.0, 0.25 * 0.03 + 0.4 * 0.01, 0.035)
     x, t = same.factors(1.0, 0.5)
     assert 0.03 * x + 0.01 * t == pytest.approx(0.25 * 0.03 + 0.4 * 0.01, rel=0.15)
     assert same.lo <= x <= same.hi and same.lo <= t <= same.hi
@@ -187,7 +187,7 @@ def test_step_fit_recovers_both_factors_and_holds_the_unidentified_one() -> None
     far = StepFit()
     for _ in range(100):
         a, b = rng.uniform(0.02, 0.06), rng.uniform(0.0, 0.2)
-        far.update(a, b, 0.0, 0.001 * (a + b))
+        far.update(a, b, 0.0, 0.001 * (a + b), a + b)
     assert far.factors(1.0, 1.0) == (far.lo, far.lo)
 
 

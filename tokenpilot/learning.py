@@ -46,8 +46,9 @@ class StepFit:
     (bench/ROUTING.md, "i19-live"). Here the scheduler-forward TTFT is split, at the decision, into
     its steps' fixed cost `a` and per-token cost `b` at factor 1 and the rest `c`
     (`tokenpilot.forward.forward_parts`), and the two factors are fitted by weighted least squares,
-    observed = overhead_f * a + token_f * b + c, each outcome weighted by 1 / observed² (the
-    relative error is what is judged), older outcomes fading by `decay` each (no clock: the
+    observed = overhead_f * a + token_f * b + c, each outcome weighted by 1 / predicted² (the
+    relative error is what is judged; weighting by 1 / observed² instead biased the fit low
+    under noise, the shortest observations weighing most), older outcomes fading by `decay` each (no clock: the
     window is ~1 / (1 - decay) outcomes). A ridge term of `prior_weight` mean outcomes pulls both
     factors toward the caller's fallback, so one kind of prompt (every one a single step) leaves
     the unidentified factor where it was; below `min_samples` outcomes there is no fit at all
@@ -67,10 +68,12 @@ class StepFit:
     weight: float = 0.0  # outcomes in the window (decayed count)
     samples: int = 0
 
-    def update(self, a: float, b: float, c: float, observed_s: float) -> None:
-        if not (a >= 0 and b >= 0 and observed_s > 0 and math.isfinite(a + b + c + observed_s)):
+    def update(self, a: float, b: float, c: float, observed_s: float, predicted_s: float) -> None:
+        """One outcome: the forward TTFT's split at its decision, what it got, and what was predicted."""
+        if not (a >= 0 and b >= 0 and observed_s > 0 and predicted_s > 0
+                and math.isfinite(a + b + c + observed_s + predicted_s)):
             return
-        w = 1.0 / max(observed_s, 1e-3) ** 2
+        w = 1.0 / max(predicted_s, 1e-3) ** 2
         y = observed_s - c
         d = self.decay
         self.saa = d * self.saa + w * a * a

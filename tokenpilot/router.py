@@ -639,7 +639,7 @@ class TokenPilot(InstanceRouter):
         # The forward TTFT's step costs, from every outcome (its queue is in tokens, of the same
         # steps): fitted apart, they leave the prefill factor, and so the cost, as they were.
         if ttft is not None and rec.forward_parts is not None:
-            learned.step.update(*rec.forward_parts, ttft)
+            learned.step.update(*rec.forward_parts, ttft, rec.forward_ttft_s)
             fit = learned.step.factors(1.0, float(m[s.PREFILL_FACTOR, k]))
             if fit is not None:
                 m[s.FWD_OVERHEAD_F, k], m[s.FWD_TOKEN_F, k] = fit
