@@ -14,7 +14,11 @@ the instance and not through), and time comes from how the engine schedules them
                + our own attention over the context (quadratic in long prompts)
 
 Step time is the roofline's shape over the prior's figures (`step_s`), with the instance's
-learned speed factors. The future (prompts
+own step costs: its fixed cost and its per-token cost each times a factor fitted from observed
+TTFTs (`tokenpilot.learning.StepFit`, on `forward_parts`' split of each prediction; the prefill
+speed factor and the prior's fixed cost until 32 outcomes are in). One multiplicative factor
+could not mend a wrong fixed cost: live over sim workers 4x faster than the roofline it left
+every prompt under ~1,100 tokens predicted at ~30 ms (bench/ROUTING.md, "i19-pred"). The future (prompts
 arriving after this one) is left out: in FCFS order they queue behind it and only lengthen
 its last step, which the learned residual (`tokenpilot.latency_model`) can pick up.
 Pure: one candidate's floats in, seconds (or tokens per second) out; compiled (numba, see
