@@ -253,3 +253,25 @@ def test_thin_data_keeps_the_prior_and_the_step_fit_moves_no_routing_cost() -> N
     true = forward_ttft(0.0, 300.0, 0.0, 0.0, 0.0, prior.max_batched_tokens, prior.prefill_token_s / 3,
                         prior.attn_s_per_token_ctx / 3, 0.0, prior.step_overhead_s / 4)
     assert before[12][0] == pytest.approx(true, rel=0.03) and after[12][0] > 1.5 * true
+
+
+def test_step_fit_is_not_dragged_by_outliers() -> None:
+    """One outcome in ten 20x its prediction (a prefix the engine had evicted, a burst): in the
+    simulator's conversation trace such outcomes, on mostly-cached prompts whose prediction is
+    nearly all one step's fixed cost, drove a plain least-squares fit's fixed-cost factor to its
+    bound (4x) and the forward TTFT's median error from 8% to 25%. The robust weighting holds it."""
+    from tokenpilot.learning import StepFit
+
+    rng = np.random.default_rng(5)
+    robust, plain = StepFit(), StepFit(robust_floor=1e9)  # (a floor that high: plain least squares)
+    for _ in range(400):
+        a, b, c = rng.uniform(0.01, 0.03), rng.uniform(0.0, 0.3), 0.0
+        true = 0.5 * a + 0.8 * b
+        observed = true * (20.0 if rng.random() < 0.1 else rng.uniform(0.9, 1.1))
+        for fit in (robust, plain):  # each predicted with its fit so far, as the router does
+            x, t = fit.factors(1.0, 1.0) or (1.0, 1.0)
+            fit.update(a, b, c, observed, x * a + t * b + c)
+    x, t = robust.factors(1.0, 1.0)
+    assert x == pytest.approx(0.5, rel=0.15) and t == pytest.approx(0.8, rel=0.1)
+    x, t = plain.factors(1.0, 1.0)
+    assert x > 1.0 or t > 1.2  # what it was

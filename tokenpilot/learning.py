@@ -48,7 +48,10 @@ class StepFit:
     (`tokenpilot.forward.forward_parts`), and the two factors are fitted by weighted least squares,
     observed = overhead_f * a + token_f * b + c, each outcome weighted by 1 / predicted² (the
     relative error is what is judged; weighting by 1 / observed² instead biased the fit low
-    under noise, the shortest observations weighing most), older outcomes fading by `decay` each (no clock: the
+    under noise, the shortest observations weighing most) and by 1 / its own relative error at
+    that prediction (floored at `robust_floor`: a least-absolute-deviation fit, approximately; plain
+    least squares let the simulator's few 20-40x outcomes, mostly-cached prompts whose prefix the
+    engine no longer held, drive the fixed-cost factor to its bound), older outcomes fading by `decay` each (no clock: the
     window is ~1 / (1 - decay) outcomes). A ridge term of `prior_weight` mean outcomes pulls both
     factors toward the caller's fallback, so one kind of prompt (every one a single step) leaves
     the unidentified factor where it was; below `min_samples` outcomes there is no fit at all
@@ -58,6 +61,7 @@ class StepFit:
     decay: float = 0.995
     min_samples: int = 32
     prior_weight: float = 1.0
+    robust_floor: float = 0.1
     lo: float = 1 / 16
     hi: float = 4.0
     saa: float = 0.0
@@ -73,7 +77,10 @@ class StepFit:
         if not (a >= 0 and b >= 0 and observed_s > 0 and predicted_s > 0
                 and math.isfinite(a + b + c + observed_s + predicted_s)):
             return
-        w = 1.0 / max(predicted_s, 1e-3) ** 2
+        # Relative squared error, and a least-absolute-deviation reweighting (by the outcome's error
+        # at its own prediction, floored at `robust_floor`): an outcome far off the prediction (a
+        # prefix the engine had evicted, a burst) moves the fit as much as a median fit would let it.
+        w = 1.0 / (max(predicted_s, 1e-3) ** 2 * max(abs(observed_s / predicted_s - 1.0), self.robust_floor))
         y = observed_s - c
         d = self.decay
         self.saa = d * self.saa + w * a * a
