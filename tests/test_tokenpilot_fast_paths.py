@@ -37,7 +37,7 @@ def _reference_settle(tp: TokenPilot, m: np.ndarray, k: int, now: float) -> None
     m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
     decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
     drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k],
-                                         m[s.BUDGET, k], m[s.FWD_TOKEN_EFF, k], m[s.KV_EFF, k], m[s.FWD_OVERHEAD, k]))
+                                         m[s.BUDGET, k], m[s.TOKEN_EFF, k], m[s.KV_EFF, k], m[s.OVERHEAD_S, k]))
     m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
     m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
                                     m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))

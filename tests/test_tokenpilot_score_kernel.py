@@ -100,15 +100,13 @@ def _reference_score(tp, m, profile, pool, k, matched_blocks, now):  # type: ign
     duty = g[s.DUTY]
     np.multiply(duty, np.exp(elapsed / -window), out=duty)
     decoding = np.maximum(streams - g[s.OUT_N], 0.0)
-    # (the forward TTFT's own step costs since i19-pred: the prefill factor's until a step fit is in)
-    f_token, f_attn, f_overhead = g[s.FWD_TOKEN_EFF], g[s.FWD_ATTN_EFF], g[s.FWD_OVERHEAD]
-    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
+    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, token_s, kv_s, overhead)
     untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
     backlog_tok = _np_reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
                                 g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
     ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
-    forward = _np_forward_ttft(ahead, uncached, cached, decoding, context, budget, f_token, f_attn, kv_s,
-                               f_overhead)
+    forward = _np_forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
+                               overhead)
     np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
     m[s.BACKLOG:s.DECAYED_AT + 1, k] = g[s.BACKLOG:s.DECAYED_AT + 1]
     m[s.BACKLOG_TOK, k] = backlog_tok

@@ -86,7 +86,7 @@ class _Inflight:
     split_prefill: tuple[int, float, float, float, float] | None = None
     # The forward TTFT's split into fixed cost, per-token cost and the rest (`forward_parts`): what
     # its outcome teaches the instance's `StepFit`. None: it teaches nothing (a split P/D request).
-    forward_parts: tuple[float, float, float] | None = None
+    forward_parts: tuple[float, float, float, float] | None = None  # (a, b, c, the fitted forward TTFT)
 
 
 _PREFILL_FACTOR_LO = 1 / 16  # the fastest an instance's prefill may be learned to be, x its prior
@@ -409,12 +409,22 @@ class TokenPilot(InstanceRouter):
             near = [k for k in np.flatnonzero(cost <= cost[best] * cfg.explore_slack + 0.01) if k != best]
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
-        ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
+        ttft, cached = self._reported_ttft(terms, slots, chosen), int(terms[6][chosen])
         self._commit_at(profile, ids, slots, terms, chosen, now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))  # (bounded: the oldest falls out)
         return decision
+
+    def _reported_ttft(self, terms: tuple[np.ndarray, ...], slots: np.ndarray, j: int) -> float:
+        """The TTFT a decision reports for candidate `j` (the `x-tokenfleet-predicted-ttft-ms`
+        header): the forward TTFT with the instance's fitted step costs (`StepFit`) once it has
+        one, else the predicted TTFT as the rest of the router reads it (`terms[1]`, which the
+        site chooser and the P/D decision rank by: held at the prior's step costs, since ranking
+        sites by the fitted one cost goodput, bench/ROUTING.md "i19-pred")."""
+        if self._s.m[sk.FWD_TOKEN_F, int(slots[j])] != self._s.m[sk.FWD_TOKEN_F, int(slots[j])]:
+            return float(terms[1][j])
+        return float(terms[_MATRIX][sk.O_FORWARD_FIT, j])
 
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
                matched_blocks: np.ndarray, now: float) -> tuple[np.ndarray, ...]:
@@ -519,23 +529,23 @@ class TokenPilot(InstanceRouter):
                      col[sk.O_COMPUTE], col[sk.O_OWN_STEP], o[sk.O_FEATURES:, j].copy(), now, col[sk.O_FORWARD],
                      profile.prompt_tokens - col[sk.O_CACHED], self._forward_parts(k, profile.prompt_tokens, col))
 
-    def _forward_parts(self, k: int, prompt: float, col: list[float]) -> tuple[float, float, float]:
-        """The chosen candidate's forward TTFT split for its `StepFit` (`forward_parts`, with the
-        scoring's own inputs, read back from its result column `col`)."""
+    def _forward_parts(self, k: int, prompt: float, col: list[float]) -> tuple[float, float, float, float]:
+        """The chosen candidate's fitted forward TTFT split for its `StepFit` (`forward_parts`, with
+        the scoring's own inputs, read back from its result column `col`), and that TTFT."""
         m, f = self._s.m, sk.O_FEATURES
         token_f = float(m[sk.FWD_TOKEN_F, k])
         if token_f != token_f:
             token_f = float(m[sk.PREFILL_FACTOR, k])
         cached = col[sk.O_CACHED]
-        return forward_parts(col[sk.O_AHEAD], prompt - cached, cached, col[f + 10], col[f + 4] * 1e6,
-                             float(m[sk.BUDGET, k]), float(m[sk.TOKEN_S, k]), float(m[sk.ATTN_S, k]),
-                             float(m[sk.KV_EFF, k]), float(m[sk.OVERHEAD_S, k]), token_f,
-                             float(m[sk.FWD_OVERHEAD_F, k]))
+        return (*forward_parts(col[sk.O_AHEAD], prompt - cached, cached, col[f + 10], col[f + 4] * 1e6,
+                               float(m[sk.BUDGET, k]), float(m[sk.TOKEN_S, k]), float(m[sk.ATTN_S, k]),
+                               float(m[sk.KV_EFF, k]), float(m[sk.OVERHEAD_S, k]), token_f,
+                               float(m[sk.FWD_OVERHEAD_F, k])), col[sk.O_FORWARD_FIT])
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
                 now: float, forward_s: float, uncached: float,
-                forward_parts: tuple[float, float, float] | None = None) -> None:
+                forward_parts: tuple[float, float, float, float] | None = None) -> None:
         """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual;
         `forward_s`: the scheduler-forward TTFT; `uncached`: the prompt tokens it prefills there)."""
         self._memo.clear()
@@ -636,10 +646,11 @@ class TokenPilot(InstanceRouter):
         if ttft is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
             learned.prefill.update(ttft, rec.predicted_ttft_s)
             m[s.PREFILL_FACTOR, k] = learned.prefill.value
-        # The forward TTFT's step costs, from every outcome (its queue is in tokens, of the same
-        # steps): fitted apart, they leave the prefill factor, and so the cost, as they were.
+        # The reported TTFT's step costs, from every outcome (its queue is in tokens, of the same
+        # steps): fitted apart, they leave the prefill factor, the cost and every ranking as they were.
         if ttft is not None and rec.forward_parts is not None:
-            learned.step.update(*rec.forward_parts, ttft, rec.forward_ttft_s)
+            a, b, c, predicted = rec.forward_parts
+            learned.step.update(a, b, c, ttft, predicted)
             fit = learned.step.factors(1.0, float(m[s.PREFILL_FACTOR, k]))
             if fit is not None:
                 m[s.FWD_OVERHEAD_F, k], m[s.FWD_TOKEN_F, k] = fit

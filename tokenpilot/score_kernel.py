@@ -44,7 +44,7 @@ BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
 # The scheduler-forward TTFT's own step costs (`tokenpilot.learning.StepFit`): its per-token factor
 # on TOKEN_S / ATTN_S (NaN: none fitted, the prefill factor's) and its fixed-cost factor on
 # OVERHEAD_S (1: none fitted), and the costs they give (derived by `refresh`). The routing cost
-# reads none of them: only the forward TTFT (what a decision reports) and its token drain do.
+# reads none of them, nor anything a decision is made from: only the reported TTFT (O_FORWARD_FIT).
 FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = range(27, 32)
 STATE_ROWS = 32
 
@@ -53,7 +53,11 @@ STATE_ROWS = 32
  O_FORWARD, O_AHEAD, O_LOCALITY, O_CAPACITY, O_ELAPSED, O_DECAY) = range(16)
 # Scratch: the drained state, held until every candidate is read, then stored into `m`.
 _S_BACKLOG, _S_UNTRACKED, _S_DUTY, _S_BACKLOG_TOK, _S_UNTRACKED_TOK = range(16, 21)
-O_FEATURES = 21  # queue, prefill, uncached/1e3, streams, context/1e6, kv_usage, waiting, budget/1e3,
+# The forward TTFT with the instance's fitted step costs (`FWD_*`; O_FORWARD's very float until a
+# fit is in): what a decision reports. O_FORWARD, the learned model's prior and what the site
+# chooser and the P/D decision read, keeps the prior's step costs.
+O_FORWARD_FIT = 21
+O_FEATURES = 22  # queue, prefill, uncached/1e3, streams, context/1e6, kv_usage, waiting, budget/1e3,
 N_FEATURES = 13  # forward, ahead/1e3, decoding, log(max(forward, 1e-9)), 0.01/max(forward, 1e-9)
 F_KV_USAGE, F_LOG = O_FEATURES + 5, O_FEATURES + 11
 OUT_ROWS = O_FEATURES + N_FEATURES
@@ -149,14 +153,16 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # what the decision reports and the learned residual corrects; the cost ranks by the
         # physics above unless `learned_cost`.
         decoding = _max(streams - m[OUT_N, s], 0.0)
-        f_token, f_attn, f_overhead = m[FWD_TOKEN_EFF, s], m[FWD_ATTN_EFF, s], m[FWD_OVERHEAD, s]
-        drained_tok = elapsed * drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
+        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
         untracked_tok = _max(0.0, m[UNTRACKED_TOK, s] - drained_tok)
         # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
         backlog_tok = reconcile(_max(0.0, m[BACKLOG_TOK, s] - drained_tok), untracked_tok, m[OUT_TOK, s],
                                 m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
         ahead = _max(backlog_tok, waiting_ctx)
-        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, f_token, f_attn, kv_s, f_overhead)
+        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, attn, kv_s, overhead)
+        o[O_FORWARD_FIT, j] = forward if m[FWD_TOKEN_F, s] != m[FWD_TOKEN_F, s] else forward_ttft(
+            ahead, uncached, cached, decoding, context, budget, m[FWD_TOKEN_EFF, s], m[FWD_ATTN_EFF, s], kv_s,
+            m[FWD_OVERHEAD, s])
         duty_after = _min(max_duty, duty + compute / window)
         decode_step = m[OVERHEAD_DF, s] + context_kv
         tpot_factor = m[TPOT_FACTOR, s]
@@ -271,8 +277,8 @@ def settle(m: np.ndarray, k: int, now: float, elapsed: float, decay: float) -> N
     m[BACKLOG, k] = reconcile(m[BACKLOG, k], m[BACKLOG_UNTRACKED, k], m[OUT_S, k], m[HEAD_S, k])
     # (the drain rate from the slot's own streams: the engine's count is not at hand here)
     decoding = _pymax(m[STREAMS, k] - m[OUT_N, k], 0.0)
-    drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[FWD_TOKEN_EFF, k], m[KV_EFF, k],
-                                   m[FWD_OVERHEAD, k])
+    drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[TOKEN_EFF, k], m[KV_EFF, k],
+                                   m[OVERHEAD_S, k])
     m[UNTRACKED_TOK, k] = _pymax(0.0, m[UNTRACKED_TOK, k] - drained)
     m[BACKLOG_TOK, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK, k] - drained), m[UNTRACKED_TOK, k],
                                   m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
