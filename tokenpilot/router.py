@@ -215,6 +215,7 @@ class _Slots:
         sk.HEAD_TOK, sk.OUT_N
     FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = (
         sk.FWD_TOKEN_F, sk.FWD_OVERHEAD_F, sk.FWD_TOKEN_EFF, sk.FWD_ATTN_EFF, sk.FWD_OVERHEAD)
+    BACKLOG_TOK_FIT, UNTRACKED_TOK_FIT = sk.BACKLOG_TOK_FIT, sk.UNTRACKED_TOK_FIT
     ROWS = sk.STATE_ROWS
 
     def __init__(self) -> None:
@@ -537,7 +538,7 @@ class TokenPilot(InstanceRouter):
         if token_f != token_f:
             token_f = float(m[sk.PREFILL_FACTOR, k])
         cached = col[sk.O_CACHED]
-        return (*forward_parts(col[sk.O_AHEAD], prompt - cached, cached, col[f + 10], col[f + 4] * 1e6,
+        return (*forward_parts(col[sk.O_AHEAD_FIT], prompt - cached, cached, col[f + 10], col[f + 4] * 1e6,
                                float(m[sk.BUDGET, k]), float(m[sk.TOKEN_S, k]), float(m[sk.ATTN_S, k]),
                                float(m[sk.KV_EFF, k]), float(m[sk.OVERHEAD_S, k]), token_f,
                                float(m[sk.FWD_OVERHEAD_F, k])), col[sk.O_FORWARD_FIT])
@@ -821,7 +822,7 @@ class TokenPilot(InstanceRouter):
         # It had not started: all of it was still ahead of the clock that drained the queue in
         # front of it. The duty decays by the window since it was added.
         for row, x in ((s.BACKLOG, prefill), (s.BACKLOG_UNTRACKED, prefill), (s.BACKLOG_TOK, uncached),
-                       (s.UNTRACKED_TOK, uncached)):
+                       (s.UNTRACKED_TOK, uncached), (s.BACKLOG_TOK_FIT, uncached), (s.UNTRACKED_TOK_FIT, uncached)):
             m[row, kp] = max(0.0, m[row, kp] - x)
         m[s.DUTY, kp] = max(0.0, m[s.DUTY, kp] - duty * float(np.exp((at - now) / self._duty_window())))
         kd = rec.slot
