@@ -7,8 +7,10 @@ Runs TokenPilot in the simulator (virtual time; the learned model is refitted th
 gateway's background task would, every `LearnedLatency.refit_every` outcomes) and prints the
 median and P90 absolute percentage error of the predicted TTFT and TPOT of the chosen instance
 against the observed ones, for the cost model's physics (its queue + prefill seconds), the
-scheduler-forward prior (`tokenpilot.forward`) and the learned model over it (what the
-decision reports), over all requests and over the second half of the run (once the model
+scheduler-forward prior (`tokenpilot.forward`), the learned model over it (what the site
+chooser and the P/D decision read), and what the decision reports (the forward TTFT with the
+instance's fitted step costs, `tokenpilot.learning.StepFit`, once it has a fit; the learned
+model's before; its TPOT column is the learned one), over all requests and over the second half of the run (once the model
 has data).
 
 A prediction is made at dispatch, of the time from dispatch to the first token; a request
@@ -41,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the chosen instance's physics (queue + prefill), forward prior and learned TTFT; physics and
     # learned TPOT; the hold; then what the request got
     rows = [(x.detail["prior_ttft_s"], x.detail.get("forward_ttft_s", float("nan")), x.detail["predicted_ttft_s"],
-             x.detail["prior_tpot_s"], x.detail["tpot_s"], x.held, x.outcome.ttft_s, x.outcome.mean_tpot_s)
+             x.detail["prior_tpot_s"], x.detail["tpot_s"], x.held, x.outcome.ttft_s, x.outcome.mean_tpot_s,
+             x.detail.get("reported_ttft_s", float("nan")))
             for x in router.rows
             if x.outcome.ok and x.outcome.ttft_s and x.outcome.mean_tpot_s and x.outcome.output_tokens > 1]
     r = np.array(rows)
@@ -52,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "| TPOT median err | TPOT P90 err |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, rows in (("all", slice(None)), ("second half", slice(len(r) // 2, None))):
-        for name, ti, pi in (("cost model physics", 0, 3), ("scheduler-forward prior", 1, 3), ("learned", 2, 4)):
+        for name, ti, pi in (("cost model physics", 0, 3), ("scheduler-forward prior", 1, 3), ("learned", 2, 4),
+                             ("reported (step-fitted forward once fitted)", 8, 4)):
             tm, t90 = errors(held[rows] + r[rows, ti], ttft[rows])
             dm, d90 = errors(r[rows, ti], np.maximum(ttft[rows] - held[rows], 1e-6))
             pm, p90 = errors(r[rows, pi], tpot[rows])

@@ -49,7 +49,8 @@ class Recorder(TokenPilot):
         c = next((c for c in d.candidates if c.name == d.instance_id), None)
         if c is not None:
             held = max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
-            self._at[profile.request_id] = (held, now, dict(c.detail))
+            # (with what the decision reports: the step-fitted forward TTFT once there is a fit)
+            self._at[profile.request_id] = (held, now, {**c.detail, "reported_ttft_s": d.predicted_ttft_s})
         return d
 
     def observe(self, outcome: RequestOutcome) -> None:

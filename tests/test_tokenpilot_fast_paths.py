@@ -41,6 +41,15 @@ def _reference_settle(tp: TokenPilot, m: np.ndarray, k: int, now: float) -> None
     m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
     m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
                                     m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
+    # (since i19-pred: the reported TTFT's token backlog, drained at the fitted step costs where a fit is in)
+    if np.isnan(m[s.FWD_TOKEN_F, k]):
+        m[s.UNTRACKED_TOK_FIT, k], m[s.BACKLOG_TOK_FIT, k] = m[s.UNTRACKED_TOK, k], m[s.BACKLOG_TOK, k]
+    else:
+        drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k], m[s.BUDGET, k], m[s.FWD_TOKEN_EFF, k],
+                                             m[s.KV_EFF, k], m[s.FWD_OVERHEAD, k]))
+        m[s.UNTRACKED_TOK_FIT, k] = max(0.0, m[s.UNTRACKED_TOK_FIT, k] - drained)
+        m[s.BACKLOG_TOK_FIT, k] = reconcile(max(0.0, m[s.BACKLOG_TOK_FIT, k] - drained), m[s.UNTRACKED_TOK_FIT, k],
+                                            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
 
 
 _ODD = (0.0, -0.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e-300, 1e300)

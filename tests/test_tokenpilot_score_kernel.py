@@ -111,6 +111,15 @@ def _reference_score(tp, m, profile, pool, k, matched_blocks, now):  # type: ign
     m[s.BACKLOG:s.DECAYED_AT + 1, k] = g[s.BACKLOG:s.DECAYED_AT + 1]
     m[s.BACKLOG_TOK, k] = backlog_tok
     m[s.UNTRACKED_TOK, k] = untracked_tok
+    # (since i19-pred: the reported TTFT's own token backlog, drained at the fitted step costs where
+    # a step fit is in, the same floats as the one above where not)
+    fitted = ~np.isnan(g[s.FWD_TOKEN_F])
+    drained_fit = elapsed * _np_drain_rate(decoding, context, budget, g[s.FWD_TOKEN_EFF], kv_s, g[s.FWD_OVERHEAD])
+    untracked_fit = np.maximum(0.0, g[s.UNTRACKED_TOK_FIT] - drained_fit)
+    backlog_fit = _np_reconcile(np.maximum(0.0, g[s.BACKLOG_TOK_FIT] - drained_fit), untracked_fit, g[s.OUT_TOK],
+                                g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
+    m[s.BACKLOG_TOK_FIT, k] = np.where(fitted, backlog_fit, backlog_tok)
+    m[s.UNTRACKED_TOK_FIT, k] = np.where(fitted, untracked_fit, untracked_tok)
     duty_after = np.minimum(cfg.max_duty, duty + compute / window)
     decode_step = g[s.OVERHEAD_DF] + context_kv
     tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
@@ -211,6 +220,11 @@ def test_compiled_scoring_equals_the_numpy_code_it_replaced(seed: int, learned: 
     cfg = TokenPilotConfig(learned_cost=learned, interference_weight=rng.choice((1.0, 0.7)),
                            locality_weight=rng.choice((1.0, 1.5)), decode_slo_weight=rng.choice((1.0, 2.0)))
     tp, pool = _router(rng, rng.choice((1, 7, 64)), cfg)
+    slots = tp._s
+    for j in range(len(slots.ids)):  # the forward TTFT's step fit in on some instances (i19-pred)
+        if rng.random() < 0.5:
+            slots.m[slots.FWD_OVERHEAD_F, j], slots.m[slots.FWD_TOKEN_F, j] = rng.uniform(1 / 16, 4), rng.uniform(1 / 16, 4)
+            slots.refresh(j)
     if learned:
         nrng = np.random.default_rng(seed)
         tp.latency.ttft, tp.latency.tpot = _fit(nrng), _fit(nrng)

@@ -14,7 +14,11 @@ the instance and not through), and time comes from how the engine schedules them
                + our own attention over the context (quadratic in long prompts)
 
 Step time is the roofline's shape over the prior's figures (`step_s`), with the instance's
-learned speed factors. The future (prompts
+own step costs: its fixed cost and its per-token cost each times a factor fitted from observed
+TTFTs (`tokenpilot.learning.StepFit`, on `forward_parts`' split of each prediction; the prefill
+speed factor and the prior's fixed cost until 32 outcomes are in). One multiplicative factor
+could not mend a wrong fixed cost: live over sim workers 4x faster than the roofline it left
+every prompt under ~1,100 tokens predicted at ~30 ms (bench/ROUTING.md, "i19-pred"). The future (prompts
 arriving after this one) is left out: in FCFS order they queue behind it and only lengthen
 its last step, which the learned residual (`tokenpilot.latency_model`) can pick up.
 Pure: one candidate's floats in, seconds (or tokens per second) out; compiled (numba, see
@@ -26,8 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import float64, njit
+from numba.types import UniTuple
 
-from tokenpilot.jit import INLINE, fmax, fmin
+from tokenpilot.jit import INLINE, JIT, fmax, fmin
 
 
 @njit(float64(float64, float64, float64, float64, float64, float64), **INLINE)
@@ -65,3 +70,41 @@ def forward_ttft(ahead_tokens: float, uncached: float, cached: float, decoding: 
     busy = step_s(now_tokens, context, token_s, kv_s, overhead_s, budget) if now_tokens > 0 else 0.0
     own_attention = attn_s * uncached * (cached + uncached / 2)
     return 0.5 * busy + (steps - 1.0) * full + last + own_attention
+
+
+@njit(UniTuple(float64, 3)(float64, float64, float64, float64, float64, float64, float64, float64), **INLINE)
+def _step_parts(tokens: float, context: float, token_s: float, kv_s: float, overhead_s: float, budget: float,
+                token_f: float, overhead_f: float) -> tuple[float, float, float]:
+    """`step_s` at token cost `token_s * token_f` and fixed cost `overhead_s * overhead_f`, split
+    into (the fixed-cost part per unit of `overhead_f`, the per-token part per unit of `token_f`,
+    the rest): the branch of the max taken at the scaled values."""
+    ov, tok = overhead_s * overhead_f, token_s * token_f
+    if ov + context * kv_s >= tokens * (tok + ov / budget):
+        return overhead_s, 0.0, context * kv_s
+    return tokens * overhead_s / budget, tokens * token_s, 0.0
+
+
+@njit(UniTuple(float64, 3)(float64, float64, float64, float64, float64, float64, float64, float64, float64,
+                           float64, float64, float64), **JIT)
+def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding: float, context: float,
+                  budget: float, token_s: float, attn_s: float, kv_s: float, overhead_s: float,
+                  token_f: float, overhead_f: float) -> tuple[float, float, float]:
+    """`forward_ttft` at per-token costs `token_s`, `attn_s` times `token_f` and step fixed cost
+    `overhead_s` times `overhead_f`, as (a, b, c) with TTFT = overhead_f * a + token_f * b + c:
+    `a`, the steps' fixed cost at factor 1; `b`, their per-token compute and own attention at
+    factor 1; `c`, the decode streams' KV reads (the decode factor's, already in `kv_s`). Linear
+    in the two factors for a given split of each step's max, which is what lets
+    `tokenpilot.learning.StepFit` fit them by least squares from observed TTFTs."""
+    chunk = fmax(budget - decoding, 1.0)
+    work = ahead_tokens + uncached
+    steps = fmax(np.ceil(work / chunk), 1.0)
+    fa, fb, fc = _step_parts(budget, context, token_s, kv_s, overhead_s, budget, token_f, overhead_f)
+    la, lb, lc = _step_parts(work - (steps - 1.0) * chunk + decoding, context, token_s, kv_s, overhead_s, budget,
+                             token_f, overhead_f)
+    now_tokens = fmin(ahead_tokens + decoding, budget)
+    ba, bb, bc = 0.0, 0.0, 0.0
+    if now_tokens > 0:
+        ba, bb, bc = _step_parts(now_tokens, context, token_s, kv_s, overhead_s, budget, token_f, overhead_f)
+    own_attention = attn_s * uncached * (cached + uncached / 2)
+    n = steps - 1.0
+    return (0.5 * ba + n * fa + la, 0.5 * bb + n * fb + lb + own_attention, 0.5 * bc + n * fc + lc)

@@ -34,3 +34,83 @@ class SpeedFactor:
         step = max(-self.max_step, min(self.max_step, self.rate * math.log(observed_s / predicted_s)))
         self.value = max(self.lo, min(self.hi, self.value * math.exp(step)))
         self.samples += 1
+
+
+@dataclass(slots=True)
+class StepFit:
+    """One instance's engine step, fixed cost and per-token cost learned apart, from observed TTFTs.
+
+    A `SpeedFactor` multiplies a whole prediction, so it cannot mend a wrong intercept: with the
+    prior's step fixed cost 4x too high (a sim worker run 4x faster than real time) it drove the
+    prefill factor to its bound and still left short prompts 2-2.7x over and long ones 0.6x under
+    (bench/ROUTING.md, "i19-live"). Here the scheduler-forward TTFT is split, at the decision, into
+    its steps' fixed cost `a` and per-token cost `b` at factor 1 and the rest `c`
+    (`tokenpilot.forward.forward_parts`), and the two factors are fitted by weighted least squares,
+    observed = overhead_f * a + token_f * b + c, each outcome weighted by 1 / predicted² (the
+    relative error is what is judged; weighting by 1 / observed² instead biased the fit low
+    under noise, the shortest observations weighing most) and by 1 / its own relative error at
+    that prediction (floored at `robust_floor`: a least-absolute-deviation fit, approximately; plain
+    least squares let the simulator's few 20-40x outcomes, mostly-cached prompts whose prefix the
+    engine no longer held, drive the fixed-cost factor to its bound), older outcomes fading by `decay` each (no clock: the
+    window is ~1 / (1 - decay) outcomes). A ridge term of `prior_weight` mean outcomes pulls both
+    factors toward the caller's fallback, so one kind of prompt (every one a single step) leaves
+    the unidentified factor where it was; below `min_samples` outcomes there is no fit at all
+    (`factors` returns None: the caller keeps its prior). Both within [`lo`, `hi`]. Pure: O(1) per
+    outcome, no I/O."""
+
+    decay: float = 0.995
+    min_samples: int = 32
+    prior_weight: float = 1.0
+    robust_floor: float = 0.1
+    lo: float = 1 / 16
+    hi: float = 4.0
+    saa: float = 0.0
+    sab: float = 0.0
+    sbb: float = 0.0
+    say: float = 0.0
+    sby: float = 0.0
+    weight: float = 0.0  # outcomes in the window (decayed count)
+    samples: int = 0
+
+    def update(self, a: float, b: float, c: float, observed_s: float, predicted_s: float) -> None:
+        """One outcome: the forward TTFT's split at its decision, what it got, and what was predicted."""
+        if not (a >= 0 and b >= 0 and observed_s > 0 and predicted_s > 0
+                and math.isfinite(a + b + c + observed_s + predicted_s)):
+            return
+        # Relative squared error, and a least-absolute-deviation reweighting (by the outcome's error
+        # at its own prediction, floored at `robust_floor`): an outcome far off the prediction (a
+        # prefix the engine had evicted, a burst) moves the fit as much as a median fit would let it.
+        w = 1.0 / (max(predicted_s, 1e-3) ** 2 * max(abs(observed_s / predicted_s - 1.0), self.robust_floor))
+        y = observed_s - c
+        d = self.decay
+        self.saa = d * self.saa + w * a * a
+        self.sab = d * self.sab + w * a * b
+        self.sbb = d * self.sbb + w * b * b
+        self.say = d * self.say + w * a * y
+        self.sby = d * self.sby + w * b * y
+        self.weight = d * self.weight + 1.0
+        self.samples += 1
+
+    def factors(self, overhead_f: float, token_f: float) -> tuple[float, float] | None:
+        """(fixed-cost factor, per-token factor) fitted, pulled toward the fallback (`overhead_f`,
+        `token_f`); None while data is thin."""
+        if self.samples < self.min_samples or not self.weight > 0:
+            return None
+        la = self.prior_weight * self.saa / self.weight
+        lb = self.prior_weight * self.sbb / self.weight
+        paa, pbb = self.saa + la, self.sbb + lb
+        pa, pb = self.say + la * overhead_f, self.sby + lb * token_f
+        det = paa * pbb - self.sab * self.sab
+        if not (det > 0 and paa > 0 and pbb > 0):
+            return None
+        x = (pa * pbb - pb * self.sab) / det
+        t = (paa * pb - self.sab * pa) / det
+        lo, hi = self.lo, self.hi
+        # One out of bounds: hold it at the bound and fit the other given it.
+        if not lo <= x <= hi:
+            x = min(max(x, lo), hi)
+            t = (pb - self.sab * x) / pbb
+        elif not lo <= t <= hi:
+            t = min(max(t, lo), hi)
+            x = min(max((pa - self.sab * t) / paa, lo), hi)
+        return x, min(max(t, lo), hi)

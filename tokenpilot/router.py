@@ -38,7 +38,8 @@ from tokenpilot import score_kernel as sk
 from tokenpilot.backlog import Outstanding
 from tokenpilot.cache_index import PrefixCacheIndex
 from tokenpilot.latency_model import Fit, LearnedLatency, corrected
-from tokenpilot.learning import SpeedFactor
+from tokenpilot.forward import forward_parts
+from tokenpilot.learning import SpeedFactor, StepFit
 from tokenpilot.score_memo import ScoreMemo
 from fleetcore.policies import InstanceRouter
 from fleetcore.policies import EnginePrior
@@ -83,6 +84,9 @@ class _Inflight:
     # A P/D split request's prefill booking on its prefill instance (`book`): that instance's slot,
     # the prefill seconds and uncached tokens added to its backlog, the duty added, and when.
     split_prefill: tuple[int, float, float, float, float] | None = None
+    # The forward TTFT's split into fixed cost, per-token cost and the rest (`forward_parts`): what
+    # its outcome teaches the instance's `StepFit`. None: it teaches nothing (a split P/D request).
+    forward_parts: tuple[float, float, float, float] | None = None  # (a, b, c, the fitted forward TTFT)
 
 
 _PREFILL_FACTOR_LO = 1 / 16  # the fastest an instance's prefill may be learned to be, x its prior
@@ -93,6 +97,7 @@ _SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split reques
 class _Learned:
     prefill: SpeedFactor
     decode: SpeedFactor
+    step: StepFit  # the forward TTFT's step costs (fixed, per token): what a decision reports, not the cost
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
@@ -208,6 +213,9 @@ class _Slots:
         sk.TOKEN_EFF, sk.ATTN_EFF, sk.KV_EFF, sk.OVERHEAD_DF, sk.CONTEXT_PER_STREAM)
     BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = sk.BACKLOG_TOK, sk.UNTRACKED_TOK, sk.OUT_TOK, \
         sk.HEAD_TOK, sk.OUT_N
+    FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = (
+        sk.FWD_TOKEN_F, sk.FWD_OVERHEAD_F, sk.FWD_TOKEN_EFF, sk.FWD_ATTN_EFF, sk.FWD_OVERHEAD)
+    BACKLOG_TOK_FIT, UNTRACKED_TOK_FIT = sk.BACKLOG_TOK_FIT, sk.UNTRACKED_TOK_FIT
     ROWS = sk.STATE_ROWS
 
     def __init__(self) -> None:
@@ -229,6 +237,7 @@ class _Slots:
             grown[:, :n] = self.m
             self.m = grown
         self.m[self.PREFILL_FACTOR, n] = self.m[self.DECODE_FACTOR, n] = self.m[self.TPOT_FACTOR, n] = 1.0
+        self.m[self.FWD_OVERHEAD_F, n], self.m[self.FWD_TOKEN_F, n] = 1.0, np.nan  # no step fit yet
         return n
 
     def pool_slots(self, ids: tuple[str, ...]) -> np.ndarray | None:
@@ -297,7 +306,7 @@ class TokenPilot(InstanceRouter):
             # faster than its prior (a spec the fleet file gets wrong, a sim worker run faster
             # than real time) pinned it at the default bound, a 20% over-prediction for good
             # (bench/ROUTING.md, "Over real vLLM on CPU").
-            self._learned.append(_Learned(SpeedFactor(lo=_PREFILL_FACTOR_LO), SpeedFactor()))
+            self._learned.append(_Learned(SpeedFactor(lo=_PREFILL_FACTOR_LO), SpeedFactor(), StepFit()))
             s.m[s.TPOT_FACTOR, k] = self._tpot.value  # the pool's, learned so far
         m = s.m
         m[s.TOKEN_S, k] = prior.prefill_token_s
@@ -401,12 +410,22 @@ class TokenPilot(InstanceRouter):
             near = [k for k in np.flatnonzero(cost <= cost[best] * cfg.explore_slack + 0.01) if k != best]
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
-        ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
+        ttft, cached = self._reported_ttft(terms, slots, chosen), int(terms[6][chosen])
         self._commit_at(profile, ids, slots, terms, chosen, now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))  # (bounded: the oldest falls out)
         return decision
+
+    def _reported_ttft(self, terms: tuple[np.ndarray, ...], slots: np.ndarray, j: int) -> float:
+        """The TTFT a decision reports for candidate `j` (the `x-tokenfleet-predicted-ttft-ms`
+        header): the forward TTFT with the instance's fitted step costs (`StepFit`) once it has
+        one, else the predicted TTFT as the rest of the router reads it (`terms[1]`, which the
+        site chooser and the P/D decision rank by: held at the prior's step costs, since ranking
+        sites by the fitted one cost goodput, bench/ROUTING.md "i19-pred")."""
+        if self._s.m[sk.FWD_TOKEN_F, int(slots[j])] != self._s.m[sk.FWD_TOKEN_F, int(slots[j])]:
+            return float(terms[1][j])
+        return float(terms[_MATRIX][sk.O_FORWARD_FIT, j])
 
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
                matched_blocks: np.ndarray, now: float) -> tuple[np.ndarray, ...]:
@@ -506,13 +525,28 @@ class TokenPilot(InstanceRouter):
         """Book the request on candidate `j` of a scored pool (`route`'s pick, or another replica's)."""
         o = terms[_MATRIX]
         col = o[:, j].tolist()  # (its terms as Python floats, in one call)
-        self._commit(profile, int(slots[j]), ids[j], col[sk.O_TTFT], col[sk.O_QUEUE], col[sk.O_PREFILL],
+        k = int(slots[j])
+        self._commit(profile, k, ids[j], col[sk.O_TTFT], col[sk.O_QUEUE], col[sk.O_PREFILL],
                      col[sk.O_COMPUTE], col[sk.O_OWN_STEP], o[sk.O_FEATURES:, j].copy(), now, col[sk.O_FORWARD],
-                     profile.prompt_tokens - col[sk.O_CACHED])
+                     profile.prompt_tokens - col[sk.O_CACHED], self._forward_parts(k, profile.prompt_tokens, col))
+
+    def _forward_parts(self, k: int, prompt: float, col: list[float]) -> tuple[float, float, float, float]:
+        """The chosen candidate's fitted forward TTFT split for its `StepFit` (`forward_parts`, with
+        the scoring's own inputs, read back from its result column `col`), and that TTFT."""
+        m, f = self._s.m, sk.O_FEATURES
+        token_f = float(m[sk.FWD_TOKEN_F, k])
+        if token_f != token_f:
+            token_f = float(m[sk.PREFILL_FACTOR, k])
+        cached = col[sk.O_CACHED]
+        return (*forward_parts(col[sk.O_AHEAD_FIT], prompt - cached, cached, col[f + 10], col[f + 4] * 1e6,
+                               float(m[sk.BUDGET, k]), float(m[sk.TOKEN_S, k]), float(m[sk.ATTN_S, k]),
+                               float(m[sk.KV_EFF, k]), float(m[sk.OVERHEAD_S, k]), token_f,
+                               float(m[sk.FWD_OVERHEAD_F, k])), col[sk.O_FORWARD_FIT])
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
-                now: float, forward_s: float, uncached: float) -> None:
+                now: float, forward_s: float, uncached: float,
+                forward_parts: tuple[float, float, float, float] | None = None) -> None:
         """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual;
         `forward_s`: the scheduler-forward TTFT; `uncached`: the prompt tokens it prefills there)."""
         self._memo.clear()
@@ -525,7 +559,7 @@ class TokenPilot(InstanceRouter):
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
-                                        _held(profile, now))
+                                        _held(profile, now), forward_parts=forward_parts)
 
     def _first_token_tracked(self, k: int, profile: RequestProfile, prefill_s: float,
                              uncached: float) -> tuple[float, float, float, float, float, float]:
@@ -613,6 +647,14 @@ class TokenPilot(InstanceRouter):
         if ttft is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
             learned.prefill.update(ttft, rec.predicted_ttft_s)
             m[s.PREFILL_FACTOR, k] = learned.prefill.value
+        # The reported TTFT's step costs, from every outcome (its queue is in tokens, of the same
+        # steps): fitted apart, they leave the prefill factor, the cost and every ranking as they were.
+        if ttft is not None and rec.forward_parts is not None:
+            a, b, c, predicted = rec.forward_parts
+            learned.step.update(a, b, c, ttft, predicted)
+            fit = learned.step.factors(1.0, float(m[s.PREFILL_FACTOR, k]))
+            if fit is not None:
+                m[s.FWD_OVERHEAD_F, k], m[s.FWD_TOKEN_F, k] = fit
         if outcome.mean_tpot_s is not None and outcome.output_tokens > 1:
             predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
             learned.decode.update(outcome.mean_tpot_s, max(float(predicted), 1e-4))
@@ -652,6 +694,13 @@ class TokenPilot(InstanceRouter):
 
     def cache_exact(self, instance_id: str, now: float) -> bool:
         return self.index.is_exact(instance_id, now)
+
+    def forward_factors(self, instance_id: str) -> tuple[float, float | None]:
+        """The forward TTFT's learned step factors on one instance: (fixed cost, per token; None
+        while no fit is in and the prefill factor stands in), x the prior's."""
+        m, k = self._s.m, self._slot(instance_id)
+        token_f = float(m[sk.FWD_TOKEN_F, k])
+        return float(m[sk.FWD_OVERHEAD_F, k]), None if token_f != token_f else token_f
 
     def explain(self, instance_id: str) -> dict[str, float]:
         """What TokenPilot has learned about one instance (for debug endpoints and tests)."""
@@ -773,7 +822,7 @@ class TokenPilot(InstanceRouter):
         # It had not started: all of it was still ahead of the clock that drained the queue in
         # front of it. The duty decays by the window since it was added.
         for row, x in ((s.BACKLOG, prefill), (s.BACKLOG_UNTRACKED, prefill), (s.BACKLOG_TOK, uncached),
-                       (s.UNTRACKED_TOK, uncached)):
+                       (s.UNTRACKED_TOK, uncached), (s.BACKLOG_TOK_FIT, uncached), (s.UNTRACKED_TOK_FIT, uncached)):
             m[row, kp] = max(0.0, m[row, kp] - x)
         m[s.DUTY, kp] = max(0.0, m[s.DUTY, kp] - duty * float(np.exp((at - now) / self._duty_window())))
         kd = rec.slot

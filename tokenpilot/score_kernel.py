@@ -41,14 +41,28 @@ TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
 # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
 # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
 BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
-STATE_ROWS = 27
+# The scheduler-forward TTFT's own step costs (`tokenpilot.learning.StepFit`): its per-token factor
+# on TOKEN_S / ATTN_S (NaN: none fitted, the prefill factor's) and its fixed-cost factor on
+# OVERHEAD_S (1: none fitted), and the costs they give (derived by `refresh`). The routing cost
+# reads none of them, nor anything a decision is made from: only the reported TTFT (O_FORWARD_FIT).
+FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = range(27, 32)
+# ... and its own token backlog (as BACKLOG_TOK / UNTRACKED_TOK), drained at the fitted costs: the
+# prior's drained 3x too fast on engines whose fixed cost it overstates, and the reported TTFT then
+# missed the queue (0.65-0.88x at 40/s live). The same floats as the other two until a fit is in.
+BACKLOG_TOK_FIT, UNTRACKED_TOK_FIT = range(32, 34)
+STATE_ROWS = 34
 
 # -- rows of a decision's results (`o`) ---------------------------------------------------------
 (O_COST, O_TTFT, O_QUEUE, O_PREFILL, O_INTERFERENCE, O_KV, O_CACHED, O_DECODE, O_COMPUTE, O_OWN_STEP,
  O_FORWARD, O_AHEAD, O_LOCALITY, O_CAPACITY, O_ELAPSED, O_DECAY) = range(16)
 # Scratch: the drained state, held until every candidate is read, then stored into `m`.
 _S_BACKLOG, _S_UNTRACKED, _S_DUTY, _S_BACKLOG_TOK, _S_UNTRACKED_TOK = range(16, 21)
-O_FEATURES = 21  # queue, prefill, uncached/1e3, streams, context/1e6, kv_usage, waiting, budget/1e3,
+# The forward TTFT with the instance's fitted step costs (`FWD_*`; O_FORWARD's very float until a
+# fit is in): what a decision reports. O_FORWARD, the learned model's prior and what the site
+# chooser and the P/D decision read, keeps the prior's step costs.
+O_FORWARD_FIT, O_AHEAD_FIT = 21, 22  # (and the prefill tokens ahead it was timed with)
+_S_BACKLOG_TOK_FIT, _S_UNTRACKED_TOK_FIT = 23, 24
+O_FEATURES = 25  # queue, prefill, uncached/1e3, streams, context/1e6, kv_usage, waiting, budget/1e3,
 N_FEATURES = 13  # forward, ahead/1e3, decoding, log(max(forward, 1e-9)), 0.01/max(forward, 1e-9)
 F_KV_USAGE, F_LOG = O_FEATURES + 5, O_FEATURES + 11
 OUT_ROWS = O_FEATURES + N_FEATURES
@@ -151,6 +165,19 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
                                 m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
         ahead = _max(backlog_tok, waiting_ctx)
         forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, attn, kv_s, overhead)
+        if m[FWD_TOKEN_F, s] != m[FWD_TOKEN_F, s]:  # no step fit: the same floats
+            backlog_fit, untracked_fit, ahead_fit, forward_fit = backlog_tok, untracked_tok, ahead, forward
+        else:
+            f_token, f_overhead = m[FWD_TOKEN_EFF, s], m[FWD_OVERHEAD, s]
+            drained_fit = elapsed * drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
+            untracked_fit = _max(0.0, m[UNTRACKED_TOK_FIT, s] - drained_fit)
+            backlog_fit = reconcile(_max(0.0, m[BACKLOG_TOK_FIT, s] - drained_fit), untracked_fit, m[OUT_TOK, s],
+                                    m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
+            ahead_fit = _max(backlog_fit, waiting_ctx)
+            forward_fit = forward_ttft(ahead_fit, uncached, cached, decoding, context, budget, f_token,
+                                       m[FWD_ATTN_EFF, s], kv_s, f_overhead)
+        o[O_FORWARD_FIT, j], o[O_AHEAD_FIT, j] = forward_fit, ahead_fit
+        o[_S_BACKLOG_TOK_FIT, j], o[_S_UNTRACKED_TOK_FIT, j] = backlog_fit, untracked_fit
         duty_after = _min(max_duty, duty + compute / window)
         decode_step = m[OVERHEAD_DF, s] + context_kv
         tpot_factor = m[TPOT_FACTOR, s]
@@ -187,6 +214,7 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         m[BACKLOG, s], m[BACKLOG_UNTRACKED, s], m[DUTY, s] = o[_S_BACKLOG, j], o[_S_UNTRACKED, j], o[_S_DUTY, j]
         m[DECAYED_AT, s] = _max(m[DECAYED_AT, s], now)
         m[BACKLOG_TOK, s], m[UNTRACKED_TOK, s] = o[_S_BACKLOG_TOK, j], o[_S_UNTRACKED_TOK, j]
+        m[BACKLOG_TOK_FIT, s], m[UNTRACKED_TOK_FIT, s] = o[_S_BACKLOG_TOK_FIT, j], o[_S_UNTRACKED_TOK_FIT, j]
     p[P_KV_MAX], p[P_CAPACITY_MIN] = kv_max, cap_min
     # The cost as it is unless KV pressure or the learned model's ranking change it (the
     # caller runs `finish` again then).
@@ -206,6 +234,12 @@ def refresh(m: np.ndarray, k: int) -> None:
     m[ATTN_EFF, k] = m[ATTN_S, k] * m[PREFILL_FACTOR, k]
     m[KV_EFF, k] = m[KV_S, k] * m[DECODE_FACTOR, k]
     m[OVERHEAD_DF, k] = m[OVERHEAD_S, k] * m[DECODE_FACTOR, k]
+    token_f = m[FWD_TOKEN_F, k]
+    if token_f != token_f:  # none fitted: the prefill factor's costs, the very floats
+        m[FWD_TOKEN_EFF, k], m[FWD_ATTN_EFF, k] = m[TOKEN_EFF, k], m[ATTN_EFF, k]
+    else:
+        m[FWD_TOKEN_EFF, k], m[FWD_ATTN_EFF, k] = m[TOKEN_S, k] * token_f, m[ATTN_S, k] * token_f
+    m[FWD_OVERHEAD, k] = m[OVERHEAD_S, k] * m[FWD_OVERHEAD_F, k]
     refresh_context(m, k)
 
 
@@ -218,11 +252,13 @@ def book_prefill(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_
     caller) replace the slot's, the others' prefill drains by the clock alone (the untracked rows)."""
     m[BACKLOG, k] += prefill_s
     m[BACKLOG_TOK, k] += uncached
+    m[BACKLOG_TOK_FIT, k] += uncached
     if streamed != 0.0:
         m[OUT_S, k], m[HEAD_S, k], m[OUT_TOK, k], m[HEAD_TOK, k], m[OUT_N, k] = out_s, head_s, out_tok, head_tok, out_n
     else:
         m[BACKLOG_UNTRACKED, k] += prefill_s
         m[UNTRACKED_TOK, k] += uncached
+        m[UNTRACKED_TOK_FIT, k] += uncached
     m[DUTY, k] += duty_added
 
 
@@ -264,3 +300,11 @@ def settle(m: np.ndarray, k: int, now: float, elapsed: float, decay: float) -> N
     m[UNTRACKED_TOK, k] = _pymax(0.0, m[UNTRACKED_TOK, k] - drained)
     m[BACKLOG_TOK, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK, k] - drained), m[UNTRACKED_TOK, k],
                                   m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
+    if m[FWD_TOKEN_F, k] != m[FWD_TOKEN_F, k]:  # no step fit: the reported TTFT's backlog is this one
+        m[UNTRACKED_TOK_FIT, k], m[BACKLOG_TOK_FIT, k] = m[UNTRACKED_TOK, k], m[BACKLOG_TOK, k]
+    else:
+        drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[FWD_TOKEN_EFF, k], m[KV_EFF, k],
+                                       m[FWD_OVERHEAD, k])
+        m[UNTRACKED_TOK_FIT, k] = _pymax(0.0, m[UNTRACKED_TOK_FIT, k] - drained)
+        m[BACKLOG_TOK_FIT, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK_FIT, k] - drained), m[UNTRACKED_TOK_FIT, k],
+                                          m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
