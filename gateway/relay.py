@@ -666,8 +666,8 @@ class RelayStreamingResponse(Response):
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]
-        return [*_SSE_HEAD, *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
-                _SSE_CONTENT_TYPE]
+        head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]  # (no generator)
+        return [*_SSE_HEAD, *head, _SSE_CONTENT_TYPE]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch if self.watch is not None else DisconnectWatch(receive)
