@@ -101,8 +101,9 @@ def _ids(pieces: list[str]) -> list[int]:
 # between pieces, and its ids are its parts' ids one after another. The parts between the
 # markers repeat from prompt to prompt (`<|begin_of_text|>`, `<|start_header_id|>`, `user<|end_header_id|>`,
 # ...): ~40% of a short chat prompt's pieces, each ~2 k instructions in the regex (bench/README.md,
-# "Issue 14: per layer"). Only short parts are kept, and the dict is bounded as `_ID_CACHE` is
-# (emptied when full; thread-safe the same way).
+# "Issue 14: per layer"). Only for a text that begins as a template does (other text, say code
+# full of `|>` pipes, would pay a call per part); only short parts are kept, and the dict is
+# bounded as `_ID_CACHE` is (emptied when full; thread-safe the same way).
 _MARKER_END = "|>"
 _PART_CACHE: dict[str, tuple[int, ...]] = {}
 PART_CACHE_MAX = 1 << 12
@@ -111,7 +112,7 @@ PART_CACHE_CHARS = 64  # longer parts (the messages' own text) are not kept
 
 def encode(text: str) -> list[int]:
     """Token ids of `text`; equal text gives equal ids."""
-    if text.find(_MARKER_END) < 0:
+    if not text.startswith("<|") or text.find(_MARKER_END) < 0:  # not a rendered template: in one go
         return _ids(split_pieces(text))
     parts = text.split(_MARKER_END)
     last = parts.pop()
