@@ -374,8 +374,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # Once per header of every request: the byte count inline (`_count_header_bytes`' test)
-        # and uvicorn's own `on_header` called as a function, not through `super()` (~1.3 k
-        # instructions a header, ~9 k a request; bench/README.md, "Issue 14: per layer").
+        # and uvicorn's own `on_header` called as a function, not through `super()` (httptools'
+        # feed_data, both sides' header callbacks, 184 -> 167 k instructions a request:
+        # bench/README.md, "Issue 14: per layer").
         limits = self._listener.limits  # type: ignore[union-attr]  (set before the parser runs)
         self._header_count += 1
         if self._header_count > limits.max_header_count:
