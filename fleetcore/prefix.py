@@ -7,8 +7,9 @@ engine and the cache index all call this one function.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
 from array import array
+from collections.abc import Sequence
 
 import xxhash
 
@@ -24,11 +25,24 @@ def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
     out: list[int] = []
     h = parent
     full = len(token_ids) - len(token_ids) % block_size
-    for start in range(0, full, block_size):
-        data = array("Q", [h]).tobytes() + array("I", token_ids[start:start + block_size]).tobytes()
-        h = xxhash.xxh64_intdigest(data)
+    if not full:
+        return out
+    # Each block hashes its parent's hash (a native uint64) and its ids (native unsigned ints):
+    # the ids of all full blocks made bytes in one go, each block's cut from them (one array
+    # and one bytes object a request, not two arrays and three bytes objects a block).
+    ids = array("I", token_ids[:full]).tobytes()
+    step = block_size * _ID_BYTES
+    digest = xxhash.xxh64_intdigest
+    for start in range(0, len(ids), step):
+        # (`array("Q", [h]).tobytes()`: a uint64 in native order, OverflowError outside it)
+        h = digest(h.to_bytes(8, _ORDER) + ids[start:start + step])
         out.append(h)
     return out
+
+
+_ID_BYTES = array("I").itemsize
+_ORDER = sys.byteorder
+assert array("Q").itemsize == 8
 
 
 def synthetic_block_hashes(block_ids: Sequence[int], sub_blocks: int,

@@ -52,9 +52,9 @@ def encode_upto(text: str, limit: int) -> list[int]:
     cap = max(0, limit) + 1
     if len(text) <= cap:
         # Every piece holds at least one character, so this text cannot have more than `cap`
-        # pieces: findall gives the same list without a match object per piece (the gateway's
-        # usual case, a prompt far below the context; half the time of the path below).
-        return _ids(_PIECE.findall(text))
+        # pieces: all of them, without a match object per piece (the gateway's usual case, a
+        # prompt far below the context; half the time of the path below).
+        return encode(text)
     return _ids([m.group() for m in itertools.islice(_PIECE.finditer(text), cap)])
 
 
@@ -76,7 +76,8 @@ def _ids(pieces: list[str]) -> list[int]:
     """`[token_id(p) for p in pieces]`, from `_ID_CACHE` where it can (one per prompt token: it shows)."""
     cache = _ID_CACHE
     try:
-        return [cache[p] for p in pieces]  # (the usual case: every piece seen before)
+        # (the usual case: every piece seen before; `map` runs no bytecode per piece)
+        return list(map(cache.__getitem__, pieces))
     except KeyError:
         pass
     if len(cache) >= ID_CACHE_MAX:
@@ -94,9 +95,41 @@ def _ids(pieces: list[str]) -> list[int]:
     return out
 
 
+# The ids of the text up to and including each `|>` (the chat template's markers end so), once
+# computed (`encode`). A piece that holds a `>` ends with it (of the four kinds of piece, only a
+# single mark can hold one, and it is the last character), so a text cut after each `>` is cut
+# between pieces, and its ids are its parts' ids one after another. The parts between the
+# markers repeat from prompt to prompt (`<|begin_of_text|>`, `<|start_header_id|>`, `user<|end_header_id|>`,
+# ...): ~40% of a short chat prompt's pieces, each ~2 k instructions in the regex (bench/README.md,
+# "Issue 14: per layer"). Only for a text that begins as a template does (other text, say code
+# full of `|>` pipes, would pay a call per part); only short parts are kept, and the dict is
+# bounded as `_ID_CACHE` is (emptied when full; thread-safe the same way).
+_MARKER_END = "|>"
+_PART_CACHE: dict[str, tuple[int, ...]] = {}
+PART_CACHE_MAX = 1 << 12
+PART_CACHE_CHARS = 64  # longer parts (the messages' own text) are not kept
+
+
 def encode(text: str) -> list[int]:
     """Token ids of `text`; equal text gives equal ids."""
-    return _ids(split_pieces(text))
+    if not text.startswith("<|") or text.find(_MARKER_END) < 0:  # not a rendered template: in one go
+        return _ids(split_pieces(text))
+    parts = text.split(_MARKER_END)
+    last = parts.pop()
+    cache = _PART_CACHE
+    out: list[int] = []
+    for part in parts:
+        ids = cache.get(part)
+        if ids is None:
+            ids = tuple(_ids(_PIECE.findall(part + _MARKER_END)))
+            if len(part) <= PART_CACHE_CHARS:
+                if len(cache) >= PART_CACHE_MAX:
+                    cache.clear()
+                cache[part] = ids
+        out += ids
+    if last:
+        out += _ids(_PIECE.findall(last))
+    return out
 
 
 def count_tokens(text: str) -> int:

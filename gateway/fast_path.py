@@ -64,9 +64,9 @@ class LookupHeaders(Headers):
     def _first(self) -> dict[str, str]:
         table: dict[str, str] | None = self.__dict__.get("_by_name")
         if table is None:
-            table = {}
-            for k, v in self._list:
-                table.setdefault(k.decode("latin-1"), v.decode("latin-1"))
+            # Read backwards, so that a name's first value is the one left (one comprehension:
+            # no method call per header)
+            table = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(self._list)}
             self.__dict__["_by_name"] = table
         return table
 

@@ -373,14 +373,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self._listener is not None
+        # Once per header of every request: the byte count inline (`_count_header_bytes`' test)
+        # and uvicorn's own `on_header` called as a function, not through `super()` (httptools'
+        # feed_data, both sides' header callbacks, 184 -> 167 k instructions a request:
+        # bench/README.md, "Issue 14: per layer").
+        limits = self._listener.limits  # type: ignore[union-attr]  (set before the parser runs)
         self._header_count += 1
-        if self._header_count > self._listener.limits.max_header_count:
-            self._refusal = (431, f"More than {self._listener.limits.max_header_count} header fields.",
-                             "too_many_headers")
+        if self._header_count > limits.max_header_count:
+            self._refusal = (431, f"More than {limits.max_header_count} header fields.", "too_many_headers")
             raise _Refused
-        self._count_header_bytes(len(name) + len(value) + 4)
-        super().on_header(name, value)
+        self._header_size += len(name) + len(value) + 4
+        if self._header_size > limits.max_header_bytes:
+            self._refusal = (431, f"Request headers are larger than {limits.max_header_bytes} bytes.",
+                             "headers_too_large")
+            raise _Refused
+        _uvicorn_on_header(self, name, value)
 
     def on_headers_complete(self) -> None:
         assert self._listener is not None
@@ -466,6 +473,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is None or self.cycle.response_complete:  # never inside another response
             self.transport.write(_error_response(status, message, code))
         self.transport.close()
+
+
+_uvicorn_on_header = HttpToolsProtocol.on_header  # what `super().on_header` is in GuardedHttpToolsProtocol
 
 
 def protocol_class(listeners: Sequence[Listener]) -> type[GuardedHttpToolsProtocol]:

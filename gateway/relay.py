@@ -174,7 +174,8 @@ LAZY_WATCH_S = 0.05
 class DisconnectWatch:
     """Notices the client's `http.disconnect` while the gateway works for it, at the cost of a
     task only when that work lasts. `race(aw)` awaits `aw` in the caller's own task; a wait
-    still pending after LAZY_WATCH_S starts the watcher (at most one per request), which reads
+    still pending after LAZY_WATCH_S (at most; one timer for the request's races in turn)
+    starts the watcher (at most one per request), which reads
     the receive channel and, when the client leaves, cancels every task then waiting in `race`
     (the request's own, a P/D decode leg's): each one's `race` raises ClientGone. (uvicorn's
     `send` returns silently on a closed connection, so a failing send cannot be the signal.)
@@ -230,6 +231,11 @@ class DisconnectWatch:
             return await aw
         self._waiting.add(task)
         if self._watcher is None and self._timer is None:
+            # One timer serves the request's races one after another (left armed when a race
+            # ends, cancelled by `aclose`): a timer armed and cancelled per race was 4 of each
+            # a request. A race that begins under an earlier race's timer may get its watcher
+            # sooner than LAZY_WATCH_S, never later; one that fires with no race waiting starts
+            # nothing, and the next race arms anew.
             self._timer = self._loop.call_later(LAZY_WATCH_S, self._start)
         try:
             return await aw
@@ -246,9 +252,6 @@ class DisconnectWatch:
                 self._cancelled.discard(task)
                 task.uncancel()
             self._waiting.discard(task)
-            if not self._waiting and self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
 
     def _start(self) -> None:
         self._timer = None
@@ -666,8 +669,8 @@ class RelayStreamingResponse(Response):
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]
-        return [*_SSE_HEAD, *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
-                _SSE_CONTENT_TYPE]
+        head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]  # (no generator)
+        return [*_SSE_HEAD, *head, _SSE_CONTENT_TYPE]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch if self.watch is not None else DisconnectWatch(receive)

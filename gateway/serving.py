@@ -10,7 +10,6 @@ is passed in.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -19,6 +18,7 @@ from starlette.responses import Response
 from gateway.aliases import serve_with_fallbacks
 from gateway.auth import Caller
 from gateway.errors import GatewayError
+from gateway.fast_replace import replace  # dataclasses.replace, cheaper (three copies a request)
 from gateway.requests import ParsedRequest, new_request_id
 
 if TYPE_CHECKING:

@@ -11,14 +11,16 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 PERCENTILES = (50, 90, 95, 99)
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
+class Finished(NamedTuple):
+    """One finished request (every request writes one). A NamedTuple, not a frozen dataclass:
+    that one's __init__ sets its 15 fields one `object.__setattr__` at a time (~18 k
+    instructions a request; bench/README.md, "Issue 14: per layer")."""
+
     at: float  # gateway clock when it ended
     request_id: str
     tenant: str
@@ -88,7 +90,7 @@ def percentiles(values: Sequence[float | None], ps: Sequence[int] = PERCENTILES)
 
 
 def as_row(f: Finished, wall_offset: float) -> dict[str, Any]:
-    row = asdict(f)
+    row = f._asdict()
     row["class"] = row.pop("request_class")
     row["at"] = f.at + wall_offset  # unix seconds
     for k in ("ttft_s", "tpot_s", "queue_wait_s", "e2e_s"):

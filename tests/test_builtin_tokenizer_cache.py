@@ -97,3 +97,47 @@ def test_a_long_text_is_read_no_further_than_the_cap() -> None:
     with unittest.mock.patch.object(tokens, "_ids", counting):
         assert encode_upto(text, 9) == [token_id("abcdefghijklmnop")] * 10
     assert sum(calls) <= 10
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_marker_parts_cut_between_pieces(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`encode` reads a text part by part, cut after each `|>` (`_PART_CACHE`): the same ids as the
+    piece pattern over the whole text, whatever comes before and after a `|>` (whitespace of
+    every kind, long letter and digit runs, other marks, `>` and `|` alone), with the part cache
+    small enough to fill and empty and parts both longer and shorter than it keeps."""
+    rng = random.Random(2000 + seed)
+    monkeypatch.setattr(tokens, "PART_CACHE_MAX", 8)
+    monkeypatch.setattr(tokens, "PART_CACHE_CHARS", 6)
+    tokens._PART_CACHE.clear()
+    bits = ["|>", "|>", "<|", ">", "|", "||>", "|>>", "<|eot_id|>", "user<|end_header_id|>\n\n"]
+    texts = []
+    for _ in range(300):
+        parts = []
+        for _ in range(rng.randrange(0, 30)):
+            kind = rng.randrange(4)
+            if kind == 0:
+                parts.append(rng.choice(bits))
+            elif kind == 1:
+                parts.append("".join(rng.choice(_SPACES) for _ in range(rng.choice([1, 2, 15, 16, 33]))))
+            elif kind == 2:
+                parts.append("".join(rng.choice("abZ09\u0663") for _ in range(rng.choice([1, 3, 4, 16, 17]))))
+            else:
+                parts.append(rng.choice(_OTHERS))
+        texts.append("".join(parts))
+    texts += ["<|" + t for t in texts]  # (the parts are read only in a text that begins as a template)
+    for text in texts + texts[::-1]:
+        want = [token_id(p) for p in tokens._PIECE.findall(text)]
+        assert encode(text) == want, repr(text)
+        assert encode_upto(text, len(want)) == want
+        assert len(tokens._PART_CACHE) <= 8 and all(len(k) <= 6 for k in tokens._PART_CACHE)
+    tokens._PART_CACHE.clear()
+
+
+def test_a_chat_prompts_template_parts_are_kept() -> None:
+    tokens._PART_CACHE.clear()
+    text = render_chat([{"role": "user", "content": " hello there"}])
+    assert encode(text) == [token_id(p) for p in split_pieces(text)]
+    assert set(tokens._PART_CACHE) == {"<|begin_of_text", "<|start_header_id", "user<|end_header_id",
+                                       "\n\n hello there<|eot_id", "assistant<|end_header_id"}
+    assert encode(text) == [token_id(p) for p in split_pieces(text)]  # from the kept parts
+    tokens._PART_CACHE.clear()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
+from gateway import relay
 from gateway.relay import ClientGone, DisconnectWatch
 
 WAIT_S = 2.0  # far above LAZY_WATCH_S (the watcher's start) on a loaded machine
@@ -137,3 +138,53 @@ async def test_a_result_that_swallowed_the_cancel_stands_and_the_next_race_says_
     client.gone.set()
     assert await asyncio.wait_for(task, WAIT_S) == (7, 0, True)
     await watch.aclose()
+
+
+
+def _fire(handle: asyncio.TimerHandle) -> None:
+    """Run a timer's callback now, as the loop would at its time (and not again later)."""
+    callback = handle._callback  # type: ignore[attr-defined]
+    handle.cancel()
+    callback()
+
+
+async def test_one_timer_serves_the_races_of_a_request_and_a_late_race_still_gets_its_watcher(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay, "LAZY_WATCH_S", 3600.0)  # fired by the test (`_fire`), never by time
+    client = Client()
+    watch = DisconnectWatch(client.receive)
+
+    async def quick() -> int:
+        return 1
+
+    assert await watch.race(quick()) == 1
+    first = watch._timer
+    assert first is not None
+    for _ in range(3):  # head, first event, the stream: each over at once
+        assert await watch.race(quick()) == 1
+    assert watch._timer is first and not first.cancelled()  # armed once, left for the next race
+    _fire(first)  # it fires between races: nothing to watch
+    assert watch._watcher is None and watch._timer is None
+    task, _ = await _raced(watch)  # a race after it arms anew...
+    second = watch._timer
+    assert second is not None and second is not first
+    _fire(second)  # ...and when that fires with the race still waiting, the watcher starts
+    assert watch._watcher is not None
+    client.gone.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(task, WAIT_S)
+    await watch.aclose()
+
+
+async def test_aclose_cancels_the_timer_left_armed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay, "LAZY_WATCH_S", 3600.0)
+    watch = DisconnectWatch(Client().receive)
+
+    async def quick() -> None:
+        return None
+
+    await watch.race(quick())
+    timer = watch._timer
+    assert timer is not None and not timer.cancelled()
+    await watch.aclose()
+    assert timer.cancelled() and watch._timer is None

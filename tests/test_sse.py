@@ -375,3 +375,23 @@ def test_parse_event_single_line_test_with_find(raw: bytes) -> None:
     want = b"\n".join(lines).decode()
     got = parse_sse_event(raw)
     assert got.data == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(['"content":""', '"content":"x"', '"content": ""', '"text":""', '"text":"y"',
+                                 '"role":"assistant"', '"index":0', '"finish_reason":null', '"usage":null']),
+                min_size=1, max_size=5))
+def test_an_empty_content_is_never_a_plain_token(keys: list[str]) -> None:
+    """The early refusal of `"content":""` (the role chunk) answers as the full reading would: no
+    event holding it is read as a token, and one holding it only inside another key's text
+    (escaped) still goes by the rest of the tests."""
+    raw = b'data: {"choices":[{' + ",".join(keys).encode() + b"}]}\n\n"
+    got = plain_token_text(raw)
+    if '"content":""' in keys:
+        assert got is None
+    elif keys.count('"content":"x"') + keys.count('"text":"y"') == 1 and '"index":0' in keys \
+            and keys.count('"index":0') == 1 and not any(k in keys for k in ('"content": ""', '"text":""')):
+        first = next(k for k in keys if k in ('"content":"x"', '"text":"y"'))
+        assert got == first[-2]
+    assert plain_token_text(_compact(_chunk({"role": "assistant", "content": ""}))) is None
+    assert plain_token_text(_compact(_chunk({"content": '"content":""'}))) is None  # escaped: the full way
