@@ -194,11 +194,12 @@ def test_step_fit_recovers_both_factors_and_holds_the_unidentified_one() -> None
     assert far.factors(1.0, 1.0) == (far.lo, far.lo)
 
 
-def _wrong_fixed_cost_router(outcomes: int) -> tuple[TokenPilot, list[float], Any]:
+def _wrong_fixed_cost_router(outcomes: int, network_s: float = 0.0) -> tuple[TokenPilot, list[float], Any]:
     """One 70B-on-2xH200 instance whose engine steps cost a quarter of the prior's fixed cost and
     a third of its per-token cost (the shape of bench/fleet_noisy_live.yaml's 4x-fast sim workers,
     whose short prompts the prior over-predicted 2-2.7x): `outcomes` requests one at a time, each
-    observed at its true TTFT. Returns the router, each prediction's relative error, and the prior."""
+    observed at its true TTFT (plus `network_s`, a round trip to the site, reported as such). Returns the
+    router, each prediction's relative error, and the prior."""
     prior = prior_from_physics("llama-3.1-70b", "H200", 2)
     tp = TokenPilot({"a": prior})
     snap = [InstanceSnapshot("a", "s", "m", "v", "http://a")]
@@ -213,7 +214,7 @@ def _wrong_fixed_cost_router(outcomes: int) -> tuple[TokenPilot, list[float], An
         errors.append(abs(d.predicted_ttft_s - true) / true)
         tp.on_first_token(profile.request_id, i + true)
         tp.observe(RequestOutcome(profile.request_id, "a", "s", True, prompt_tokens=n, output_tokens=8,
-                                  ttft_s=true, mean_tpot_s=0.005))
+                                  ttft_s=true + network_s, mean_tpot_s=0.005, network_s=network_s))
     return tp, errors, prior
 
 
@@ -226,6 +227,20 @@ def test_a_wrong_step_fixed_cost_is_learned_by_the_forward_ttft() -> None:
     overhead_f, token_f = tp.forward_factors("a")
     assert token_f is not None
     assert overhead_f == pytest.approx(0.25, abs=0.08) and token_f == pytest.approx(1 / 3, abs=0.08)
+
+
+def test_a_remote_sites_round_trip_is_not_learned_as_engine_time() -> None:
+    """An outcome's TTFT carries the round trip to its site (`RequestOutcome.network_s`, 62-75 ms to
+    the 3-site fleet's remote sites); the router learns engine speeds from the rest. Before i19-unify
+    the step fit took it for step fixed cost (its factor at the bound 4 on nearly every remote
+    instance), and the site chooser then counted the round trip twice and spilled too little."""
+    near, _, _ = _wrong_fixed_cost_router(200)
+    far, _, _ = _wrong_fixed_cost_router(200, network_s=0.07)
+    # (the same up to the rounding of (ttft + 0.07) - 0.07)
+    assert far.forward_factors("a") == pytest.approx(near.forward_factors("a"), rel=1e-9)
+    assert far.explain("a")["prefill_speed_factor"] == pytest.approx(near.explain("a")["prefill_speed_factor"],
+                                                                      rel=1e-9)
+    assert near.forward_factors("a")[0] < 0.5  # (the engine's fixed cost, a quarter of the prior's)
 
 
 def test_thin_data_keeps_the_prior_and_the_step_fit_moves_the_ttft_not_the_instance_cost() -> None:
