@@ -7,11 +7,14 @@ Runs TokenPilot in the simulator (virtual time; the learned model is refitted th
 gateway's background task would, every `LearnedLatency.refit_every` outcomes) and prints the
 median and P90 absolute percentage error of the predicted TTFT and TPOT of the chosen instance
 against the observed ones, for the cost model's physics (its queue + prefill seconds), the
-scheduler-forward prior (`tokenpilot.forward`), the learned model over it (what the site
-chooser and the P/D decision read), and what the decision reports (the forward TTFT with the
-instance's fitted step costs, `tokenpilot.learning.StepFit`, once it has a fit; the learned
-model's before; its TPOT column is the learned one), over all requests and over the second half of the run (once the model
-has data).
+scheduler-forward TTFT (`tokenpilot.forward`; since i19-unify at the instance's fitted step
+costs, `tokenpilot.learning.StepFit`, once it has a fit), the decision's TTFT ("learned": the
+forward TTFT where a step fit is in, the learned model over it where not; what the site chooser and
+the P/D decision read) and what the decision reports (since i19-unify the same float; before, the
+step-fitted forward TTFT of a second token backlog where the site chooser read the learned model
+over the prior's; its TPOT column is the learned one), over all requests and over the second half
+of the run (once the model has data). The last line: observed / reported TTFT quantiles (bias and
+spread, second half).
 
 A prediction is made at dispatch, of the time from dispatch to the first token; a request
 held by admission before it has waited `held` seconds already, which is known at dispatch.
