@@ -96,18 +96,19 @@ class NearestReadySite(SiteChooser):
 
 
 # What a second of a site's predicted TTFT costs, in seconds of the site's score and of the spill
-# test (`FleetMindConfig.ttft_tail`). The predicted TTFT (`TokenPilot.predict`: the forward TTFT at the
-# instance's fitted step costs since i19-unify) is unbiased (simulator, 3 sites, conversation 3.46:
-# observed / predicted 0.98-1.01 in every bin of predicted TTFT / SLO, bench/ROUTING.md "i19-unify"),
-# and it stands for the site's load, which the request pays in its decode as well: there, requests
-# predicted under 0.3 x their TTFT SLO missed an SLO (nearly all their TPOT) 10% of the time, at
-# 0.5-0.6 x 23%, at 0.7-1.0 x ~30%, while their first tokens missed only past 1.0 x. A TTFT that
-# met its SLO thus hid twice the risk of an idle site by ~0.55 x SLO = 1 / 1.8: spilling starts there
-# (enter_ratio 1 on 1.8 x the TTFT), and differences in load weigh 1.8 x against a round trip, which
-# costs the request once. Until i19-unify the site chooser read a TTFT that over-predicted on exactly
-# the loaded sites (the learned model over the prior's step costs) with this factor at 1; on the
-# unbiased one at 1 goodput fell (2817 -> 2700 tok/s at 3.46, 2362 -> 2335 at 2.53, 5 seeds each);
-# at 1.8: 2861 and 2378. (1.3: 2790, 2344; the threshold alone at 0.55 x SLO, factor 1: 2719, 2370.)
+# test (`FleetMindConfig.ttft_tail`). The predicted TTFT (`TokenPilot.predict`: the forward TTFT at
+# the instance's fitted step costs since i19-unify) is unbiased: simulator, 3 sites, conversation
+# 3.46, observed / predicted 0.97-1.02 in every bin of predicted TTFT / SLO (`bench/spill_calibration.py
+# --ttft-tail 1`, bench/ROUTING.md "i19-unify"). It stands for the site's load, which the request
+# pays in its decode as well: there, requests predicted under 0.3 x their TTFT SLO missed an SLO
+# (nearly all their TPOT) 10% of the time, at 0.5-0.6 x 23%, at 0.7-1.0 x ~30%, while their first
+# tokens missed only past 1.0 x. A TTFT within its SLO thus hides twice an idle site's risk by
+# ~0.55 x SLO = 1 / 1.8: spilling starts there (enter_ratio 1 on 1.8 x the TTFT), and differences
+# in load weigh 1.8 x against a round trip, which costs the request once. Until i19-unify the site
+# chooser read the learned model over the prior's step costs, which over-predicted (observed /
+# predicted 0.92-0.95 between 0.5 and 1.0 x SLO, round trip included), with this factor at 1; on
+# the unbiased TTFT at 1 goodput fell (2817 -> 2700 tok/s at 3.46, 2362 -> 2335 at 2.53, 5 seeds
+# each); at 1.8: 2861 and 2378 (1.3: 2790, 2344; the threshold alone at 0.55 x SLO: 2719, 2370).
 TTFT_TAIL = 1.8
 
 
