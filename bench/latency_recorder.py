@@ -3,7 +3,9 @@ part of `latency_error.py` and `latency_decompose.py` (each reads its own column
 `Recorded.detail` and picks its own requests from the outcomes).
 
 The simulator runs TokenPilot as `fleetsim.cli` does (the learned model refitted in virtual
-time, every `LearnedLatency.refit_every` outcomes). To run either script in an older
+time, every `LearnedLatency.refit_every` outcomes; FleetMind choosing the site, as
+`tokenfleet simulate`'s default placement: on a fleet of several sites the run, and so its
+goodput, is the simulate command's, since i19-unify). To run either script in an older
 checkout, copy this file there beside it.
 """
 
@@ -33,6 +35,7 @@ class Recorded:
     at: float  # virtual time of the decision
     detail: Mapping[str, float]  # the chosen candidate's cost terms (`Candidate.detail`)
     outcome: RequestOutcome
+    region: str | None = None  # the client's region (the site's round trip from it: `network_s`)
 
 
 class Recorder(TokenPilot):
@@ -42,7 +45,10 @@ class Recorder(TokenPilot):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.rows: list[Recorded] = []
+        self.summary: Mapping[str, Any] = {}  # the run's metrics (`fleetsim.metrics.summarize_all`)
+        self.fleet: Any = None  # the fleet file it ran (`run_recorded`)
         self._at: dict[str, tuple[float, float, Mapping[str, float]]] = {}
+        self._region: dict[str, str | None] = {}
 
     def route(self, profile: RequestProfile, candidates: Any, now: float) -> Any:
         d = super().route(profile, candidates, now)
@@ -51,28 +57,34 @@ class Recorder(TokenPilot):
             held = max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
             # (with what the decision reports: the step-fitted forward TTFT once there is a fit)
             self._at[profile.request_id] = (held, now, {**c.detail, "reported_ttft_s": d.predicted_ttft_s})
+            self._region[profile.request_id] = profile.client_region
         return d
 
     def observe(self, outcome: RequestOutcome) -> None:
         p = self._at.pop(outcome.request_id, None)
         if p is not None:
-            self.rows.append(Recorded(outcome.request_id, *p, outcome))
+            self.rows.append(Recorded(outcome.request_id, *p, outcome, self._region.pop(outcome.request_id, None)))
         super().observe(outcome)
 
 
 def arguments(doc: str, argv: Sequence[str] | None) -> argparse.Namespace:
-    """TRACE [--fleet FILE] [--rate-scale X] [--max-requests N] [--admission fcfs|slomax]."""
+    """TRACE [--fleet FILE] [--rate-scale X] [--max-requests N] [--admission fcfs|slomax]
+    [--placement fleetmind|home]."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("trace")
     p.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
     p.add_argument("--rate-scale", type=float, default=1.0)
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--admission", default="fcfs")
+    p.add_argument("--placement", default="fleetmind", help="fleetmind (as `tokenfleet simulate`) or home")
     return p.parse_args(argv)
 
 
 def run_recorded(a: argparse.Namespace) -> Recorder:
-    """The trace (its first `max_requests`, rate scaled) through the simulator with a Recorder."""
+    """The trace (its first `max_requests`, rate scaled) through the simulator with a Recorder
+    (the run's goodput and SLO attainment, as `tokenfleet simulate` reports them, in `router.summary`)."""
+    from fleetsim.cli import make_placement
+    from fleetsim.metrics import summarize_all
     from workloads import head, load_trace, scale_rate
 
     fleet = load_fleet_file(Path(a.fleet))
@@ -83,5 +95,8 @@ def run_recorded(a: argparse.Namespace) -> Recorder:
     router = Recorder(seed=0)
     for spec in fleet_instances(fleet):  # as fleetsim.cli.make_policy registers them
         router.register_instance(spec.instance_id, spec_prior(spec))
-    FleetSimulator(fleet, router, admission=make_admission(a.admission, slomax_config(fleet))).run(inputs)
+    res = FleetSimulator(fleet, router, site_chooser=make_placement(getattr(a, "placement", "fleetmind"), fleet, router),
+                         admission=make_admission(a.admission, slomax_config(fleet))).run(inputs)
+    router.summary = summarize_all(res.records, fleet.admission.slos())
+    router.fleet = fleet
     return router

@@ -135,6 +135,10 @@ class RequestOutcome:
     e2e_s: float | None = None
     error: str | None = None
     cancelled: bool = False
+    # The network round trip between the gateway and the instance's site inside `ttft_s` (the
+    # request's way there and its first token's way back): no engine step's time, so a router
+    # learning engine speeds from TTFT leaves it out (0: not known, or in-site).
+    network_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -555,7 +555,8 @@ class FleetSimulator:
             request_id=r.inp.request_id, instance_id=r.inst.iid if r.inst else "", site=r.site or "",
             ok=not cancelled, prompt_tokens=r.inp.prompt_tokens, cached_tokens=r.cached,
             output_tokens=r.ntok, ttft_s=ttft, mean_tpot_s=tpot,
-            e2e_s=now - arrival, error="cancelled" if cancelled else None, cancelled=cancelled)
+            e2e_s=now - arrival, error="cancelled" if cancelled else None, cancelled=cancelled,
+            network_s=2.0 * r.half_rtt)
 
     def _offer(self, r: _Req, now: float, view: FleetView | None = None) -> bool:
         """Ask admission, then dispatch or reject; False when it queues (stays queued)."""

@@ -12,7 +12,7 @@ from fleetcore.region_policy import RegionPolicy
 from fleetcore.slo import DEFAULT_SLOS
 from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, SiteSnapshot
 from fleetcore.region_policy import PolicySet
-from fleetmind.site_choice import FleetMind, FleetMindConfig
+from fleetmind.site_choice import TTFT_TAIL, FleetMind, FleetMindConfig
 
 import pytest
 
@@ -60,6 +60,26 @@ def test_spills_when_home_misses_slo_and_another_is_clearly_better() -> None:
     fm = FleetMind(predictor=pred, slos=DEFAULT_SLOS)
     d = fm.choose(req(), VIEW, 0)
     assert d.site == "usw2" and "spill" in d.reason  # nearer than eu: RTT counts
+
+
+def test_spill_starts_where_a_sites_load_doubles_the_slo_risk_not_at_the_ttft_slo() -> None:
+    """The predicted TTFT is unbiased since i19-unify, and it stands for the site's load, which the
+    request also pays in its decode: in the simulator a request's SLO risk (nearly all TPOT) doubled
+    by ~0.55 x its TTFT SLO while its first token missed only past 1.0 x (`TTFT_TAIL`'s comment).
+    So home spills at 0.6 x SLO and not at 0.5 x, and while spilling a site 50 ms less loaded than
+    home and 62 ms further away wins (1.8 x 50 > 61). With the factor at 1, as when the TTFT read
+    here over-predicted, home would stay in all three."""
+    assert FleetMindConfig().ttft_tail == TTFT_TAIL == 1.8
+    fm = FleetMind(predictor=FixedPredictor({"use1": 0.6, "usw2": 0.1, "euw1": 0.1}), slos=DEFAULT_SLOS)
+    d = fm.choose(req(), VIEW, 0)
+    assert d.site == "usw2" and "spill" in d.reason
+    calm = FleetMind(predictor=FixedPredictor({"use1": 0.5, "usw2": 0.1, "euw1": 0.1}), slos=DEFAULT_SLOS)
+    assert calm.choose(req(), VIEW, 0).site == "use1"
+    fm.predictor.ttft.update({"usw2": 0.55, "euw1": 0.6})  # (still spilling: 1.8 x 0.6 is past exit)
+    assert fm.choose(req(), VIEW, 1).site == "usw2"
+    once = FleetMind(predictor=FixedPredictor({"use1": 0.6, "usw2": 0.55, "euw1": 0.6}), slos=DEFAULT_SLOS,
+                     config=FleetMindConfig(ttft_tail=1.0, enter_ratio=0.0))  # (spilling at once, factor 1)
+    assert once.choose(req(), VIEW, 0).site == "use1"
 
 
 def test_residency_pins_tenant_to_jurisdiction_even_under_overload() -> None:

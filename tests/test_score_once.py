@@ -18,7 +18,11 @@ the scheduler-forward model's (tokenpilot/forward.py): every recorded TTFT chang
 the replay draws each outcome's TTFT around the reported prediction, the learned speeds and so
 261 of the 1,500 choices (from the 93rd on) changed with them. With the reported TTFT held at
 the previous model's, that branch's replay matched the previous fixture bit for bit: the cost
-the choices rank by is unchanged.
+the choices rank by is unchanged. Re-recorded at i19-unify when FleetMind began to weigh a site's
+predicted TTFT 1.8x in its score and spill test (`fleetmind.site_choice.TTFT_TAIL`): every site
+score changed and 289 of the 1,500 choices with them. With the factor at 1 that branch's replay,
+the router carrying one token backlog and one TTFT, matched the previous fixture bit for bit (no
+instance there has the 32 outcomes a step fit needs).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from tests.bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "place_replay.jsonl.gz"
-RECORDED_AT = "53c9644+"  # this fixture was recorded by the commit after 53c9644
+RECORDED_AT = "i19-unify"  # this fixture was recorded by the i19-unify commit that set TTFT_TAIL
 RECORDED_DECISIONS = 1500  # what the fixture was recorded with (seed 0, 64 instances)
 
 

@@ -26,30 +26,29 @@ from tests.test_tokenpilot_score_kernel import _router, _same
 
 # -- _settle ----------------------------------------------------------------------------------
 
+def _fmax(a: float, b: float) -> float:
+    return a if (a >= b or a != a) else b
+
+
 def _reference_settle(tp: TokenPilot, m: np.ndarray, k: int, now: float) -> None:
     """`TokenPilot._settle` at 6e5af05, on the matrix `m`."""
     s = tp._s
     elapsed = max(0.0, now - m[s.DECAYED_AT, k])
-    m[s.BACKLOG_UNTRACKED, k] = max(0.0, m[s.BACKLOG_UNTRACKED, k] - elapsed)
-    m[s.BACKLOG, k] = max(0.0, m[s.BACKLOG, k] - elapsed)
+    # (since i19-unify settle runs the scoring's drains, `score_kernel.drain_s` / `drain_tok`, with
+    # `tokenpilot.jit.fmax`'s rule (NaN propagates; of equal values, zeros of either sign, the first)
+    # where Python's max let 0.0 win over NaN, and the token backlog at the step costs `refresh`
+    # derives, FWD_*, fitted where a step fit is in; a second token backlog for the reported TTFT is gone)
+    m[s.BACKLOG_UNTRACKED, k] = _fmax(0.0, m[s.BACKLOG_UNTRACKED, k] - elapsed)
+    m[s.BACKLOG, k] = _fmax(0.0, m[s.BACKLOG, k] - elapsed)
     m[s.DUTY, k] *= np.exp(elapsed / -tp._duty_window())
     m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
     m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
     decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
-    drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k],
-                                         m[s.BUDGET, k], m[s.TOKEN_EFF, k], m[s.KV_EFF, k], m[s.OVERHEAD_S, k]))
-    m[s.UNTRACKED_TOK, k] = max(0.0, m[s.UNTRACKED_TOK, k] - drained)
-    m[s.BACKLOG_TOK, k] = reconcile(max(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
+    drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k], m[s.BUDGET, k], m[s.FWD_TOKEN_EFF, k],
+                                         m[s.KV_EFF, k], m[s.FWD_OVERHEAD, k]))
+    m[s.UNTRACKED_TOK, k] = _fmax(0.0, m[s.UNTRACKED_TOK, k] - drained)
+    m[s.BACKLOG_TOK, k] = reconcile(_fmax(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
                                     m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
-    # (since i19-pred: the reported TTFT's token backlog, drained at the fitted step costs where a fit is in)
-    if np.isnan(m[s.FWD_TOKEN_F, k]):
-        m[s.UNTRACKED_TOK_FIT, k], m[s.BACKLOG_TOK_FIT, k] = m[s.UNTRACKED_TOK, k], m[s.BACKLOG_TOK, k]
-    else:
-        drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k], m[s.BUDGET, k], m[s.FWD_TOKEN_EFF, k],
-                                             m[s.KV_EFF, k], m[s.FWD_OVERHEAD, k]))
-        m[s.UNTRACKED_TOK_FIT, k] = max(0.0, m[s.UNTRACKED_TOK_FIT, k] - drained)
-        m[s.BACKLOG_TOK_FIT, k] = reconcile(max(0.0, m[s.BACKLOG_TOK_FIT, k] - drained), m[s.UNTRACKED_TOK_FIT, k],
-                                            m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
 
 
 _ODD = (0.0, -0.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e-300, 1e300)

@@ -100,26 +100,21 @@ def _reference_score(tp, m, profile, pool, k, matched_blocks, now):  # type: ign
     duty = g[s.DUTY]
     np.multiply(duty, np.exp(elapsed / -window), out=duty)
     decoding = np.maximum(streams - g[s.OUT_N], 0.0)
-    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, token_s, kv_s, overhead)
+    # (since i19-unify: the one token backlog is drained, and the forward TTFT timed, at the step
+    # costs `refresh` derives, FWD_*: the fitted ones where a step fit is in, the very floats of
+    # TOKEN_EFF / ATTN_EFF / OVERHEAD_S where not, as edb9501 read them)
+    f_token, f_attn, f_overhead = g[s.FWD_TOKEN_EFF], g[s.FWD_ATTN_EFF], g[s.FWD_OVERHEAD]
+    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
     untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
     backlog_tok = _np_reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
                                 g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
     ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
-    forward = _np_forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, g[s.ATTN_EFF], kv_s,
-                               overhead)
+    forward = _np_forward_ttft(ahead, uncached, cached, decoding, context, budget, f_token, f_attn, kv_s,
+                               f_overhead)
     np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
     m[s.BACKLOG:s.DECAYED_AT + 1, k] = g[s.BACKLOG:s.DECAYED_AT + 1]
     m[s.BACKLOG_TOK, k] = backlog_tok
     m[s.UNTRACKED_TOK, k] = untracked_tok
-    # (since i19-pred: the reported TTFT's own token backlog, drained at the fitted step costs where
-    # a step fit is in, the same floats as the one above where not)
-    fitted = ~np.isnan(g[s.FWD_TOKEN_F])
-    drained_fit = elapsed * _np_drain_rate(decoding, context, budget, g[s.FWD_TOKEN_EFF], kv_s, g[s.FWD_OVERHEAD])
-    untracked_fit = np.maximum(0.0, g[s.UNTRACKED_TOK_FIT] - drained_fit)
-    backlog_fit = _np_reconcile(np.maximum(0.0, g[s.BACKLOG_TOK_FIT] - drained_fit), untracked_fit, g[s.OUT_TOK],
-                                g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
-    m[s.BACKLOG_TOK_FIT, k] = np.where(fitted, backlog_fit, backlog_tok)
-    m[s.UNTRACKED_TOK_FIT, k] = np.where(fitted, untracked_fit, untracked_tok)
     duty_after = np.minimum(cfg.max_duty, duty + compute / window)
     decode_step = g[s.OVERHEAD_DF] + context_kv
     tpot_now = g[s.TPOT_FACTOR] * decode_step / (1 - np.minimum(duty, cfg.max_duty))
@@ -135,6 +130,8 @@ def _reference_score(tp, m, profile, pool, k, matched_blocks, now):  # type: ign
     lat = tp.latency
     prior_ttft, prior_tpot = ttft, own_step
     ttft_pred = lat.correct(lat.ttft, forward, features)
+    if lat.ttft is not None:  # (since i19-unify: the step-fitted forward TTFT where a fit is in)
+        ttft_pred = np.where(~np.isnan(g[s.FWD_TOKEN_F]), forward, ttft_pred)
     tpot_pred = lat.correct(lat.tpot, own_step, features)
     if cfg.learned_cost:
         ttft, own_step = ttft_pred, tpot_pred

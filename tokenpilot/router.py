@@ -97,7 +97,7 @@ _SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split reques
 class _Learned:
     prefill: SpeedFactor
     decode: SpeedFactor
-    step: StepFit  # the forward TTFT's step costs (fixed, per token): what a decision reports, not the cost
+    step: StepFit  # the forward TTFT's step costs (fixed, per token): the decision's TTFT, not the instance cost
 
 
 _TERMS = ("predicted_ttft_s", "queue_s", "prefill_s", "interference_s", "kv_pressure_s", "cached_tokens",
@@ -215,7 +215,6 @@ class _Slots:
         sk.HEAD_TOK, sk.OUT_N
     FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = (
         sk.FWD_TOKEN_F, sk.FWD_OVERHEAD_F, sk.FWD_TOKEN_EFF, sk.FWD_ATTN_EFF, sk.FWD_OVERHEAD)
-    BACKLOG_TOK_FIT, UNTRACKED_TOK_FIT = sk.BACKLOG_TOK_FIT, sk.UNTRACKED_TOK_FIT
     ROWS = sk.STATE_ROWS
 
     def __init__(self) -> None:
@@ -410,22 +409,13 @@ class TokenPilot(InstanceRouter):
             near = [k for k in np.flatnonzero(cost <= cost[best] * cfg.explore_slack + 0.01) if k != best]
             if near:
                 chosen, reason = int(self._rng.choice(near)), "exploration (near-best)"
-        ttft, cached = self._reported_ttft(terms, slots, chosen), int(terms[6][chosen])
+        # The decision's TTFT is the one its site was chosen by (`predict`), one path: `terms[1]`.
+        ttft, cached = float(terms[1][chosen]), int(terms[6][chosen])
         self._commit_at(profile, ids, slots, terms, chosen, now)
         decision = RouteDecision(ids[chosen], reason, self._explain(ids, terms), predicted_ttft_s=ttft,
                                  cached_tokens=cached)
         self.decisions.append((profile.request_id, decision))  # (bounded: the oldest falls out)
         return decision
-
-    def _reported_ttft(self, terms: tuple[np.ndarray, ...], slots: np.ndarray, j: int) -> float:
-        """The TTFT a decision reports for candidate `j` (the `x-tokenfleet-predicted-ttft-ms`
-        header): the forward TTFT with the instance's fitted step costs (`StepFit`) once it has
-        one, else the predicted TTFT as the rest of the router reads it (`terms[1]`, which the
-        site chooser and the P/D decision rank by: held at the prior's step costs, since ranking
-        sites by the fitted one cost goodput, bench/ROUTING.md "i19-pred")."""
-        if self._s.m[sk.FWD_TOKEN_F, int(slots[j])] != self._s.m[sk.FWD_TOKEN_F, int(slots[j])]:
-            return float(terms[1][j])
-        return float(terms[_MATRIX][sk.O_FORWARD_FIT, j])
 
     def _score(self, profile: RequestProfile, pool: Sequence[InstanceSnapshot], k: np.ndarray,
                matched_blocks: np.ndarray, now: float) -> tuple[np.ndarray, ...]:
@@ -463,10 +453,15 @@ class TokenPilot(InstanceRouter):
                                 float(p[sk.P_KV_MAX]), float(p[sk.P_CAPACITY_MIN]))
         if kv_cost is not None:
             o[sk.O_KV] = kv_cost
-        # The learned residual over these physics predictions (`tokenpilot.latency_model`):
-        # zero until the caller has fitted it on enough outcomes.
+        # The decision's TTFT (`terms[1]`: what it reports, what `predict` gives the site chooser,
+        # what the P/D decision weighs): the forward TTFT, at the instance's fitted step costs where
+        # a `StepFit` is in; where none is, the learned residual over it (`tokenpilot.latency_model`:
+        # zero until the caller has fitted it on enough outcomes). Over a fitted forward TTFT the
+        # residual made it worse (simulator 3% / 42% -> 7% / 66% median / P90, bench/ROUTING.md "i19-pred").
         lat = self.latency
         ttft_pred = lat.correct(lat.ttft, o[sk.O_FORWARD], features)
+        if lat.ttft is not None:
+            ttft_pred = np.where(o[sk.O_FITTED] != 0.0, o[sk.O_FORWARD], ttft_pred)
         if cfg.learned_cost:  # off by default: ranking by it lost goodput (bench/ROUTING.md)
             tpot_pred = lat.correct(lat.tpot, own_step, features)
             sk.finish(o, _f64(ttft_pred), _f64(tpot_pred), o[sk.O_KV], 0.0 if kv_cost is None else 1.0, p)
@@ -531,17 +526,17 @@ class TokenPilot(InstanceRouter):
                      profile.prompt_tokens - col[sk.O_CACHED], self._forward_parts(k, profile.prompt_tokens, col))
 
     def _forward_parts(self, k: int, prompt: float, col: list[float]) -> tuple[float, float, float, float]:
-        """The chosen candidate's fitted forward TTFT split for its `StepFit` (`forward_parts`, with
+        """The chosen candidate's forward TTFT split for its `StepFit` (`forward_parts`, with
         the scoring's own inputs, read back from its result column `col`), and that TTFT."""
         m, f = self._s.m, sk.O_FEATURES
         token_f = float(m[sk.FWD_TOKEN_F, k])
         if token_f != token_f:
             token_f = float(m[sk.PREFILL_FACTOR, k])
         cached = col[sk.O_CACHED]
-        return (*forward_parts(col[sk.O_AHEAD_FIT], prompt - cached, cached, col[f + 10], col[f + 4] * 1e6,
+        return (*forward_parts(col[sk.O_AHEAD], prompt - cached, cached, col[f + 10], col[f + 4] * 1e6,
                                float(m[sk.BUDGET, k]), float(m[sk.TOKEN_S, k]), float(m[sk.ATTN_S, k]),
                                float(m[sk.KV_EFF, k]), float(m[sk.OVERHEAD_S, k]), token_f,
-                               float(m[sk.FWD_OVERHEAD_F, k])), col[sk.O_FORWARD_FIT])
+                               float(m[sk.FWD_OVERHEAD_F, k])), col[sk.O_FORWARD])
 
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
@@ -628,7 +623,7 @@ class TokenPilot(InstanceRouter):
         if outcome.ok and not outcome.cancelled:
             if rec.predicted_queue_s != _SPLIT:  # a split P/D request's TTFT is no one instance's
                 self.latency.record(rec.features, rec.forward_ttft_s, rec.predicted_tpot_s,
-                                    _after_dispatch(outcome.ttft_s, rec.held_s),
+                                    _after_dispatch(outcome.ttft_s, rec.held_s + outcome.network_s),
                                     outcome.mean_tpot_s if outcome.output_tokens > 1 else None)
             self._learn(k, rec, outcome)
             s.refresh(k)
@@ -643,12 +638,16 @@ class TokenPilot(InstanceRouter):
         # Learn prefill speed only from requests predicted to start at once: otherwise an error
         # in the queue model would be taken for a slow (or fast) GPU and feed back on itself.
         # The TTFT since dispatch: time the request was held before it (admission) is no GPU's speed.
-        ttft = _after_dispatch(outcome.ttft_s, rec.held_s)
+        # (and the network round trip to the site: on the 3-site simulated fleet the step fit took a
+        # remote site's 62-75 ms for an engine step's fixed cost, its bound 4x, on nearly every
+        # instance there, so the site chooser counted that round trip twice and spilled too little)
+        ttft = _after_dispatch(outcome.ttft_s, rec.held_s + outcome.network_s)
         if ttft is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
             learned.prefill.update(ttft, rec.predicted_ttft_s)
             m[s.PREFILL_FACTOR, k] = learned.prefill.value
-        # The reported TTFT's step costs, from every outcome (its queue is in tokens, of the same
-        # steps): fitted apart, they leave the prefill factor, the cost and every ranking as they were.
+        # The forward TTFT's step costs, from every outcome (its queue is in tokens, of the same
+        # steps): the decision's TTFT and the token backlog's drain read them; the prefill factor and
+        # the instance cost (the physics' seconds) do not.
         if ttft is not None and rec.forward_parts is not None:
             a, b, c, predicted = rec.forward_parts
             learned.step.update(a, b, c, ttft, predicted)
@@ -822,7 +821,7 @@ class TokenPilot(InstanceRouter):
         # It had not started: all of it was still ahead of the clock that drained the queue in
         # front of it. The duty decays by the window since it was added.
         for row, x in ((s.BACKLOG, prefill), (s.BACKLOG_UNTRACKED, prefill), (s.BACKLOG_TOK, uncached),
-                       (s.UNTRACKED_TOK, uncached), (s.BACKLOG_TOK_FIT, uncached), (s.UNTRACKED_TOK_FIT, uncached)):
+                       (s.UNTRACKED_TOK, uncached)):
             m[row, kp] = max(0.0, m[row, kp] - x)
         m[s.DUTY, kp] = max(0.0, m[s.DUTY, kp] - duty * float(np.exp((at - now) / self._duty_window())))
         kd = rec.slot
@@ -891,7 +890,8 @@ def _held(profile: RequestProfile, now: float) -> float:
 
 
 def _after_dispatch(ttft_s: float | None, held_s: float) -> float | None:
-    """An observed TTFT (from arrival) from the dispatch on: what the router's predictions are of."""
+    """An observed TTFT (from arrival) from the dispatch on, less `held_s` (the admission hold and
+    the network round trip): the engine's time, what the router's predictions are of."""
     return None if ttft_s is None else max(ttft_s - held_s, 1e-6)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import float64, intp, njit, void
+from numba.types import UniTuple
 
 from tokenpilot.backlog import reconcile
 from tokenpilot.forward import drain_rate, forward_ttft
@@ -41,28 +42,23 @@ TOKEN_EFF, ATTN_EFF, KV_EFF, OVERHEAD_DF, CONTEXT_PER_STREAM = range(17, 22)
 # The same backlog in uncached prompt tokens, for the scheduler-forward TTFT (`tokenpilot.forward`):
 # clock-drained (at the engine's prefill rate), untracked part, outstanding total / oldest / count.
 BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
-# The scheduler-forward TTFT's own step costs (`tokenpilot.learning.StepFit`): its per-token factor
-# on TOKEN_S / ATTN_S (NaN: none fitted, the prefill factor's) and its fixed-cost factor on
-# OVERHEAD_S (1: none fitted), and the costs they give (derived by `refresh`). The routing cost
-# reads none of them, nor anything a decision is made from: only the reported TTFT (O_FORWARD_FIT).
+# The instance's engine step costs as the scheduler-forward TTFT and the token backlog's drain read
+# them (`tokenpilot.learning.StepFit`): its per-token factor on TOKEN_S / ATTN_S (NaN: none fitted,
+# the prefill factor's) and its fixed-cost factor on OVERHEAD_S (1: none fitted), and the costs they
+# give (derived by `refresh`; the very floats of TOKEN_EFF / ATTN_EFF / OVERHEAD_S until a fit is in).
+# One token backlog, one forward TTFT: what the decision reports is what the site chooser and the
+# P/D decision rank by (until i19-unify a second backlog and forward TTFT, at the fitted costs,
+# were kept for the report alone, and the two numbers differed).
 FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = range(27, 32)
-# ... and its own token backlog (as BACKLOG_TOK / UNTRACKED_TOK), drained at the fitted costs: the
-# prior's drained 3x too fast on engines whose fixed cost it overstates, and the reported TTFT then
-# missed the queue (0.65-0.88x at 40/s live). The same floats as the other two until a fit is in.
-BACKLOG_TOK_FIT, UNTRACKED_TOK_FIT = range(32, 34)
-STATE_ROWS = 34
+STATE_ROWS = 32
 
 # -- rows of a decision's results (`o`) ---------------------------------------------------------
 (O_COST, O_TTFT, O_QUEUE, O_PREFILL, O_INTERFERENCE, O_KV, O_CACHED, O_DECODE, O_COMPUTE, O_OWN_STEP,
  O_FORWARD, O_AHEAD, O_LOCALITY, O_CAPACITY, O_ELAPSED, O_DECAY) = range(16)
 # Scratch: the drained state, held until every candidate is read, then stored into `m`.
 _S_BACKLOG, _S_UNTRACKED, _S_DUTY, _S_BACKLOG_TOK, _S_UNTRACKED_TOK = range(16, 21)
-# The forward TTFT with the instance's fitted step costs (`FWD_*`; O_FORWARD's very float until a
-# fit is in): what a decision reports. O_FORWARD, the learned model's prior and what the site
-# chooser and the P/D decision read, keeps the prior's step costs.
-O_FORWARD_FIT, O_AHEAD_FIT = 21, 22  # (and the prefill tokens ahead it was timed with)
-_S_BACKLOG_TOK_FIT, _S_UNTRACKED_TOK_FIT = 23, 24
-O_FEATURES = 25  # queue, prefill, uncached/1e3, streams, context/1e6, kv_usage, waiting, budget/1e3,
+O_FITTED = 21  # 1 where the candidate's step costs are fitted (O_FORWARD is then the decision's TTFT), else 0
+O_FEATURES = 22  # queue, prefill, uncached/1e3, streams, context/1e6, kv_usage, waiting, budget/1e3,
 N_FEATURES = 13  # forward, ahead/1e3, decoding, log(max(forward, 1e-9)), 0.01/max(forward, 1e-9)
 F_KV_USAGE, F_LOG = O_FEATURES + 5, O_FEATURES + 11
 OUT_ROWS = O_FEATURES + N_FEATURES
@@ -71,6 +67,29 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
  P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN) = range(13)
 PARAMS = 13  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+
+@njit(UniTuple(float64, 2)(float64[:, ::1], intp, float64), **INLINE)
+def drain_s(m: np.ndarray, s: int, elapsed: float) -> tuple[float, float]:
+    """Slot `s`'s prefill backlog in seconds `elapsed` later: (backlog, its untracked part), drained
+    by the clock and held within what the first tokens seen so far allow (`tokenpilot.backlog`).
+    The one drain of it: a decision (`score`) and a first token or an end (`settle`) both call it."""
+    untracked = _max(0.0, m[BACKLOG_UNTRACKED, s] - elapsed)
+    return reconcile(_max(0.0, m[BACKLOG, s] - elapsed), untracked, m[OUT_S, s], m[HEAD_S, s]), untracked
+
+
+@njit(UniTuple(float64, 2)(float64[:, ::1], intp, float64, float64, float64), **INLINE)
+def drain_tok(m: np.ndarray, s: int, elapsed: float, decoding: float, context: float) -> tuple[float, float]:
+    """Slot `s`'s prefill backlog in uncached prompt tokens `elapsed` later: (backlog, untracked part),
+    drained at the engine's prefill rate with `decoding` streams reading `context` tokens of KV, at the
+    instance's step costs (the fitted ones where a `StepFit` is in, `FWD_*`), held within what the
+    first tokens allow with one chunk of slack (a step carries more than the oldest prompt: up to a
+    chunk of the next ones may be done too). The one token backlog, and its one drain (`score`, `settle`)."""
+    budget = m[BUDGET, s]
+    drained = elapsed * drain_rate(decoding, context, budget, m[FWD_TOKEN_EFF, s], m[KV_EFF, s], m[FWD_OVERHEAD, s])
+    untracked = _max(0.0, m[UNTRACKED_TOK, s] - drained)
+    return reconcile(_max(0.0, m[BACKLOG_TOK, s] - drained), untracked, m[OUT_TOK, s],
+                     m[HEAD_TOK, s] + _max(budget - decoding, 1.0)), untracked
+
 
 @njit(void(float64[:, ::1], intp[::1], float64[::1], float64[:, ::1]), **JIT)
 def prep(m: np.ndarray, k: np.ndarray, p: np.ndarray, o: np.ndarray) -> None:
@@ -140,9 +159,7 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # Prefill work routed here and not yet done (seconds): drained by the clock, held
         # within what the first tokens seen so far allow (`tokenpilot.backlog`).
         elapsed = o[O_ELAPSED, j]
-        untracked = _max(0.0, m[BACKLOG_UNTRACKED, s] - elapsed)
-        drained = _max(0.0, m[BACKLOG, s] - elapsed)
-        backlog = reconcile(drained, untracked, m[OUT_S, s], m[HEAD_S, s])
+        backlog, untracked = drain_s(m, s, elapsed)
         # (uncached >= 1 whenever the prompt has a token: cached stops one short of it)
         per_token = compute / (uncached if prompt >= 1.0 else _max(uncached, 1.0)) + step_s / budget
         waiting_ctx = waiting[j] * mean_ctx * 0.5
@@ -154,30 +171,16 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # time per token is its decode step stretched by 1 / (1 - duty).
         duty = m[DUTY, s] * o[O_DECAY, j]  # (o[O_DECAY] holds exp(elapsed / -window) by now)
         # The scheduler-forward TTFT (`tokenpilot.forward`): the same backlog kept in tokens,
-        # drained at the engine's prefill rate, and timed by how the engine batches it. It is
-        # what the decision reports and the learned residual corrects; the cost ranks by the
-        # physics above unless `learned_cost`.
+        # drained at the engine's prefill rate, and timed by how the engine batches it, at the
+        # instance's step costs (fitted where a `StepFit` is in). It is the decision's TTFT: what it
+        # reports, what the site chooser and the P/D decision rank by, and (where no step fit is
+        # in) what the learned residual corrects; the cost ranks by the physics above unless `learned_cost`.
         decoding = _max(streams - m[OUT_N, s], 0.0)
-        drained_tok = elapsed * drain_rate(decoding, context, budget, token_s, kv_s, overhead)
-        untracked_tok = _max(0.0, m[UNTRACKED_TOK, s] - drained_tok)
-        # (a step carries more than the oldest prompt: up to a chunk of the next ones may be done too)
-        backlog_tok = reconcile(_max(0.0, m[BACKLOG_TOK, s] - drained_tok), untracked_tok, m[OUT_TOK, s],
-                                m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
+        backlog_tok, untracked_tok = drain_tok(m, s, elapsed, decoding, context)
         ahead = _max(backlog_tok, waiting_ctx)
-        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s, attn, kv_s, overhead)
-        if m[FWD_TOKEN_F, s] != m[FWD_TOKEN_F, s]:  # no step fit: the same floats
-            backlog_fit, untracked_fit, ahead_fit, forward_fit = backlog_tok, untracked_tok, ahead, forward
-        else:
-            f_token, f_overhead = m[FWD_TOKEN_EFF, s], m[FWD_OVERHEAD, s]
-            drained_fit = elapsed * drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
-            untracked_fit = _max(0.0, m[UNTRACKED_TOK_FIT, s] - drained_fit)
-            backlog_fit = reconcile(_max(0.0, m[BACKLOG_TOK_FIT, s] - drained_fit), untracked_fit, m[OUT_TOK, s],
-                                    m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
-            ahead_fit = _max(backlog_fit, waiting_ctx)
-            forward_fit = forward_ttft(ahead_fit, uncached, cached, decoding, context, budget, f_token,
-                                       m[FWD_ATTN_EFF, s], kv_s, f_overhead)
-        o[O_FORWARD_FIT, j], o[O_AHEAD_FIT, j] = forward_fit, ahead_fit
-        o[_S_BACKLOG_TOK_FIT, j], o[_S_UNTRACKED_TOK_FIT, j] = backlog_fit, untracked_fit
+        forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, m[FWD_TOKEN_EFF, s],
+                               m[FWD_ATTN_EFF, s], kv_s, m[FWD_OVERHEAD, s])
+        o[O_FITTED, j] = 0.0 if m[FWD_TOKEN_F, s] != m[FWD_TOKEN_F, s] else 1.0
         duty_after = _min(max_duty, duty + compute / window)
         decode_step = m[OVERHEAD_DF, s] + context_kv
         tpot_factor = m[TPOT_FACTOR, s]
@@ -214,7 +217,6 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         m[BACKLOG, s], m[BACKLOG_UNTRACKED, s], m[DUTY, s] = o[_S_BACKLOG, j], o[_S_UNTRACKED, j], o[_S_DUTY, j]
         m[DECAYED_AT, s] = _max(m[DECAYED_AT, s], now)
         m[BACKLOG_TOK, s], m[UNTRACKED_TOK, s] = o[_S_BACKLOG_TOK, j], o[_S_UNTRACKED_TOK, j]
-        m[BACKLOG_TOK_FIT, s], m[UNTRACKED_TOK_FIT, s] = o[_S_BACKLOG_TOK_FIT, j], o[_S_UNTRACKED_TOK_FIT, j]
     p[P_KV_MAX], p[P_CAPACITY_MIN] = kv_max, cap_min
     # The cost as it is unless KV pressure or the learned model's ranking change it (the
     # caller runs `finish` again then).
@@ -252,13 +254,11 @@ def book_prefill(m: np.ndarray, k: int, prefill_s: float, uncached: float, duty_
     caller) replace the slot's, the others' prefill drains by the clock alone (the untracked rows)."""
     m[BACKLOG, k] += prefill_s
     m[BACKLOG_TOK, k] += uncached
-    m[BACKLOG_TOK_FIT, k] += uncached
     if streamed != 0.0:
         m[OUT_S, k], m[HEAD_S, k], m[OUT_TOK, k], m[HEAD_TOK, k], m[OUT_N, k] = out_s, head_s, out_tok, head_tok, out_n
     else:
         m[BACKLOG_UNTRACKED, k] += prefill_s
         m[UNTRACKED_TOK, k] += uncached
-        m[UNTRACKED_TOK_FIT, k] += uncached
     m[DUTY, k] += duty_added
 
 
@@ -286,25 +286,13 @@ def settle(m: np.ndarray, k: int, now: float, elapsed: float, decay: float) -> N
     """`TokenPilot._settle`'s arithmetic on slot `k` (it was Python on numpy scalars, ~12 us a call,
     twice per request): drain the backlog and duty by `elapsed` (the caller's `max(0.0, now -
     decayed_at)`; `decay`: numpy's exp of `elapsed / -window`, see the module doc), then reconcile
-    the backlog with the outstanding prefill, in seconds and in tokens. Python's `max` where it used
-    Python's `max`, in the same order of arguments."""
-    m[BACKLOG_UNTRACKED, k] = _pymax(0.0, m[BACKLOG_UNTRACKED, k] - elapsed)
-    m[BACKLOG, k] = _pymax(0.0, m[BACKLOG, k] - elapsed)
+    the backlog with the outstanding prefill, in seconds and in tokens: the drains `score` runs
+    (`drain_s`, `drain_tok`), so a backlog settles as a decision would see it. (Python's `max` where
+    the code it replaced used it; the drains take numpy's rule, which differs only with NaN state:
+    since i19-unify, when the two drains became one.)"""
+    m[BACKLOG, k], m[BACKLOG_UNTRACKED, k] = drain_s(m, k, elapsed)
     m[DUTY, k] *= decay
     m[DECAYED_AT, k] = _pymax(m[DECAYED_AT, k], now)
-    m[BACKLOG, k] = reconcile(m[BACKLOG, k], m[BACKLOG_UNTRACKED, k], m[OUT_S, k], m[HEAD_S, k])
     # (the drain rate from the slot's own streams: the engine's count is not at hand here)
     decoding = _pymax(m[STREAMS, k] - m[OUT_N, k], 0.0)
-    drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[TOKEN_EFF, k], m[KV_EFF, k],
-                                   m[OVERHEAD_S, k])
-    m[UNTRACKED_TOK, k] = _pymax(0.0, m[UNTRACKED_TOK, k] - drained)
-    m[BACKLOG_TOK, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK, k] - drained), m[UNTRACKED_TOK, k],
-                                  m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
-    if m[FWD_TOKEN_F, k] != m[FWD_TOKEN_F, k]:  # no step fit: the reported TTFT's backlog is this one
-        m[UNTRACKED_TOK_FIT, k], m[BACKLOG_TOK_FIT, k] = m[UNTRACKED_TOK, k], m[BACKLOG_TOK, k]
-    else:
-        drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[FWD_TOKEN_EFF, k], m[KV_EFF, k],
-                                       m[FWD_OVERHEAD, k])
-        m[UNTRACKED_TOK_FIT, k] = _pymax(0.0, m[UNTRACKED_TOK_FIT, k] - drained)
-        m[BACKLOG_TOK_FIT, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK_FIT, k] - drained), m[UNTRACKED_TOK_FIT, k],
-                                          m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
+    m[BACKLOG_TOK, k], m[UNTRACKED_TOK, k] = drain_tok(m, k, elapsed, decoding, m[CONTEXT, k])
