@@ -327,13 +327,17 @@ class Probe:
         own = forward_parts(0.0, profile.prompt_tokens - cached, cached, decoding, context, float(m[sk.BUDGET, k]),
                             float(m[sk.TOKEN_S, k]), float(m[sk.ATTN_S, k]), float(m[sk.KV_EFF, k]),
                             float(m[sk.OVERHEAD_S, k]), tf, overhead_f)
-        a, b, c, fitted = rec.forward_parts
+        *split, fitted = rec.forward_parts  # (a, b, c[, d: the steps, i19-vllm's per-step cost counts them])
+        a, b, c = split[:3]
+        add = float(m[sk.FWD_STEP_S, k]) if hasattr(sk, "FWD_STEP_S") else math.nan
+        own_s = overhead_f * own[0] + tf * own[1] + own[2] + (add * own[3] if len(own) > 3 else 0.0)
         last = self.timeline[-1][1] if self.timeline else {}
         self.rows[profile.request_id] = {
             "now": now, "wall": time.time(), "prompt": float(profile.prompt_tokens), "held": rec.held_s,
             "reported": float(d.predicted_ttft_s or math.nan), "a": a, "b": b, "c": c, "fitted": fitted,
-            "own": overhead_f * own[0] + tf * own[1] + own[2], "prior_forward": col[sk.O_FORWARD],
+            "own": own_s, "prior_forward": col[sk.O_FORWARD], "steps": split[3] if len(split) > 3 else math.nan,
             "overhead_f": overhead_f, "token_f": math.nan if token_f is None else token_f, "prefill_f": prefill_f,
+            "step_add": add,  # the fit's additive seconds per step (i19-vllm; NaN on versions without it)
             "ahead_fit": col[sk.O_AHEAD_FIT], "ahead": col[sk.O_AHEAD], "decoding": decoding, "context": context,
             "out_tok": float(m[sk.OUT_TOK, k]), "out_n": float(m[sk.OUT_N, k]), "streams": float(m[sk.STREAMS, k]),
             "snap_running": float(snap.num_running), "snap_waiting": float(snap.num_waiting),
@@ -389,7 +393,7 @@ class Probe:
 
 
 PROBE_COLUMNS = ("now", "wall", "prompt", "held", "reported", "a", "b", "c", "fitted", "own", "prior_forward",
-                 "overhead_f", "token_f", "prefill_f", "ahead_fit", "ahead", "decoding", "context", "out_tok",
+                 "overhead_f", "token_f", "prefill_f", "step_add", "steps", "ahead_fit", "ahead", "decoding", "context", "out_tok",
                  "out_n", "streams", "snap_running", "snap_waiting", "engine_running", "engine_waiting", "ttft",
                  "ttft_dispatch", "output_tokens")
 
@@ -430,7 +434,7 @@ def probe_report(mode: str, model: str, probe: Probe, parts: int = 5) -> list[st
                  f"(its histograms): queue {1e3 * eng.get(ENGINE_HISTOGRAMS[0], math.nan):.0f} + prefill "
                  f"{1e3 * eng.get(ENGINE_HISTOGRAMS[1], math.nan):.0f}, TTFT {1e3 * eng.get(ENGINE_HISTOGRAMS[2], math.nan):.0f} ms; "
                  f"factors at the end: fixed {h[-1, col['overhead_f']]:.3g}, per token {h[-1, col['token_f']]:.3g}, "
-                 f"prefill {h[-1, col['prefill_f']]:.3g}")
+                 f"prefill {h[-1, col['prefill_f']]:.3g}, per step {1e3 * h[-1, col['step_add']]:.1f} ms")
     return lines
 
 

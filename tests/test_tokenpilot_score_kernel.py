@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fleetcore.types import InstanceSnapshot, RequestProfile
+from tokenpilot import score_kernel as sk
 from tokenpilot.latency_model import N_FEATURES, Fit
 from tokenpilot.priors import prior_from_physics
 from tokenpilot.router import TokenPilot, TokenPilotConfig, _Slots
@@ -32,9 +33,9 @@ def _np_step_s(tokens, context, token_s, kv_s, overhead_s, budget):  # type: ign
     return np.maximum(overhead_s + context * kv_s, tokens * (token_s + overhead_s / budget))
 
 
-def _np_drain_rate(decoding, context, budget, token_s, kv_s, overhead_s):  # type: ignore[no-untyped-def]
+def _np_drain_rate(decoding, context, budget, token_s, kv_s, overhead_s, step_add_s=0.0):  # type: ignore[no-untyped-def]
     chunk = np.maximum(budget - decoding, 1.0)
-    return chunk / _np_step_s(budget, context, token_s, kv_s, overhead_s, budget)
+    return chunk / (_np_step_s(budget, context, token_s, kv_s, overhead_s, budget) + step_add_s)
 
 
 def _np_forward_ttft(ahead_tokens, uncached, cached, decoding, context, budget, token_s, attn_s, kv_s,  # type: ignore[no-untyped-def]
@@ -114,7 +115,9 @@ def _reference_score(tp, m, profile, pool, k, matched_blocks, now):  # type: ign
     # (since i19-pred: the reported TTFT's own token backlog, drained at the fitted step costs where
     # a step fit is in, the same floats as the one above where not)
     fitted = ~np.isnan(g[s.FWD_TOKEN_F])
-    drained_fit = elapsed * _np_drain_rate(decoding, context, budget, g[s.FWD_TOKEN_EFF], kv_s, g[s.FWD_OVERHEAD])
+    # (since i19-vllm: with the fit's additive cost per step)
+    drained_fit = elapsed * _np_drain_rate(decoding, context, budget, g[s.FWD_TOKEN_EFF], kv_s, g[s.FWD_OVERHEAD],
+                                           g[sk.FWD_STEP_S])
     untracked_fit = np.maximum(0.0, g[s.UNTRACKED_TOK_FIT] - drained_fit)
     backlog_fit = _np_reconcile(np.maximum(0.0, g[s.BACKLOG_TOK_FIT] - drained_fit), untracked_fit, g[s.OUT_TOK],
                                 g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
@@ -185,6 +188,8 @@ def _router(rng: random.Random, n: int, config: TokenPilotConfig) -> tuple[Token
         m[s.OUT_TOK, j] = rng.uniform(0, 2e4) if busy else 0.0
         m[s.HEAD_TOK, j] = m[s.OUT_TOK, j] * rng.random()
         m[s.OUT_N, j] = rng.randrange(0, 10)
+        # the reported TTFT's own token backlog (i19-pred): apart from the other where a fit drains it
+        m[s.BACKLOG_TOK_FIT, j], m[s.UNTRACKED_TOK_FIT, j] = rng.uniform(0, 3e4), rng.uniform(0, 5e3)
         s.refresh(j)
     tp._mean_compute, tp._mean_output = rng.uniform(0.01, 2.0), rng.uniform(20, 900)
     pool = [InstanceSnapshot(f"i{j}", "s", "m", "v", f"http://i{j}", num_running=rng.randrange(0, 60),
@@ -224,6 +229,7 @@ def test_compiled_scoring_equals_the_numpy_code_it_replaced(seed: int, learned: 
     for j in range(len(slots.ids)):  # the forward TTFT's step fit in on some instances (i19-pred)
         if rng.random() < 0.5:
             slots.m[slots.FWD_OVERHEAD_F, j], slots.m[slots.FWD_TOKEN_F, j] = rng.uniform(1 / 16, 4), rng.uniform(1 / 16, 4)
+            slots.m[sk.FWD_STEP_S, j] = rng.choice((0.0, rng.uniform(0, 0.03)))  # (i19-vllm's per-step cost)
             slots.refresh(j)
     if learned:
         nrng = np.random.default_rng(seed)

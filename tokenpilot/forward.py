@@ -52,6 +52,24 @@ def drain_rate(decoding: float, context: float, budget: float, token_s: float, k
     return chunk / step_s(budget, context, token_s, kv_s, overhead_s, budget)
 
 
+@njit(float64(float64, float64, float64, float64, float64, float64, float64), **INLINE)
+def drain_rate_fit(decoding: float, context: float, budget: float, token_s: float, kv_s: float, overhead_s: float,
+                   step_add_s: float) -> float:
+    """`drain_rate` with every step `step_add_s` longer: the step fit's additive cost per step
+    (`tokenpilot.learning.StepFit`; with 0, `drain_rate`'s very float)."""
+    chunk = fmax(budget - decoding, 1.0)
+    return chunk / (step_s(budget, context, token_s, kv_s, overhead_s, budget) + step_add_s)
+
+
+@njit(float64(float64, float64, float64, float64), **INLINE)
+def step_count(ahead_tokens: float, uncached: float, decoding: float, budget: float) -> float:
+    """The engine steps `forward_ttft` waits through: half of the one under way (if any), then
+    every chunk to its own last one. What an additive cost per step adds up over."""
+    chunk = fmax(budget - decoding, 1.0)
+    steps = fmax(np.ceil((ahead_tokens + uncached) / chunk), 1.0)
+    return steps + (0.5 if fmin(ahead_tokens + decoding, budget) > 0 else 0.0)
+
+
 @njit(float64(float64, float64, float64, float64, float64, float64, float64, float64, float64, float64), **INLINE)
 def forward_ttft(ahead_tokens: float, uncached: float, cached: float, decoding: float, context: float,
                  budget: float, token_s: float, attn_s: float, kv_s: float, overhead_s: float) -> float:
@@ -84,7 +102,7 @@ def _step_parts(tokens: float, context: float, token_s: float, kv_s: float, over
     return tokens * overhead_s / budget, tokens * token_s, 0.0
 
 
-@njit(UniTuple(float64, 3)(float64, float64, float64, float64, float64, float64, float64, float64, float64,
+@njit(UniTuple(float64, 4)(float64, float64, float64, float64, float64, float64, float64, float64, float64,
                            float64, float64, float64), **JIT)
 def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding: float, context: float,
                   budget: float, token_s: float, attn_s: float, kv_s: float, overhead_s: float,
@@ -94,7 +112,12 @@ def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding:
     `a`, the steps' fixed cost at factor 1; `b`, their per-token compute and own attention at
     factor 1; `c`, the decode streams' KV reads (the decode factor's, already in `kv_s`). Linear
     in the two factors for a given split of each step's max, which is what lets
-    `tokenpilot.learning.StepFit` fit them by least squares from observed TTFTs."""
+    `tokenpilot.learning.StepFit` fit them by least squares from observed TTFTs. And `d`, the
+    steps it waits through (`step_count`): what a cost paid once per step on top of the roofline's
+    max (an engine's scheduling and sampling on the CPU, ~17 ms a step for vLLM on CPU) adds up
+    over, which the max's fixed cost cannot stand for on steps that are compute-bound (it is
+    amortised over the chunk's tokens there, so prompts of 300-1,500 tokens on vLLM on CPU were
+    predicted 0.8x at the short end and 1.1x at the long one)."""
     chunk = fmax(budget - decoding, 1.0)
     work = ahead_tokens + uncached
     steps = fmax(np.ceil(work / chunk), 1.0)
@@ -107,4 +130,5 @@ def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding:
         ba, bb, bc = _step_parts(now_tokens, context, token_s, kv_s, overhead_s, budget, token_f, overhead_f)
     own_attention = attn_s * uncached * (cached + uncached / 2)
     n = steps - 1.0
-    return (0.5 * ba + n * fa + la, 0.5 * bb + n * fb + lb + own_attention, 0.5 * bc + n * fc + lc)
+    return (0.5 * ba + n * fa + la, 0.5 * bb + n * fb + lb + own_attention, 0.5 * bc + n * fc + lc,
+            step_count(ahead_tokens, uncached, decoding, budget))

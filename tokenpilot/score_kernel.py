@@ -25,7 +25,7 @@ import numpy as np
 from numba import float64, intp, njit, void
 
 from tokenpilot.backlog import reconcile
-from tokenpilot.forward import drain_rate, forward_ttft
+from tokenpilot.forward import drain_rate, drain_rate_fit, forward_ttft, step_count
 from tokenpilot.jit import INLINE, JIT
 from tokenpilot.jit import fmax as _max
 from tokenpilot.jit import fmin as _min
@@ -50,7 +50,10 @@ FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = range(2
 # prior's drained 3x too fast on engines whose fixed cost it overstates, and the reported TTFT then
 # missed the queue (0.65-0.88x at 40/s live). The same floats as the other two until a fit is in.
 BACKLOG_TOK_FIT, UNTRACKED_TOK_FIT = range(32, 34)
-STATE_ROWS = 34
+# ... and its additive cost per engine step (s; 0: none fitted), on top of the roofline's max
+# (`StepFit.fit`: what an engine spends per step whatever the batch, vLLM on CPU ~17 ms).
+FWD_STEP_S = 34
+STATE_ROWS = 35
 
 # -- rows of a decision's results (`o`) ---------------------------------------------------------
 (O_COST, O_TTFT, O_QUEUE, O_PREFILL, O_INTERFERENCE, O_KV, O_CACHED, O_DECODE, O_COMPUTE, O_OWN_STEP,
@@ -168,14 +171,15 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         if m[FWD_TOKEN_F, s] != m[FWD_TOKEN_F, s]:  # no step fit: the same floats
             backlog_fit, untracked_fit, ahead_fit, forward_fit = backlog_tok, untracked_tok, ahead, forward
         else:
-            f_token, f_overhead = m[FWD_TOKEN_EFF, s], m[FWD_OVERHEAD, s]
-            drained_fit = elapsed * drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
+            f_token, f_overhead, f_add = m[FWD_TOKEN_EFF, s], m[FWD_OVERHEAD, s], m[FWD_STEP_S, s]
+            drained_fit = elapsed * drain_rate_fit(decoding, context, budget, f_token, kv_s, f_overhead, f_add)
             untracked_fit = _max(0.0, m[UNTRACKED_TOK_FIT, s] - drained_fit)
             backlog_fit = reconcile(_max(0.0, m[BACKLOG_TOK_FIT, s] - drained_fit), untracked_fit, m[OUT_TOK, s],
                                     m[HEAD_TOK, s] + _max(budget - decoding, 1.0))
             ahead_fit = _max(backlog_fit, waiting_ctx)
             forward_fit = forward_ttft(ahead_fit, uncached, cached, decoding, context, budget, f_token,
-                                       m[FWD_ATTN_EFF, s], kv_s, f_overhead)
+                                       m[FWD_ATTN_EFF, s], kv_s, f_overhead) \
+                + f_add * step_count(ahead_fit, uncached, decoding, budget)
         o[O_FORWARD_FIT, j], o[O_AHEAD_FIT, j] = forward_fit, ahead_fit
         o[_S_BACKLOG_TOK_FIT, j], o[_S_UNTRACKED_TOK_FIT, j] = backlog_fit, untracked_fit
         duty_after = _min(max_duty, duty + compute / window)
@@ -303,8 +307,8 @@ def settle(m: np.ndarray, k: int, now: float, elapsed: float, decay: float) -> N
     if m[FWD_TOKEN_F, k] != m[FWD_TOKEN_F, k]:  # no step fit: the reported TTFT's backlog is this one
         m[UNTRACKED_TOK_FIT, k], m[BACKLOG_TOK_FIT, k] = m[UNTRACKED_TOK, k], m[BACKLOG_TOK, k]
     else:
-        drained = elapsed * drain_rate(decoding, m[CONTEXT, k], m[BUDGET, k], m[FWD_TOKEN_EFF, k], m[KV_EFF, k],
-                                       m[FWD_OVERHEAD, k])
+        drained = elapsed * drain_rate_fit(decoding, m[CONTEXT, k], m[BUDGET, k], m[FWD_TOKEN_EFF, k], m[KV_EFF, k],
+                                           m[FWD_OVERHEAD, k], m[FWD_STEP_S, k])
         m[UNTRACKED_TOK_FIT, k] = _pymax(0.0, m[UNTRACKED_TOK_FIT, k] - drained)
         m[BACKLOG_TOK_FIT, k] = reconcile(_pymax(0.0, m[BACKLOG_TOK_FIT, k] - drained), m[UNTRACKED_TOK_FIT, k],
                                           m[OUT_TOK, k], m[HEAD_TOK, k] + _pymax(m[BUDGET, k] - decoding, 1.0))
