@@ -15,8 +15,9 @@ the instance and not through), and time comes from how the engine schedules them
 
 Step time is the roofline's shape over the prior's figures (`step_s`), with the instance's
 own step costs: its fixed cost and its per-token cost each times a factor fitted from observed
-TTFTs (`tokenpilot.learning.StepFit`, on `forward_parts`' split of each prediction; the prefill
-speed factor and the prior's fixed cost until 32 outcomes are in). One multiplicative factor
+TTFTs, and a cost added to every step fitted with them (`tokenpilot.learning.StepFit`, on
+`forward_parts`' split of each prediction; the prefill speed factor and the prior's fixed cost
+until 32 outcomes are in). One multiplicative factor
 could not mend a wrong fixed cost: live over sim workers 4x faster than the roofline it left
 every prompt under ~1,100 tokens predicted at ~30 ms (bench/ROUTING.md, "i19-pred"). The future (prompts
 arriving after this one) is left out: in FCFS order they queue behind it and only lengthen
@@ -114,7 +115,7 @@ def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding:
     in the two factors for a given split of each step's max, which is what lets
     `tokenpilot.learning.StepFit` fit them by least squares from observed TTFTs. And `d`, the
     steps it waits through (`step_count`): what a cost paid once per step on top of the roofline's
-    max (an engine's scheduling and sampling on the CPU, ~17 ms a step for vLLM on CPU) adds up
+    max (an engine's scheduling and sampling on the CPU, ~20 ms a step for vLLM on CPU) adds up
     over, which the max's fixed cost cannot stand for on steps that are compute-bound (it is
     amortised over the chunk's tokens there, so prompts of 300-1,500 tokens on vLLM on CPU were
     predicted 0.8x at the short end and 1.1x at the long one)."""

@@ -61,7 +61,7 @@ class StepFit:
     roofline's max (`steps`: `forward_parts`' `d`), in seconds, within [0, `add_hi`], its ridge
     toward 0. The max's fixed cost is amortised over a compute-bound step's tokens, so it cannot
     stand for what a real engine spends per step whatever the batch (vLLM on CPU: scheduling,
-    sampling, ~17 ms a step): without it the fit left prompts of 300-1,500 tokens 0.8x at the
+    sampling, ~20 ms a step): without it the fit left prompts of 300-1,500 tokens 0.8x at the
     short end and 1.1x at the long one there, with the fixed-cost factor at its bound.
 
     `hi` is 64, not 4: an instance on hardware the roofline has no figures for starts from the

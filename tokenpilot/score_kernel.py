@@ -51,7 +51,7 @@ FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = range(2
 # missed the queue (0.65-0.88x at 40/s live). The same floats as the other two until a fit is in.
 BACKLOG_TOK_FIT, UNTRACKED_TOK_FIT = range(32, 34)
 # ... and its additive cost per engine step (s; 0: none fitted), on top of the roofline's max
-# (`StepFit.fit`: what an engine spends per step whatever the batch, vLLM on CPU ~17 ms).
+# (`StepFit.fit`: what an engine spends per step whatever the batch, vLLM on CPU ~20 ms).
 FWD_STEP_S = 34
 STATE_ROWS = 35
 
