@@ -210,8 +210,9 @@ def joined(sent: Sequence[Sent | None], seen: dict[str, Seen]) -> list[tuple[flo
 
 
 async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]], rate: float,
-                       workdir: Path) -> tuple[list[Sent | None], dict[str, Seen]]:
-    """The gateway in this process (`gateway.embedded`), its router wrapped to see what it decided and observed."""
+                       workdir: Path, probe: Probe | None = None) -> tuple[list[Sent | None], dict[str, Seen]]:
+    """The gateway in this process (`gateway.embedded`), its router wrapped to see what it decided and
+    observed; with a `probe`, also what TokenPilot's forward TTFT was made of and the engines' own view."""
     from gateway.embedded import serve_fleet
     from tokenpilot.latency_model import LearnedLatency
 
@@ -222,15 +223,21 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
         decided: dict[str, tuple[float, float]] = {}  # the chosen instance's predicted TPOT, when (wall)
         seen: dict[str, Seen] = {}  # what the gateway saw, per request id
         route, observe = router.route, router.observe
+        if probe is not None:
+            probe.attach(router)
 
         def routed(profile: RequestProfile, candidates: Sequence[InstanceSnapshot], now: float) -> RouteDecision:
             d = route(profile, candidates, now)
             chosen = next((c for c in d.candidates if c.name == d.instance_id), None)
             if chosen is not None:
                 decided[profile.request_id] = (chosen.detail["tpot_s"], time.time())
+            if probe is not None:
+                probe.decided(router, profile, candidates, d, now)
             return d
 
         def watch(outcome: RequestOutcome) -> None:
+            if probe is not None:
+                probe.observed(outcome)
             if outcome.ttft_s is not None:
                 tpot, at = decided.pop(outcome.request_id, (math.nan, math.nan))
                 seen[outcome.request_id] = (outcome.ttft_s, tpot,
@@ -239,9 +246,204 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
             observe(outcome)
         router.route, router.observe = routed, watch  # type: ignore[method-assign]
         await all_ready(f.url, setup.instances())
-        sent = await send_all(f.url, setup, work, rate)
+        stop = asyncio.Event()
+        poller = asyncio.create_task(probe.poll([i.url for a in f.adapters for i in a.instances], stop)) \
+            if probe is not None else None
+        try:
+            sent = await send_all(f.url, setup, work, rate)
+        finally:
+            stop.set()
+            if poller is not None:
+                await poller
         await asyncio.sleep(0)  # the relay's release (the router's outcome) runs after a stream's end
     return sent, seen
+
+
+# -- the probe (`--probe`): what the reported TTFT was made of, request by request ------------------
+# The engine's own histograms (vLLM and the sim worker share the names): per request, from its
+# arrival at the engine to its first scheduling, and from there to its first token.
+ENGINE_HISTOGRAMS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                     "vllm:time_to_first_token_seconds")
+ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+METRICS_POLL_S = 0.25
+
+
+def engine_metrics(text: str) -> dict[str, float]:
+    """The gauges, and each histogram's _sum and _count, summed over label sets, from Prometheus text."""
+    got: dict[str, float] = {}
+    wanted = ENGINE_GAUGES + tuple(f"{h}_{x}" for h in ENGINE_HISTOGRAMS for x in ("sum", "count"))
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in wanted:
+                try:
+                    got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                except ValueError:
+                    continue
+    return got
+
+
+class Probe:
+    """Per request, at TokenPilot's decision on the chosen instance: the forward TTFT's split (a, b, c:
+    `tokenpilot.forward.forward_parts`) and the factors it was made with (the step fit's fixed-cost and
+    per-token factors, the prefill speed factor), the tokens ahead it queued the request behind (the
+    fitted backlog, the engine's waiting count as the gateway last scraped it), the decoding streams,
+    the part of the reported TTFT that is its own prefill (the same forward TTFT with nothing ahead),
+    and the engine's running / waiting counts as this probe last read them (every METRICS_POLL_S); at
+    its outcome, the TTFT the router learns from. Over the run, the engines' own queue / prefill /
+    TTFT histograms, to compare with the predicted queue and own parts. Reads the router's internals:
+    a benchmark's instrument, on the embedded gateway only."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, float]] = {}
+        self.timeline: list[tuple[float, dict[str, float]]] = []  # (wall time, summed over engines)
+        self._col: list[float] | None = None
+
+    def attach(self, router: Any) -> None:
+        """Keep the chosen candidate's result column, which `_forward_parts` is handed at the commit."""
+        parts = router._forward_parts
+
+        def kept(k: int, prompt: float, col: list[float]) -> tuple[float, float, float, float]:
+            self._col = col
+            return parts(k, prompt, col)
+        router._forward_parts = kept
+
+    def decided(self, router: Any, profile: RequestProfile, candidates: Sequence[InstanceSnapshot],
+                d: RouteDecision, now: float) -> None:
+        from tokenpilot import score_kernel as sk
+        from tokenpilot.forward import forward_parts
+
+        rec = router._inflight.get(profile.request_id)
+        col, self._col = self._col, None
+        if rec is None or col is None or rec.forward_parts is None:
+            return
+        k, m = rec.slot, router._s.m
+        snap = next(c for c in candidates if c.instance_id == d.instance_id)
+        overhead_f, token_f = router.forward_factors(d.instance_id)
+        prefill_f = float(m[sk.PREFILL_FACTOR, k])
+        f = sk.O_FEATURES
+        cached, decoding, context = col[sk.O_CACHED], col[f + 10], col[f + 4] * 1e6
+        tf = prefill_f if token_f is None else token_f
+        own = forward_parts(0.0, profile.prompt_tokens - cached, cached, decoding, context, float(m[sk.BUDGET, k]),
+                            float(m[sk.TOKEN_S, k]), float(m[sk.ATTN_S, k]), float(m[sk.KV_EFF, k]),
+                            float(m[sk.OVERHEAD_S, k]), tf, overhead_f)
+        *split, fitted = rec.forward_parts  # (a, b, c[, d: the steps, i19-vllm's per-step cost counts them])
+        a, b, c = split[:3]
+        add = float(m[sk.FWD_STEP_S, k]) if hasattr(sk, "FWD_STEP_S") else math.nan
+        own_s = overhead_f * own[0] + tf * own[1] + own[2] + (add * own[3] if len(own) > 3 else 0.0)
+        last = self.timeline[-1][1] if self.timeline else {}
+        self.rows[profile.request_id] = {
+            "now": now, "wall": time.time(), "prompt": float(profile.prompt_tokens), "held": rec.held_s,
+            "reported": float(d.predicted_ttft_s or math.nan), "a": a, "b": b, "c": c, "fitted": fitted,
+            "own": own_s, "prior_forward": col[sk.O_FORWARD], "steps": split[3] if len(split) > 3 else math.nan,
+            "overhead_f": overhead_f, "token_f": math.nan if token_f is None else token_f, "prefill_f": prefill_f,
+            "step_add": add,  # the fit's additive seconds per step (i19-vllm; NaN on versions without it)
+            "ahead_fit": col[sk.O_AHEAD], "ahead": col[sk.O_AHEAD],  # (one token backlog since i19-unify)
+            "decoding": decoding, "context": context,
+            "out_tok": float(m[sk.OUT_TOK, k]), "out_n": float(m[sk.OUT_N, k]), "streams": float(m[sk.STREAMS, k]),
+            "snap_running": float(snap.num_running), "snap_waiting": float(snap.num_waiting),
+            "engine_running": last.get("vllm:num_requests_running", math.nan),
+            "engine_waiting": last.get("vllm:num_requests_waiting", math.nan)}
+
+    def observed(self, outcome: RequestOutcome) -> None:
+        r = self.rows.get(outcome.request_id)
+        if r is not None and outcome.ok and outcome.ttft_s is not None:
+            r["ttft"] = outcome.ttft_s
+            r["ttft_dispatch"] = max(outcome.ttft_s - r["held"], 1e-6)  # what the router learns from
+            r["output_tokens"] = float(outcome.output_tokens)
+
+    async def poll(self, urls: Sequence[str], stop: asyncio.Event) -> None:
+        """Every engine's /metrics every METRICS_POLL_S until `stop`, once more after it."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            while True:
+                stopping = stop.is_set()
+                total: dict[str, float] = {}
+                for url in urls:
+                    try:
+                        async with s.get(f"{url}/metrics") as r:
+                            for name, x in engine_metrics(await r.text()).items():
+                                total[name] = total.get(name, 0.0) + x
+                    except (aiohttp.ClientError, TimeoutError):
+                        pass
+                if total:
+                    self.timeline.append((time.time(), total))
+                if stopping:
+                    return
+                try:
+                    await asyncio.wait_for(stop.wait(), METRICS_POLL_S)
+                except TimeoutError:
+                    pass
+
+    def table(self) -> np.ndarray:
+        """The rows with an outcome, in decision order, as PROBE_COLUMNS."""
+        rows = sorted((r for r in self.rows.values() if "ttft" in r), key=lambda r: r["wall"])
+        return np.array([[r.get(c, math.nan) for c in PROBE_COLUMNS] for r in rows], dtype=float).reshape(
+            -1, len(PROBE_COLUMNS))
+
+    def engine_means(self, since_wall: float) -> dict[str, float]:
+        """Each engine histogram's mean over the requests it recorded from `since_wall` to the end (s)."""
+        if not self.timeline:
+            return {}
+        first = next((v for t, v in self.timeline if t >= since_wall), self.timeline[-1][1])
+        last = self.timeline[-1][1]
+        means = {}
+        for h in ENGINE_HISTOGRAMS:
+            n = last.get(f"{h}_count", 0.0) - first.get(f"{h}_count", 0.0)
+            means[h] = (last.get(f"{h}_sum", 0.0) - first.get(f"{h}_sum", 0.0)) / n if n > 0 else math.nan
+        return means
+
+
+PROBE_COLUMNS = ("now", "wall", "prompt", "held", "reported", "a", "b", "c", "fitted", "own", "prior_forward",
+                 "overhead_f", "token_f", "prefill_f", "step_add", "steps", "ahead_fit", "ahead", "decoding", "context", "out_tok",
+                 "out_n", "streams", "snap_running", "snap_waiting", "engine_running", "engine_waiting", "ttft",
+                 "ttft_dispatch", "output_tokens")
+
+
+def probe_report(mode: str, model: str, probe: Probe, parts: int = 5) -> list[str]:
+    """The second half, by prompt-length quintile: the reported TTFT against the TTFT after dispatch,
+    split into its queue part (reported - own) and its own prefill; the factors it was made with;
+    the tokens ahead and the streams it assumed, against the engine's counts; then, over the whole
+    second half, the engine's own mean queue and prefill time against the predicted parts."""
+    t = probe.table()
+    col = {c: j for j, c in enumerate(PROBE_COLUMNS)}
+    h = t[len(t) // 2:]
+    if len(h) < parts:
+        return [f"| {mode} | {model} | too few rows |"]
+    edges = np.quantile(h[:, col["prompt"]], np.linspace(0, 1, parts + 1))
+    which = np.clip(np.searchsorted(edges, h[:, col["prompt"]], side="right") - 1, 0, parts - 1)
+    lines = []
+    med = lambda r, c, x=1.0: float(np.nanmedian(r[:, col[c]])) * x  # noqa: E731
+    for q in range(parts):
+        r = h[which == q]
+        if not len(r):
+            continue
+        obs = r[:, col["ttft_dispatch"]]
+        err = 100 * np.abs(r[:, col["reported"]] - obs) / obs
+        lines.append(
+            f"| {mode} | {model} | {edges[q]:.0f}-{edges[q + 1]:.0f} | {len(r)} | {np.median(err):.0f}% "
+            f"| {np.percentile(err, 90):.0f}% | {np.median(r[:, col['reported']] / obs):.2f} "
+            f"| {med(r, 'reported', 1e3):.0f} | {med(r, 'own', 1e3):.0f} | {med(r, 'ttft_dispatch', 1e3):.0f} "
+            f"| {med(r, 'overhead_f'):.2f} | {med(r, 'token_f'):.2f} | {med(r, 'prefill_f'):.2f} "
+            f"| {med(r, 'ahead_fit'):.0f} | {med(r, 'snap_waiting'):.1f} / {med(r, 'engine_waiting'):.1f} "
+            f"| {med(r, 'decoding'):.1f} / {med(r, 'snap_running'):.1f} / {med(r, 'engine_running'):.1f} |")
+    eng = probe.engine_means(float(h[0, col["wall"]]))
+    queue_pred = float(np.mean(h[:, col["reported"]] - h[:, col["own"]]))
+    lines.append("")
+    lines.append(f"second half ({len(h)} requests), means: reported {1e3 * np.mean(h[:, col['reported']]):.0f} ms "
+                 f"= queue part {1e3 * queue_pred:.0f} + own prefill {1e3 * np.mean(h[:, col['own']]):.0f}; "
+                 f"TTFT after dispatch {1e3 * np.mean(h[:, col['ttft_dispatch']]):.0f} ms; engine's own "
+                 f"(its histograms): queue {1e3 * eng.get(ENGINE_HISTOGRAMS[0], math.nan):.0f} + prefill "
+                 f"{1e3 * eng.get(ENGINE_HISTOGRAMS[1], math.nan):.0f}, TTFT {1e3 * eng.get(ENGINE_HISTOGRAMS[2], math.nan):.0f} ms; "
+                 f"factors at the end: fixed {h[-1, col['overhead_f']]:.3g}, per token {h[-1, col['token_f']]:.3g}, "
+                 f"prefill {h[-1, col['prefill_f']]:.3g}, per step {1e3 * h[-1, col['step_add']]:.1f} ms")
+    return lines
+
+
+PROBE_HEADER = ("| gateway | model | prompt tokens | requests | median err (after dispatch) | P90 | median ratio "
+                "| median reported ms | its own prefill ms | observed ms | fixed-cost factor | per-token factor "
+                "| prefill factor | tokens ahead (fitted backlog) | waiting: gateway's scrape / probe's "
+                "| decoding: assumed / gateway's running / probe's |\n"
+                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
 
 
 def process_fleet(setup: Setup, model: str) -> dict[str, Any]:
@@ -454,6 +656,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the tiny model (--engine vllm; made there if missing)")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/tokenfleet-latency-live"),
                    help="the vLLM engines' logs (--engine vllm), and the gateway processes' (a run's own folder)")
+    p.add_argument("--probe", default=None, metavar="PREFIX",
+                   help="embedded gateway only: per request, what TokenPilot's reported TTFT was made of and the "
+                        "engine's own view (`Probe`), written to PREFIX.MODEL.json, and a table by prompt length")
     p.add_argument("--save", default=None,
                    help="write each run's rows (predicted, client, gateway TTFT s; the same for TPOT; "
                         "prompt tokens) to SAVE.MODE.MODEL.npy")
@@ -461,6 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = a.gateway.split(",")
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--gateway: {a.gateway!r}: each of {', '.join(MODES)}")
+    if a.probe and modes != ["embedded"]:
+        p.error("--probe reads the router's internals: it needs --gateway embedded")
     a.log_dir.mkdir(parents=True, exist_ok=True)
     if a.engine == "vllm":
         setup = vllm_setup(a.model_dir, VLLM_VENV / "bin" / "python", a.instances, a.log_dir)
@@ -475,12 +682,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = tempfile.mkdtemp(prefix="run-", dir=a.log_dir)
     print(f"gateway logs: {runs}")
     results = []
+    probes: list[tuple[str, str, Probe]] = []
     for model in a.models.split(","):
         for mode in modes:
             before = os.getloadavg()[0]
             workdir = Path(runs) / f"{mode}-{model}"
             workdir.mkdir()
-            sent, seen = asyncio.run(RUNNERS[mode](setup, model, work, a.rate, workdir))
+            probe = Probe() if a.probe else None
+            sent, seen = asyncio.run(run_embedded(setup, model, work, a.rate, workdir, probe) if probe
+                                     else RUNNERS[mode](setup, model, work, a.rate, workdir))
+            if probe is not None:
+                Path(f"{a.probe}.{model}.json").write_text(json.dumps(
+                    {"columns": PROBE_COLUMNS, "rows": probe.table().tolist(), "timeline": probe.timeline}))
+                probes.append((mode, model, probe))
             got = np.array(joined(sent, seen), dtype=float).reshape(-1, PRE + 1)
             if a.save:
                 np.save(f"{a.save}.{mode}.{model}.npy", got)
@@ -497,6 +711,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(LENGTH_HEADER)
     for mode, model, got, _, _ in results:
         print("\n".join(by_length(mode, model, got)))
+    if probes:
+        print()
+        print(PROBE_HEADER)
+        for mode, model, probe in probes:
+            print("\n".join(probe_report(mode, model, probe)))
     print(f"load average after (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

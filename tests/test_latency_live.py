@@ -78,3 +78,30 @@ def test_process_mode_has_the_gateway_record_of_every_request(tmp_path: Path) ->
     assert (rows[:, ll.G_TTFT] > 0).all() and (rows[:, ll.G_TTFT] <= rows[:, ll.C_TTFT]).all()
     assert (rows[:, ll.PROMPT] > 0).all()
     assert (rows[:, ll.PRE] > 0).all() and (rows[:, ll.PRE] < rows[:, ll.C_TTFT]).all()
+
+
+def test_the_probe_reads_vllm_gauges_and_histogram_sums_and_means_from_a_time_on() -> None:
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0',  # summed over label sets
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="0.3"} 7.0',  # buckets: not read
+        'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.5',
+        'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 10.0',
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.0',
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0',
+        'vllm:num_requests_running_total{engine="0"} 99.0',  # a longer name: not the gauge
+    ])
+    got = ll.engine_metrics(text)
+    assert got == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 1.0,
+                   "vllm:request_queue_time_seconds_sum": 0.5, "vllm:request_queue_time_seconds_count": 10.0,
+                   "vllm:request_prefill_time_seconds_sum": 2.0, "vllm:request_prefill_time_seconds_count": 10.0}
+    probe = ll.Probe()
+    later = {**got, "vllm:request_queue_time_seconds_sum": 0.9, "vllm:request_queue_time_seconds_count": 14.0,
+             "vllm:request_prefill_time_seconds_sum": 4.0, "vllm:request_prefill_time_seconds_count": 14.0}
+    probe.timeline = [(1.0, {}), (2.0, got), (3.0, later)]
+    means = probe.engine_means(since_wall=1.5)  # from the first poll at or after it to the last
+    assert means["vllm:request_queue_time_seconds"] == pytest.approx(0.1)
+    assert means["vllm:request_prefill_time_seconds"] == pytest.approx(0.5)
+    assert math.isnan(means["vllm:time_to_first_token_seconds"])  # none recorded

@@ -21,7 +21,7 @@ from tokenpilot.forward import drain_rate
 from tokenpilot import score_kernel as sk
 from tokenpilot.latency_model import N_FEATURES, Fit, LearnedLatency
 from tokenpilot.router import TokenPilot, TokenPilotConfig
-from tests.test_tokenpilot_score_kernel import _router, _same
+from tests.test_tokenpilot_score_kernel import _np_drain_rate, _router, _same
 
 
 # -- _settle ----------------------------------------------------------------------------------
@@ -44,8 +44,9 @@ def _reference_settle(tp: TokenPilot, m: np.ndarray, k: int, now: float) -> None
     m[s.DECAYED_AT, k] = max(m[s.DECAYED_AT, k], now)
     m[s.BACKLOG, k] = reconcile(m[s.BACKLOG, k], m[s.BACKLOG_UNTRACKED, k], m[s.OUT_S, k], m[s.HEAD_S, k])
     decoding = max(m[s.STREAMS, k] - m[s.OUT_N, k], 0.0)
+    # (since i19-vllm: each step longer by the step fit's additive cost, FWD_STEP_S, 0 until one is in)
     drained = elapsed * float(drain_rate(decoding, m[s.CONTEXT, k], m[s.BUDGET, k], m[s.FWD_TOKEN_EFF, k],
-                                         m[s.KV_EFF, k], m[s.FWD_OVERHEAD, k]))
+                                         m[s.KV_EFF, k], m[s.FWD_OVERHEAD, k], m[sk.FWD_STEP_S, k]))
     m[s.UNTRACKED_TOK, k] = _fmax(0.0, m[s.UNTRACKED_TOK, k] - drained)
     m[s.BACKLOG_TOK, k] = reconcile(_fmax(0.0, m[s.BACKLOG_TOK, k] - drained), m[s.UNTRACKED_TOK, k],
                                     m[s.OUT_TOK, k], m[s.HEAD_TOK, k] + max(m[s.BUDGET, k] - decoding, 1.0))
@@ -65,6 +66,9 @@ def _random_router(rng: random.Random, n: int, odd: float) -> TokenPilot:
     for j in range(n):
         if rng.random() < 0.3:
             m[rng.choice(rows), j] = odd
+        if rng.random() < 0.5:  # a step fit in (i19-pred), with a cost per step (i19-vllm)
+            m[s.FWD_OVERHEAD_F, j], m[s.FWD_TOKEN_F, j] = rng.uniform(1 / 16, 8), rng.uniform(1 / 16, 8)
+            m[sk.FWD_STEP_S, j] = rng.choice((0.0, rng.uniform(0, 0.03)))
         s.refresh(j)
     return tp
 

@@ -14,6 +14,7 @@ from fleetcore import hardware
 from fleetcore.fleet_config import load_fleet_file
 from fleetcore.roofline import StepTimer
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
+from tokenpilot import score_kernel as sk
 from tokenpilot.forward import forward_ttft, step_s
 from tokenpilot.priors import prior_from_physics
 from tokenpilot.router import TokenPilot, TokenPilotConfig
@@ -157,12 +158,14 @@ def test_forward_parts_add_up_to_the_forward_ttft() -> None:
         token_s, attn_s, kv_s, overhead = rng.uniform(1e-7, 1e-5), rng.uniform(0, 1e-10), rng.uniform(0, 1e-7), \
             rng.uniform(1e-3, 0.03)
         token_f, overhead_f = rng.uniform(1 / 16, 4), rng.uniform(1 / 16, 4)
-        a, b, c = forward_parts(ahead, uncached, cached, decoding, context, budget, token_s, attn_s, kv_s, overhead,
-                                token_f, overhead_f)
+        a, b, c, d = forward_parts(ahead, uncached, cached, decoding, context, budget, token_s, attn_s, kv_s,
+                                   overhead, token_f, overhead_f)
         want = forward_ttft(ahead, uncached, cached, decoding, context, budget, token_s * token_f, attn_s * token_f,
                             kv_s, overhead * overhead_f)
         assert overhead_f * a + token_f * b + c == pytest.approx(want, rel=1e-12)
         assert a > 0 and b >= 0 and c >= 0
+        # d: the steps waited through (half the one under way, then every chunk to its own last)
+        assert d == np.ceil((ahead + uncached) / max(budget - decoding, 1.0)) + (0.5 if ahead + decoding > 0 else 0.0)
 
 
 def test_step_fit_recovers_both_factors_and_holds_the_unidentified_one() -> None:
@@ -336,3 +339,92 @@ def test_step_fit_is_not_dragged_by_outliers() -> None:
     assert x == pytest.approx(0.5, rel=0.15) and t == pytest.approx(0.8, rel=0.1)
     x, t = plain.factors(1.0, 1.0)
     assert x > 1.0 or t > 1.2  # what it was
+
+
+# -- an engine far slower than its prior, and a cost per step (i19-vllm: real vLLM on CPU) -----------
+
+def _slow_engine_errors(k: float, rate_scale: float) -> tuple[np.ndarray, TokenPilot]:
+    """One 8B-on-H100 instance in the simulator (2,048-token chunks), whose router's prior is `k`
+    times too fast in every cost (an engine on hardware the roofline does not know: the generic
+    prior was ~10x fast for vLLM on CPU), fed the Azure conversation trace at `rate_scale` (requests
+    queue). Returns the predicted / observed TTFT (from dispatch) of the second half, and the router."""
+    from dataclasses import replace
+
+    from fleetcore.fleet_config import parse_fleet
+    from fleetsim.simulator import FleetSimulator, HashCache, fleet_instances, prepare, spec_prior
+    from workloads import head, load_trace, scale_rate
+
+    fleet = parse_fleet({
+        "sites": [{"name": "s", "region": "r", "jurisdiction": "x"}],
+        "models": [{"name": "m", "engine": {"spec": "llama-3.1-8b", "max_model_len": 32768,
+                                            "max_num_batched_tokens": 2048}}],
+        "deployments": [{"site": "s", "model": "m", "instances": 1, "gpu": "H100", "adapter": "sim"}],
+        "tenants": [{"name": "t", "api_keys": ["k"]}]})
+    got: dict[str, float] = {}
+    ratios: list[float] = []
+
+    class Recorder(TokenPilot):
+        def route(self, profile, candidates, now):  # type: ignore[no-untyped-def]
+            d = super().route(profile, candidates, now)
+            got[profile.request_id] = d.predicted_ttft_s
+            return d
+
+        def observe(self, outcome: RequestOutcome) -> None:
+            p = got.pop(outcome.request_id, None)
+            if p is not None and outcome.ok and outcome.ttft_s:
+                ratios.append(p / outcome.ttft_s)  # (nothing held: FCFS admission)
+            super().observe(outcome)
+
+    router = Recorder(config=TokenPilotConfig(explore=0.0))
+    for spec in fleet_instances(fleet):
+        p = spec_prior(spec)
+        router.register_instance(spec.instance_id, replace(
+            p, prefill_token_s=p.prefill_token_s / k, attn_s_per_token_ctx=p.attn_s_per_token_ctx / k,
+            kv_read_s_per_token=p.kv_read_s_per_token / k, step_overhead_s=p.step_overhead_s / k))
+    wl = scale_rate(head(load_trace(REPO / "traces" / "AzureLLMInferenceTrace_conv.csv"), 1200), rate_scale)
+    FleetSimulator(fleet, router).run(prepare(wl.requests, fleet, hash_cache=HashCache()))
+    assert len(ratios) == 1200
+    return np.array(ratios[600:]), router
+
+
+def test_an_engine_ten_times_slower_than_its_prior_is_learned_while_busy() -> None:
+    """Over real vLLM on CPU (the generic prior, ~10x fast on a slow VM) every TTFT was reported at
+    ~0.4x, the same at every prompt length: both step factors sat at their bound 4. Here, with the
+    engine busy (median TTFT ~1.5 s, most requests queued behind others), main's code reports
+    0.34x (66% / 72% median / P90 error); the fit must get the engine's own costs."""
+    ratio, router = _slow_engine_errors(10.0, 6.0)
+    err = np.abs(ratio - 1.0)
+    # (measured: 7% / 22%, median ratio 0.95; main's code 66% / 72%)
+    assert np.median(err) < 0.15 and np.percentile(err, 90) < 0.35, (np.median(err), np.percentile(err, 90))
+    assert 0.85 < np.median(ratio) < 1.15
+    overhead_f, token_f = router.forward_factors(router._s.ids[0])
+    assert token_f is not None and 7.0 < token_f < 14.0 and overhead_f > 4.0  # past main's bound of 4
+
+
+def test_a_cost_per_engine_step_is_learned() -> None:
+    """vLLM on CPU spends ~17 ms a step whatever the batch (scheduling, sampling), on top of the
+    roofline's max, where the max's fixed cost is amortised over a compute-bound step's tokens: with
+    the two factors alone, prompts of 300-1,500 tokens were reported 0.8x at the short end and 1.1x
+    at the long one. An engine with the prior's costs x 3 plus 20 ms a step, requests one at a
+    time: the short ones must not be under-predicted and the long ones not over."""
+    from fleetcore.policies import EnginePrior
+
+    prior = EnginePrior(block_size=32, max_batched_tokens=2048)
+    tp = TokenPilot({"a": prior})
+    snap = [InstanceSnapshot("a", "s", "m", "v", "http://a")]
+    rng = np.random.default_rng(2)
+    rows = []
+    for i in range(400):
+        n = int(rng.integers(300, 1500))
+        profile = RequestProfile(f"r{i}", "m", n, stream=True)
+        d = tp.route(profile, snap, 10.0 * i)
+        true = forward_ttft(0.0, n, 0.0, 0.0, 0.0, 2048.0, 3 * prior.prefill_token_s, 3 * prior.attn_s_per_token_ctx,
+                            0.0, 3 * prior.step_overhead_s) + 0.020
+        rows.append((n, d.predicted_ttft_s / true))
+        tp.on_first_token(profile.request_id, 10.0 * i + true)
+        tp.observe(RequestOutcome(profile.request_id, "a", "s", True, prompt_tokens=n, output_tokens=1, ttft_s=true))
+    r = np.array(rows[200:])
+    short, long = r[r[:, 0] < 600, 1], r[r[:, 0] > 1200, 1]
+    # (main's code: 0.90 and 1.06 here; this one 1.00 and 1.00)
+    assert np.median(short) == pytest.approx(1.0, abs=0.05) and np.median(long) == pytest.approx(1.0, abs=0.05)
+    assert tp._s.m[sk.FWD_STEP_S, 0] == pytest.approx(0.020, rel=0.2)

@@ -86,7 +86,10 @@ def test_router_refits_when_told_and_its_predictions_move_to_what_it_observes() 
                                   ttft_s=truth(tokens)))
         if tp.refit_due():
             tp.refit()
-    assert tp.latency.ttft is not None
+    # What moves the prediction: the learned residual, or (since i19-vllm) the step fit alone,
+    # whose additive cost per step stands for the hop; the residual is then kept out, as it must be,
+    # for not beating the prior on the held-out outcomes (`fit_residuals`' MIN_GAIN).
+    assert tp.latency.ttft is not None or tp.forward_factors("a")[1] is not None
     after = ask("probe1", 2000, 10**6 + 1, 10.0 * 602)
     assert abs(before - truth(2000)) / truth(2000) > 0.3
     # (a multiplicative model of an additive hop settles ~15% off here, from ~60% off before)

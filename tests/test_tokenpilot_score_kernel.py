@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fleetcore.types import InstanceSnapshot, RequestProfile
+from tokenpilot import score_kernel as sk
 from tokenpilot.latency_model import N_FEATURES, Fit
 from tokenpilot.priors import prior_from_physics
 from tokenpilot.router import TokenPilot, TokenPilotConfig, _Slots
@@ -32,9 +33,9 @@ def _np_step_s(tokens, context, token_s, kv_s, overhead_s, budget):  # type: ign
     return np.maximum(overhead_s + context * kv_s, tokens * (token_s + overhead_s / budget))
 
 
-def _np_drain_rate(decoding, context, budget, token_s, kv_s, overhead_s):  # type: ignore[no-untyped-def]
+def _np_drain_rate(decoding, context, budget, token_s, kv_s, overhead_s, step_add_s=0.0):  # type: ignore[no-untyped-def]
     chunk = np.maximum(budget - decoding, 1.0)
-    return chunk / _np_step_s(budget, context, token_s, kv_s, overhead_s, budget)
+    return chunk / (_np_step_s(budget, context, token_s, kv_s, overhead_s, budget) + step_add_s)
 
 
 def _np_forward_ttft(ahead_tokens, uncached, cached, decoding, context, budget, token_s, attn_s, kv_s,  # type: ignore[no-untyped-def]
@@ -48,6 +49,12 @@ def _np_forward_ttft(ahead_tokens, uncached, cached, decoding, context, budget, 
     busy = np.where(now_tokens > 0, _np_step_s(now_tokens, context, token_s, kv_s, overhead_s, budget), 0.0)
     own_attention = attn_s * uncached * (cached + uncached / 2)
     return 0.5 * busy + (steps - 1.0) * full + last + own_attention
+
+
+def _np_step_count(ahead_tokens, uncached, decoding, budget):  # type: ignore[no-untyped-def]
+    chunk = np.maximum(budget - decoding, 1.0)
+    steps = np.maximum(np.ceil((ahead_tokens + uncached) / chunk), 1.0)
+    return steps + np.where(np.minimum(ahead_tokens + decoding, budget) > 0, 0.5, 0.0)
 
 
 def _weighted(weight, x):  # type: ignore[no-untyped-def]
@@ -104,13 +111,16 @@ def _reference_score(tp, m, profile, pool, k, matched_blocks, now):  # type: ign
     # costs `refresh` derives, FWD_*: the fitted ones where a step fit is in, the very floats of
     # TOKEN_EFF / ATTN_EFF / OVERHEAD_S where not, as edb9501 read them)
     f_token, f_attn, f_overhead = g[s.FWD_TOKEN_EFF], g[s.FWD_ATTN_EFF], g[s.FWD_OVERHEAD]
-    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, f_token, kv_s, f_overhead)
+    # (since i19-vllm: every step longer by the step fit's additive cost, 0 until one is in)
+    step_add = g[sk.FWD_STEP_S]
+    drained_tok = elapsed * _np_drain_rate(decoding, context, budget, f_token, kv_s, f_overhead, step_add)
     untracked_tok = np.maximum(0.0, g[s.UNTRACKED_TOK] - drained_tok)
     backlog_tok = _np_reconcile(np.maximum(0.0, g[s.BACKLOG_TOK] - drained_tok), untracked_tok, g[s.OUT_TOK],
                                 g[s.HEAD_TOK] + np.maximum(budget - decoding, 1.0))
     ahead = np.maximum(backlog_tok, waiting * mean_ctx * 0.5)
     forward = _np_forward_ttft(ahead, uncached, cached, decoding, context, budget, f_token, f_attn, kv_s,
                                f_overhead)
+    forward = np.where(step_add > 0.0, forward + step_add * _np_step_count(ahead, uncached, decoding, budget), forward)
     np.maximum(g[s.DECAYED_AT], now, out=g[s.DECAYED_AT])
     m[s.BACKLOG:s.DECAYED_AT + 1, k] = g[s.BACKLOG:s.DECAYED_AT + 1]
     m[s.BACKLOG_TOK, k] = backlog_tok
@@ -221,6 +231,7 @@ def test_compiled_scoring_equals_the_numpy_code_it_replaced(seed: int, learned: 
     for j in range(len(slots.ids)):  # the forward TTFT's step fit in on some instances (i19-pred)
         if rng.random() < 0.5:
             slots.m[slots.FWD_OVERHEAD_F, j], slots.m[slots.FWD_TOKEN_F, j] = rng.uniform(1 / 16, 4), rng.uniform(1 / 16, 4)
+            slots.m[sk.FWD_STEP_S, j] = rng.choice((0.0, rng.uniform(0, 0.03)))  # (i19-vllm's per-step cost)
             slots.refresh(j)
     if learned:
         nrng = np.random.default_rng(seed)

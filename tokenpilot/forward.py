@@ -15,8 +15,9 @@ the instance and not through), and time comes from how the engine schedules them
 
 Step time is the roofline's shape over the prior's figures (`step_s`), with the instance's
 own step costs: its fixed cost and its per-token cost each times a factor fitted from observed
-TTFTs (`tokenpilot.learning.StepFit`, on `forward_parts`' split of each prediction; the prefill
-speed factor and the prior's fixed cost until 32 outcomes are in). One multiplicative factor
+TTFTs, and a cost added to every step fitted with them (`tokenpilot.learning.StepFit`, on
+`forward_parts`' split of each prediction; the prefill speed factor and the prior's fixed cost
+until 32 outcomes are in). One multiplicative factor
 could not mend a wrong fixed cost: live over sim workers 4x faster than the roofline it left
 every prompt under ~1,100 tokens predicted at ~30 ms (bench/ROUTING.md, "i19-pred"). The future (prompts
 arriving after this one) is left out: in FCFS order they queue behind it and only lengthen
@@ -44,12 +45,23 @@ def step_s(tokens: float, context: float, token_s: float, kv_s: float, overhead_
     return fmax(overhead_s + context * kv_s, tokens * (token_s + overhead_s / budget))
 
 
-@njit(float64(float64, float64, float64, float64, float64, float64), **INLINE)
-def drain_rate(decoding: float, context: float, budget: float, token_s: float, kv_s: float,
-               overhead_s: float) -> float:
-    """Prefill tokens per second an instance gets through while its queue is non-empty."""
+@njit(float64(float64, float64, float64, float64, float64, float64, float64), **INLINE)
+def drain_rate(decoding: float, context: float, budget: float, token_s: float, kv_s: float, overhead_s: float,
+               step_add_s: float) -> float:
+    """Prefill tokens per second an instance gets through while its queue is non-empty, each step
+    `step_add_s` longer than the roofline's (the step fit's additive cost per step,
+    `tokenpilot.learning.StepFit`; 0 until one is in, which leaves the roofline's very float)."""
     chunk = fmax(budget - decoding, 1.0)
-    return chunk / step_s(budget, context, token_s, kv_s, overhead_s, budget)
+    return chunk / (step_s(budget, context, token_s, kv_s, overhead_s, budget) + step_add_s)
+
+
+@njit(float64(float64, float64, float64, float64), **INLINE)
+def step_count(ahead_tokens: float, uncached: float, decoding: float, budget: float) -> float:
+    """The engine steps `forward_ttft` waits through: half of the one under way (if any), then
+    every chunk to its own last one. What an additive cost per step adds up over."""
+    chunk = fmax(budget - decoding, 1.0)
+    steps = fmax(np.ceil((ahead_tokens + uncached) / chunk), 1.0)
+    return steps + (0.5 if fmin(ahead_tokens + decoding, budget) > 0 else 0.0)
 
 
 @njit(float64(float64, float64, float64, float64, float64, float64, float64, float64, float64, float64), **INLINE)
@@ -84,7 +96,7 @@ def _step_parts(tokens: float, context: float, token_s: float, kv_s: float, over
     return tokens * overhead_s / budget, tokens * token_s, 0.0
 
 
-@njit(UniTuple(float64, 3)(float64, float64, float64, float64, float64, float64, float64, float64, float64,
+@njit(UniTuple(float64, 4)(float64, float64, float64, float64, float64, float64, float64, float64, float64,
                            float64, float64, float64), **JIT)
 def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding: float, context: float,
                   budget: float, token_s: float, attn_s: float, kv_s: float, overhead_s: float,
@@ -94,7 +106,12 @@ def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding:
     `a`, the steps' fixed cost at factor 1; `b`, their per-token compute and own attention at
     factor 1; `c`, the decode streams' KV reads (the decode factor's, already in `kv_s`). Linear
     in the two factors for a given split of each step's max, which is what lets
-    `tokenpilot.learning.StepFit` fit them by least squares from observed TTFTs."""
+    `tokenpilot.learning.StepFit` fit them by least squares from observed TTFTs. And `d`, the
+    steps it waits through (`step_count`): what a cost paid once per step on top of the roofline's
+    max (an engine's scheduling and sampling on the CPU, ~20 ms a step for vLLM on CPU) adds up
+    over, which the max's fixed cost cannot stand for on steps that are compute-bound (it is
+    amortised over the chunk's tokens there, so prompts of 300-1,500 tokens on vLLM on CPU were
+    predicted 0.8x at the short end and 1.1x at the long one)."""
     chunk = fmax(budget - decoding, 1.0)
     work = ahead_tokens + uncached
     steps = fmax(np.ceil(work / chunk), 1.0)
@@ -107,4 +124,5 @@ def forward_parts(ahead_tokens: float, uncached: float, cached: float, decoding:
         ba, bb, bc = _step_parts(now_tokens, context, token_s, kv_s, overhead_s, budget, token_f, overhead_f)
     own_attention = attn_s * uncached * (cached + uncached / 2)
     n = steps - 1.0
-    return (0.5 * ba + n * fa + la, 0.5 * bb + n * fb + lb + own_attention, 0.5 * bc + n * fc + lc)
+    return (0.5 * ba + n * fa + la, 0.5 * bb + n * fb + lb + own_attention, 0.5 * bc + n * fc + lc,
+            step_count(ahead_tokens, uncached, decoding, budget))

@@ -55,27 +55,46 @@ class StepFit:
     window is ~1 / (1 - decay) outcomes). A ridge term of `prior_weight` mean outcomes pulls both
     factors toward the caller's fallback, so one kind of prompt (every one a single step) leaves
     the unidentified factor where it was; below `min_samples` outcomes there is no fit at all
-    (`factors` returns None: the caller keeps its prior). Both within [`lo`, `hi`]. Pure: O(1) per
-    outcome, no I/O."""
+    (`factors` returns None: the caller keeps its prior). Both within [`lo`, `hi`].
+
+    A third term, fitted with them (`fit`): a cost paid once per engine step on top of the
+    roofline's max (`steps`: `forward_parts`' `d`), in seconds, within [0, `add_hi`], its ridge
+    toward 0. The max's fixed cost is amortised over a compute-bound step's tokens, so it cannot
+    stand for what a real engine spends per step whatever the batch (vLLM on CPU: scheduling,
+    sampling, ~20 ms a step): without it the fit left prompts of 300-1,500 tokens 0.8x at the
+    short end and 1.1x at the long one there, with the fixed-cost factor at its bound.
+
+    `hi` is 64, not 4: an instance on hardware the roofline has no figures for starts from the
+    generic `EnginePrior`, which can be an order of magnitude off (vLLM on CPU: ~10x slower on
+    a slower VM, where both factors sat at 4 and every TTFT was reported 0.4x, bench/ROUTING.md
+    "i19-vllm"); the robust weighting, not the bound, is what keeps outliers from dragging the
+    fit. Pure: O(1) per outcome, no I/O."""
 
     decay: float = 0.995
     min_samples: int = 32
     prior_weight: float = 1.0
     robust_floor: float = 0.1
     lo: float = 1 / 16
-    hi: float = 4.0
+    hi: float = 64.0
+    add_hi: float = 1.0  # seconds a step: the additive per-step cost's bound
     saa: float = 0.0
     sab: float = 0.0
     sbb: float = 0.0
     say: float = 0.0
     sby: float = 0.0
+    sad: float = 0.0
+    sbd: float = 0.0
+    sdd: float = 0.0
+    sdy: float = 0.0
     weight: float = 0.0  # outcomes in the window (decayed count)
     samples: int = 0
 
-    def update(self, a: float, b: float, c: float, observed_s: float, predicted_s: float) -> None:
-        """One outcome: the forward TTFT's split at its decision, what it got, and what was predicted."""
-        if not (a >= 0 and b >= 0 and observed_s > 0 and predicted_s > 0
-                and math.isfinite(a + b + c + observed_s + predicted_s)):
+    def update(self, a: float, b: float, c: float, observed_s: float, predicted_s: float,
+               steps: float = 0.0) -> None:
+        """One outcome: the forward TTFT's split at its decision (`steps`: its `d`, 0 where the caller
+        has no per-step term), what it got, and what was predicted."""
+        if not (a >= 0 and b >= 0 and steps >= 0 and observed_s > 0 and predicted_s > 0
+                and math.isfinite(a + b + c + steps + observed_s + predicted_s)):
             return
         # Relative squared error, and a least-absolute-deviation reweighting (by the outcome's error
         # at its own prediction, floored at `robust_floor`): an outcome far off the prediction (a
@@ -88,18 +107,45 @@ class StepFit:
         self.sbb = d * self.sbb + w * b * b
         self.say = d * self.say + w * a * y
         self.sby = d * self.sby + w * b * y
+        self.sad = d * self.sad + w * a * steps
+        self.sbd = d * self.sbd + w * b * steps
+        self.sdd = d * self.sdd + w * steps * steps
+        self.sdy = d * self.sdy + w * steps * y
         self.weight = d * self.weight + 1.0
         self.samples += 1
 
     def factors(self, overhead_f: float, token_f: float) -> tuple[float, float] | None:
         """(fixed-cost factor, per-token factor) fitted, pulled toward the fallback (`overhead_f`,
-        `token_f`); None while data is thin."""
+        `token_f`); None while data is thin. (`fit`'s first two.)"""
+        got = self.fit(overhead_f, token_f)
+        return None if got is None else (got[0], got[1])
+
+    def _step_add(self, la: float, lb: float, overhead_f: float, token_f: float) -> float:
+        """The additive per-step cost of the three-term ridge fit (0 where the data hold no steps or
+        the system is singular), within [0, `add_hi`]; the factors are then fitted given it."""
+        if not self.sdd > 0:
+            return 0.0
+        # Cramer's rule for the third unknown of the symmetric 3 x 3 normal equations (O(1), no numpy)
+        a11, a12, a13 = self.saa + la, self.sab, self.sad
+        a22, a23, a33 = self.sbb + lb, self.sbd, self.sdd + self.prior_weight * self.sdd / self.weight
+        v1, v2, v3 = self.say + la * overhead_f, self.sby + lb * token_f, self.sdy
+        det = a11 * (a22 * a33 - a23 * a23) - a12 * (a12 * a33 - a23 * a13) + a13 * (a12 * a23 - a22 * a13)
+        if not det > 0:
+            return 0.0
+        z = (a11 * (a22 * v3 - v2 * a23) - a12 * (a12 * v3 - v2 * a13) + v1 * (a12 * a23 - a22 * a13)) / det
+        return min(max(z, 0.0), self.add_hi) if math.isfinite(z) else 0.0
+
+    def fit(self, overhead_f: float, token_f: float) -> tuple[float, float, float] | None:
+        """(fixed-cost factor, per-token factor, additive seconds per step) fitted, the factors pulled
+        toward the fallback (`overhead_f`, `token_f`) and the per-step cost toward 0; None while data
+        is thin."""
         if self.samples < self.min_samples or not self.weight > 0:
             return None
         la = self.prior_weight * self.saa / self.weight
         lb = self.prior_weight * self.sbb / self.weight
+        z = self._step_add(la, lb, overhead_f, token_f)
         paa, pbb = self.saa + la, self.sbb + lb
-        pa, pb = self.say + la * overhead_f, self.sby + lb * token_f
+        pa, pb = self.say - z * self.sad + la * overhead_f, self.sby - z * self.sbd + lb * token_f
         det = paa * pbb - self.sab * self.sab
         if not (det > 0 and paa > 0 and pbb > 0):
             return None
@@ -113,4 +159,4 @@ class StepFit:
         elif not lo <= t <= hi:
             t = min(max(t, lo), hi)
             x = min(max((pa - self.sab * t) / paa, lo), hi)
-        return x, min(max(t, lo), hi)
+        return x, min(max(t, lo), hi), z

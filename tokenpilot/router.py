@@ -86,7 +86,7 @@ class _Inflight:
     split_prefill: tuple[int, float, float, float, float] | None = None
     # The forward TTFT's split into fixed cost, per-token cost and the rest (`forward_parts`): what
     # its outcome teaches the instance's `StepFit`. None: it teaches nothing (a split P/D request).
-    forward_parts: tuple[float, float, float, float] | None = None  # (a, b, c, the fitted forward TTFT)
+    forward_parts: tuple[float, float, float, float, float] | None = None  # (a, b, c, d, the fitted forward TTFT)
 
 
 _PREFILL_FACTOR_LO = 1 / 16  # the fastest an instance's prefill may be learned to be, x its prior
@@ -525,7 +525,7 @@ class TokenPilot(InstanceRouter):
                      col[sk.O_COMPUTE], col[sk.O_OWN_STEP], o[sk.O_FEATURES:, j].copy(), now, col[sk.O_FORWARD],
                      profile.prompt_tokens - col[sk.O_CACHED], self._forward_parts(k, profile.prompt_tokens, col))
 
-    def _forward_parts(self, k: int, prompt: float, col: list[float]) -> tuple[float, float, float, float]:
+    def _forward_parts(self, k: int, prompt: float, col: list[float]) -> tuple[float, float, float, float, float]:
         """The chosen candidate's forward TTFT split for its `StepFit` (`forward_parts`, with
         the scoring's own inputs, read back from its result column `col`), and that TTFT."""
         m, f = self._s.m, sk.O_FEATURES
@@ -541,7 +541,7 @@ class TokenPilot(InstanceRouter):
     def _commit(self, profile: RequestProfile, k: int, instance_id: str, ttft: float,
                 queue_s: float, prefill_s: float, compute_s: float, tpot_s: float, features: np.ndarray,
                 now: float, forward_s: float, uncached: float,
-                forward_parts: tuple[float, float, float, float] | None = None) -> None:
+                forward_parts: tuple[float, float, float, float, float] | None = None) -> None:
         """Book a routed request (`ttft`, `tpot_s`: the physics predictions, before the learned residual;
         `forward_s`: the scheduler-forward TTFT; `uncached`: the prompt tokens it prefills there)."""
         self._memo.clear()
@@ -649,11 +649,11 @@ class TokenPilot(InstanceRouter):
         # steps): the decision's TTFT and the token backlog's drain read them; the prefill factor and
         # the instance cost (the physics' seconds) do not.
         if ttft is not None and rec.forward_parts is not None:
-            a, b, c, predicted = rec.forward_parts
-            learned.step.update(a, b, c, ttft, predicted)
-            fit = learned.step.factors(1.0, float(m[s.PREFILL_FACTOR, k]))
+            a, b, c, steps, predicted = rec.forward_parts
+            learned.step.update(a, b, c, ttft, predicted, steps)
+            fit = learned.step.fit(1.0, float(m[s.PREFILL_FACTOR, k]))
             if fit is not None:
-                m[s.FWD_OVERHEAD_F, k], m[s.FWD_TOKEN_F, k] = fit
+                m[s.FWD_OVERHEAD_F, k], m[s.FWD_TOKEN_F, k], m[sk.FWD_STEP_S, k] = fit
         if outcome.mean_tpot_s is not None and outcome.output_tokens > 1:
             predicted = (m[s.OVERHEAD_S, k] + m[s.CONTEXT, k] * m[s.KV_S, k]) * learned.decode.value
             learned.decode.update(outcome.mean_tpot_s, max(float(predicted), 1e-4))

@@ -26,7 +26,7 @@ from numba import float64, intp, njit, void
 from numba.types import UniTuple
 
 from tokenpilot.backlog import reconcile
-from tokenpilot.forward import drain_rate, forward_ttft
+from tokenpilot.forward import drain_rate, forward_ttft, step_count
 from tokenpilot.jit import INLINE, JIT
 from tokenpilot.jit import fmax as _max
 from tokenpilot.jit import fmin as _min
@@ -50,7 +50,10 @@ BACKLOG_TOK, UNTRACKED_TOK, OUT_TOK, HEAD_TOK, OUT_N = range(22, 27)
 # P/D decision rank by (until i19-unify a second backlog and forward TTFT, at the fitted costs,
 # were kept for the report alone, and the two numbers differed).
 FWD_TOKEN_F, FWD_OVERHEAD_F, FWD_TOKEN_EFF, FWD_ATTN_EFF, FWD_OVERHEAD = range(27, 32)
-STATE_ROWS = 32
+# ... and its additive cost per engine step (s; 0: none fitted), on top of the roofline's max
+# (`StepFit.fit`: what an engine spends per step whatever the batch, vLLM on CPU ~20 ms; i19-vllm).
+FWD_STEP_S = 32
+STATE_ROWS = 33
 
 # -- rows of a decision's results (`o`) ---------------------------------------------------------
 (O_COST, O_TTFT, O_QUEUE, O_PREFILL, O_INTERFERENCE, O_KV, O_CACHED, O_DECODE, O_COMPUTE, O_OWN_STEP,
@@ -85,7 +88,8 @@ def drain_tok(m: np.ndarray, s: int, elapsed: float, decoding: float, context: f
     first tokens allow with one chunk of slack (a step carries more than the oldest prompt: up to a
     chunk of the next ones may be done too). The one token backlog, and its one drain (`score`, `settle`)."""
     budget = m[BUDGET, s]
-    drained = elapsed * drain_rate(decoding, context, budget, m[FWD_TOKEN_EFF, s], m[KV_EFF, s], m[FWD_OVERHEAD, s])
+    drained = elapsed * drain_rate(decoding, context, budget, m[FWD_TOKEN_EFF, s], m[KV_EFF, s], m[FWD_OVERHEAD, s],
+                                   m[FWD_STEP_S, s])
     untracked = _max(0.0, m[UNTRACKED_TOK, s] - drained)
     return reconcile(_max(0.0, m[BACKLOG_TOK, s] - drained), untracked, m[OUT_TOK, s],
                      m[HEAD_TOK, s] + _max(budget - decoding, 1.0)), untracked
@@ -180,6 +184,9 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         ahead = _max(backlog_tok, waiting_ctx)
         forward = forward_ttft(ahead, uncached, cached, decoding, context, budget, m[FWD_TOKEN_EFF, s],
                                m[FWD_ATTN_EFF, s], kv_s, m[FWD_OVERHEAD, s])
+        step_add = m[FWD_STEP_S, s]
+        if step_add > 0.0:  # (0 until a step fit is in: the prior's very float)
+            forward += step_add * step_count(ahead, uncached, decoding, budget)
         o[O_FITTED, j] = 0.0 if m[FWD_TOKEN_F, s] != m[FWD_TOKEN_F, s] else 1.0
         duty_after = _min(max_duty, duty + compute / window)
         decode_step = m[OVERHEAD_DF, s] + context_kv
