@@ -13,7 +13,7 @@ Two set-ups in the simulator (virtual time), both with the router's prior wrong 
   hardware wrong); goodput and SLO attainment of the Azure conversation trace.
 
     python bench/speed_bounds.py slow --k 10 --rate-scale 6 --requests 1200
-    python bench/speed_bounds.py mixed --k 10 --rate-scale 10 --requests 3000
+    python bench/speed_bounds.py mixed --k 10 --rate-scale 8 --requests 3000 [--main-bounds]
 
 It imports whichever `tokenpilot` the interpreter has: run it with another checkout's venv (from
 that checkout's root) to measure that code on the same set-up.
@@ -65,11 +65,19 @@ class Recorder(TokenPilot):
         super().observe(outcome)
 
 
+def _main_bounds(router: TokenPilot) -> None:
+    """The speed factors' bounds before i19-cap: prefill [1/16, 4], decode [1/4, 4] (the pool's TPOT factor
+    kept [1/16, 4]): what main's code learns, measured on this code."""
+    for learned in router._learned:
+        learned.prefill.lo, learned.prefill.hi = 1 / 16, 4.0
+        learned.decode.lo, learned.decode.hi = 0.25, 4.0
+
+
 def _workload(root: Path, n: int, rate_scale: float) -> Any:
     return scale_rate(head(load_trace(root / TRACE), n), rate_scale)
 
 
-def slow(k: float, rate_scale: float, n: int, root: Path) -> dict[str, Any]:
+def slow(k: float, rate_scale: float, n: int, root: Path, main_bounds: bool = False) -> dict[str, Any]:
     fleet = _fleet([{"site": "s", "model": "m", "instances": 1, "gpu": "H100", "adapter": "sim"}])
     router = Recorder(config=TokenPilotConfig(explore=0.0))
     for spec in fleet_instances(fleet):
@@ -77,6 +85,8 @@ def slow(k: float, rate_scale: float, n: int, root: Path) -> dict[str, Any]:
         router.register_instance(spec.instance_id, replace(
             p, prefill_token_s=p.prefill_token_s / k, attn_s_per_token_ctx=p.attn_s_per_token_ctx / k,
             kv_read_s_per_token=p.kv_read_s_per_token / k, step_overhead_s=p.step_overhead_s / k))
+    if main_bounds:
+        _main_bounds(router)
     FleetSimulator(fleet, router).run(prepare(_workload(root, n, rate_scale).requests, fleet, hash_cache=HashCache()))
     rows = router.rows[len(router.rows) // 2:]
     ttft = np.array([r[4] / r[1] for r in rows])
@@ -94,18 +104,27 @@ def slow(k: float, rate_scale: float, n: int, root: Path) -> dict[str, Any]:
             "observed_ttft_median_s": float(np.median([r[4] for r in rows]))}
 
 
-def mixed(k: float, rate_scale: float, n: int, root: Path, fast: int = 2, slow_n: int = 2) -> dict[str, Any]:
+def mixed(k: float, rate_scale: float, n: int, root: Path, fast: int = 2, slow_n: int = 2,
+          main_bounds: bool = False, seed: int = 0) -> dict[str, Any]:
     h100 = hardware.gpu("H100")
     name = f"h100-slow{k:g}"
+    # (an accelerator of the run's own, in the roofline's table for the run only)
     hardware.GPUS[name] = replace(h100, name=name, peak_tflops_bf16=h100.peak_tflops_bf16 / k,
                                   mem_bw_tbs=h100.mem_bw_tbs / k)
-    fleet = _fleet([{"site": "s", "model": "m", "instances": fast, "gpu": "H100", "adapter": "sim"},
-                    {"site": "s", "model": "m", "instances": slow_n, "gpu": name, "adapter": "sim"}])
-    router = Recorder(config=TokenPilotConfig())
-    for spec in fleet_instances(fleet):
-        router.register_instance(spec.instance_id, spec_prior(replace(spec, gpu="H100")))
-    res = FleetSimulator(fleet, router).run(prepare(_workload(root, n, rate_scale).requests, fleet,
-                                                   hash_cache=HashCache()))
+    try:
+        fleet = _fleet([{"site": "s", "model": "m", "instances": fast, "gpu": "H100", "adapter": "sim"},
+                        {"site": "s", "model": "m", "instances": slow_n, "gpu": name, "adapter": "sim"}])
+        router = Recorder(config=TokenPilotConfig(), seed=seed)  # (its exploration draws from `seed`)
+        for spec in fleet_instances(fleet):
+            router.register_instance(spec.instance_id, spec_prior(replace(spec, gpu="H100")))
+        if main_bounds:
+            _main_bounds(router)
+        res = FleetSimulator(fleet, router).run(prepare(_workload(root, n, rate_scale).requests, fleet,
+                                                       hash_cache=HashCache()))
+        true = spec_prior(next(s for s in fleet_instances(fleet) if s.gpu == name))
+        prior = spec_prior(next(s for s in fleet_instances(fleet) if s.gpu == "H100"))
+    finally:
+        hardware.GPUS.pop(name, None)
     summary = summarize_all(res.records, fleet.admission.slos())
     share: dict[str, int] = {}
     for r in res.records:
@@ -114,8 +133,6 @@ def mixed(k: float, rate_scale: float, n: int, root: Path, fast: int = 2, slow_n
     factors = {iid: {key: round(v, 3) for key, v in router.explain(iid).items()
                      if key in ("prefill_speed_factor", "decode_speed_factor", "tpot_factor")}
                for iid in router._s.ids}
-    true = spec_prior(next(s for s in fleet_instances(fleet) if s.gpu == name))
-    prior = spec_prior(next(s for s in fleet_instances(fleet) if s.gpu == "H100"))
     return {"k": k, "rate_scale": rate_scale, "requests": n,
             "slow_over_prior": {"prefill_token_s": true.prefill_token_s / prior.prefill_token_s,
                                 "step_overhead_s": true.step_overhead_s / prior.step_overhead_s},
@@ -131,12 +148,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1200)
     ap.add_argument("--fast", type=int, default=2)
     ap.add_argument("--slow", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="mixed: the router's seed")
+    ap.add_argument("--main-bounds", action="store_true",
+                    help="the speed factors' bounds before i19-cap (prefill [1/16, 4], decode [1/4, 4])")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="where traces/ is")
     a = ap.parse_args()
     if a.setup == "slow":
-        out = slow(a.k, a.rate_scale, a.requests, a.root)
+        out = slow(a.k, a.rate_scale, a.requests, a.root, a.main_bounds)
     else:
-        out = mixed(a.k, a.rate_scale, a.requests, a.root, a.fast, a.slow)
+        out = mixed(a.k, a.rate_scale, a.requests, a.root, a.fast, a.slow, a.main_bounds, a.seed)
     print(json.dumps(out, indent=1, default=str))
 
 
