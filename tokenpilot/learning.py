@@ -22,20 +22,24 @@ from dataclasses import dataclass
 class SpeedFactor:
     """Multiplier on a prior's time estimate (2.0 = the instance is twice as slow).
 
-    Bounds [1/16, 64], the `StepFit`'s (i19-cap; they were [1/4, 4] from 7cc29c8, "a prior more than
-    4x off is a wrong prior, not something to learn", the prefill factor's floor 1/16 since 8fc0c8e):
-    an instance on hardware the roofline has no figures for starts from the generic `EnginePrior`,
-    which can be 10x or more off (vLLM on CPU), and with both factors at 4 the routing cost priced
-    such an engine's queue and prefill 2.5x fast and its decode step 2.5x fast next to the other
-    instances of its pool (bench/ROUTING.md, "i19-cap"). What keeps one wild outcome from swinging
-    routing is `max_step`: an outcome moves the factor by at most x1.05 whatever its ratio, so 64 is
-    reached only by ~85 outcomes in a row that all say so, and left again by as many that do not."""
+    Bounds [1/16, 256] (i19-cap; [1/4, 4] from 7cc29c8, "a prior more than 4x off is a wrong prior,
+    not something to learn", the prefill factor's floor 1/16 since 8fc0c8e). An instance on hardware
+    the roofline has no figures for starts from the generic `EnginePrior`, which can be 10x or more
+    off (vLLM on CPU), and with both factors at 4 the routing cost priced such an engine's queue and
+    prefill 2.5x fast, and its decode step ~4x fast next to the other instances of its pool
+    (bench/ROUTING.md, "i19-cap"). 256 is the `StepFit`'s 64 (an engine 64x slower than its prior)
+    times 4: these factors also carry the cost model's shape, which the step fit does not (the decode
+    factor the duty's stretch of a time per token, 1.5-2.1x under load in the simulator; the prefill
+    factor the step fixed cost its term holds at the prior's, ~1.4x), and with 64 an engine 32x slow
+    under load already pinned the decode factor. What keeps one wild outcome from swinging routing is
+    `max_step`: an outcome moves the factor by at most x1.05 whatever its ratio, so 4 is left only by
+    ~28 outcomes in a row that all say so, 256 reached by ~110, and left again by as many that do not."""
 
     value: float = 1.0
     rate: float = 0.03  # learning rate in log space: noise averages out over ~30 samples
     max_step: float = 0.05  # |log change| per observation (about x1.05): what holds an outlier
-    lo: float = 1 / 16  # an engine 16x faster than its prior
-    hi: float = 64.0  # ... or 64x slower
+    lo: float = 1 / 16  # an engine 16x faster than its prior (4x, with the shape's margin)
+    hi: float = 256.0  # ... or 256x slower (64x)
     samples: int = 0
 
     def update(self, observed_s: float, predicted_s: float) -> None:

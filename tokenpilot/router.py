@@ -278,9 +278,10 @@ class TokenPilot(InstanceRouter):
         # Observed over predicted time per output token, the prediction being the one the cost
         # uses (decode step stretched by prefill duty, which runs high under load): one factor
         # for the pool, since it corrects the model's shape (instances' speeds are `_learned`,
-        # whose decode factor may go to 64x since i19-cap: this one keeps its 4x ceiling, so that
+        # whose decode factor may go to 256x since i19-cap: this one keeps its ceiling 4, so that
         # a pool-wide factor, moved by every instance's outcomes, does not race each instance's
-        # own to carry a slow engine's speed, bench/ROUTING.md "i19-cap").
+        # own to carry a slow engine's speed; let go to 64, it ran to 52-64 in overloaded mixed-fleet
+        # runs where 4 held it, the goodput the same, bench/ROUTING.md "i19-cap").
         self._tpot = SpeedFactor(hi=4.0)
         self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
         self._outstanding_tok = Outstanding()  # ... the same, in uncached prompt tokens
@@ -303,11 +304,11 @@ class TokenPilot(InstanceRouter):
         k = s.slot(instance_id)
         if k is None:
             k = s.add(instance_id)
-            # Both speed factors within `SpeedFactor`'s bounds, 1/16 to 64 x the prior (the step
-            # fit's): an engine 4x or more faster than its prior (a sim worker run faster than real
-            # time) pinned the prefill factor at 1/4, a 20% over-prediction for good ("Over real vLLM
-            # on CPU"), and one 10x slower (vLLM on CPU) pinned both at 4: the routing cost priced its
-            # queue, prefill and decode step 2.5x fast (bench/ROUTING.md, "i19-cap").
+            # Both speed factors within `SpeedFactor`'s bounds, 1/16 to 256 x the prior: an engine 4x
+            # or more faster than its prior (a sim worker run faster than real time) pinned the prefill
+            # factor at 1/4, a 20% over-prediction for good ("Over real vLLM on CPU"), and one 10x
+            # slower (vLLM on CPU) pinned both at 4: the routing cost priced its queue and prefill 2.5x
+            # fast, its decode step ~4x (bench/ROUTING.md, "i19-cap").
             self._learned.append(_Learned(SpeedFactor(), SpeedFactor(), StepFit()))
             s.m[s.TPOT_FACTOR, k] = self._tpot.value  # the pool's, learned so far
         m = s.m
