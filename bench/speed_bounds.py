@@ -101,6 +101,8 @@ def slow(k: float, rate_scale: float, n: int, root: Path, main_bounds: bool = Fa
             "ttft_obs_over_cost": {"all": float(np.median(ttft)), "queued": float(np.median(ttft[queued])),
                                    "unqueued": float(np.median(ttft[~queued])) if (~queued).any() else None},
             "tpot_obs_over_cost": float(np.median(tpot)),
+            # the cost's time per output token against the observed: median / P90 absolute error
+            "tpot_error": [float(np.median(np.abs(1 / tpot - 1))), float(np.percentile(np.abs(1 / tpot - 1), 90))],
             "observed_ttft_median_s": float(np.median([r[4] for r in rows]))}
 
 
