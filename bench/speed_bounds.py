@@ -31,6 +31,7 @@ import numpy as np
 
 from fleetcore import hardware
 from fleetcore.fleet_config import parse_fleet
+from fleetcore.policies import EnginePrior
 from fleetcore.types import RequestOutcome
 from fleetsim.metrics import summarize_all
 from fleetsim.simulator import FleetSimulator, HashCache, fleet_instances, prepare, spec_prior
@@ -77,14 +78,17 @@ def _workload(root: Path, n: int, rate_scale: float) -> Any:
     return scale_rate(head(load_trace(root / TRACE), n), rate_scale)
 
 
+def too_fast(p: EnginePrior, k: float) -> EnginePrior:
+    """`p` with every cost `k` times too small: the prior of an engine `k` times slower than it says."""
+    return replace(p, prefill_token_s=p.prefill_token_s / k, attn_s_per_token_ctx=p.attn_s_per_token_ctx / k,
+                   kv_read_s_per_token=p.kv_read_s_per_token / k, step_overhead_s=p.step_overhead_s / k)
+
+
 def slow(k: float, rate_scale: float, n: int, root: Path, main_bounds: bool = False) -> dict[str, Any]:
     fleet = _fleet([{"site": "s", "model": "m", "instances": 1, "gpu": "H100", "adapter": "sim"}])
     router = Recorder(config=TokenPilotConfig(explore=0.0))
     for spec in fleet_instances(fleet):
-        p = spec_prior(spec)
-        router.register_instance(spec.instance_id, replace(
-            p, prefill_token_s=p.prefill_token_s / k, attn_s_per_token_ctx=p.attn_s_per_token_ctx / k,
-            kv_read_s_per_token=p.kv_read_s_per_token / k, step_overhead_s=p.step_overhead_s / k))
+        router.register_instance(spec.instance_id, too_fast(spec_prior(spec), k))
     if main_bounds:
         _main_bounds(router)
     FleetSimulator(fleet, router).run(prepare(_workload(root, n, rate_scale).requests, fleet, hash_cache=HashCache()))

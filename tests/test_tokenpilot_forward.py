@@ -15,6 +15,7 @@ from fleetcore import hardware
 from fleetcore.fleet_config import load_fleet_file
 from fleetcore.roofline import StepTimer
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
+from tests.bench_scripts import load_bench
 from tokenpilot import score_kernel as sk
 from tokenpilot.forward import forward_ttft, step_s
 from tokenpilot.priors import prior_from_physics
@@ -353,8 +354,6 @@ def _slow_engine_errors(k: float, rate_scale: float) -> tuple[np.ndarray, TokenP
     whose `cost_ratios` hold the second half's routing cost against what the requests got: its TTFT
     (queue + prefill seconds) / the observed TTFT, its time per output token / the observed one. (One
     run per argument pair, shared by the tests: they only read it.)"""
-    from dataclasses import replace
-
     from fleetcore.fleet_config import parse_fleet
     from fleetsim.simulator import FleetSimulator, HashCache, fleet_instances, prepare, spec_prior
     from workloads import head, load_trace, scale_rate
@@ -386,11 +385,9 @@ def _slow_engine_errors(k: float, rate_scale: float) -> tuple[np.ndarray, TokenP
             super().observe(outcome)
 
     router = Recorder(config=TokenPilotConfig(explore=0.0))
+    too_fast = load_bench("speed_bounds").too_fast
     for spec in fleet_instances(fleet):
-        p = spec_prior(spec)
-        router.register_instance(spec.instance_id, replace(
-            p, prefill_token_s=p.prefill_token_s / k, attn_s_per_token_ctx=p.attn_s_per_token_ctx / k,
-            kv_read_s_per_token=p.kv_read_s_per_token / k, step_overhead_s=p.step_overhead_s / k))
+        router.register_instance(spec.instance_id, too_fast(spec_prior(spec), k))
     wl = scale_rate(head(load_trace(REPO / "traces" / "AzureLLMInferenceTrace_conv.csv"), 1200), rate_scale)
     FleetSimulator(fleet, router).run(prepare(wl.requests, fleet, hash_cache=HashCache()))
     assert len(ratios) == 1200
