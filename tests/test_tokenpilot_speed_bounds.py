@@ -1,4 +1,4 @@
-"""TokenPilot's learned speed factors learn a prior far off (i19-cap): bounds [1/16, 64], not [1/4, 4],
+"""TokenPilot's learned speed factors learn a prior far off (i19-cap): bounds [1/16, 256], not [1/4, 4],
 and what holds one wild outcome is the per-update clamp; a fleet mixing engines at their prior and
 10x below it routes better for it (bench/ROUTING.md, "i19-cap")."""
 
@@ -26,7 +26,7 @@ def test_a_speed_factor_learns_an_engine_far_off_its_prior(truth: float) -> None
 
 
 def test_one_wild_outcome_moves_a_factor_one_clamped_step() -> None:
-    """The bounds no longer hold an outlier near the prior (64 is far): the clamp does. One outcome a
+    """The bounds no longer hold an outlier near the prior (256 is far): the clamp does. One outcome a
     million times off moves a settled factor by x1.05 at most, ten in a row by x1.65 at most, and as
     many ordinary ones then bring it back near where it was."""
     f = SpeedFactor()

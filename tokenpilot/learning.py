@@ -7,9 +7,10 @@ factors: one outlier moves a factor by at most `max_step` (x1.05 by default), a
 persistent bias converges geometrically, and a degraded instance (thermal
 throttling, a noisy neighbour, a bad GPU) is priced slower within a few dozen
 requests. The per-update clamp is what holds an outlier, not the factor's bounds:
-those only say how far off a prior may be and still be learned (`SpeedFactor`). This is a one-parameter-per-term regression fitted by stochastic
-steps, chosen over batch least squares because it is O(1) per observation and
-tracks drift without a window.
+those only say how far off a prior may be and still be learned (`SpeedFactor`).
+This is a one-parameter-per-term regression fitted by stochastic steps, chosen
+over batch least squares because it is O(1) per observation and tracks drift
+without a window.
 """
 
 from __future__ import annotations
