@@ -4,6 +4,7 @@ the cost model's own queue + prefill seconds; a request held by admission teache
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from fleetcore import hardware
 from fleetcore.fleet_config import load_fleet_file
 from fleetcore.roofline import StepTimer
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
+from tests.bench_scripts import load_bench
 from tokenpilot import score_kernel as sk
 from tokenpilot.forward import forward_ttft, step_s
 from tokenpilot.priors import prior_from_physics
@@ -343,13 +345,15 @@ def test_step_fit_is_not_dragged_by_outliers() -> None:
 
 # -- an engine far slower than its prior, and a cost per step (i19-vllm: real vLLM on CPU) -----------
 
+@functools.cache
 def _slow_engine_errors(k: float, rate_scale: float) -> tuple[np.ndarray, TokenPilot]:
     """One 8B-on-H100 instance in the simulator (2,048-token chunks), whose router's prior is `k`
     times too fast in every cost (an engine on hardware the roofline does not know: the generic
     prior was ~10x fast for vLLM on CPU), fed the Azure conversation trace at `rate_scale` (requests
-    queue). Returns the predicted / observed TTFT (from dispatch) of the second half, and the router."""
-    from dataclasses import replace
-
+    queue). Returns the predicted / observed TTFT (from dispatch) of the second half, and the router,
+    whose `cost_ratios` hold the second half's routing cost against what the requests got: its TTFT
+    (queue + prefill seconds) / the observed TTFT, its time per output token / the observed one. (One
+    run per argument pair, shared by the tests: they only read it.)"""
     from fleetcore.fleet_config import parse_fleet
     from fleetsim.simulator import FleetSimulator, HashCache, fleet_instances, prepare, spec_prior
     from workloads import head, load_trace, scale_rate
@@ -362,6 +366,7 @@ def _slow_engine_errors(k: float, rate_scale: float) -> tuple[np.ndarray, TokenP
         "tenants": [{"name": "t", "api_keys": ["k"]}]})
     got: dict[str, float] = {}
     ratios: list[float] = []
+    costs: list[tuple[float, float]] = []
 
     class Recorder(TokenPilot):
         def route(self, profile, candidates, now):  # type: ignore[no-untyped-def]
@@ -373,17 +378,20 @@ def _slow_engine_errors(k: float, rate_scale: float) -> tuple[np.ndarray, TokenP
             p = got.pop(outcome.request_id, None)
             if p is not None and outcome.ok and outcome.ttft_s:
                 ratios.append(p / outcome.ttft_s)  # (nothing held: FCFS admission)
+                rec = self._inflight[outcome.request_id]
+                costs.append((rec.predicted_ttft_s / outcome.ttft_s,
+                              rec.predicted_tpot_s / outcome.mean_tpot_s
+                              if outcome.mean_tpot_s and outcome.output_tokens > 1 else float("nan")))
             super().observe(outcome)
 
     router = Recorder(config=TokenPilotConfig(explore=0.0))
+    too_fast = load_bench("speed_bounds").too_fast
     for spec in fleet_instances(fleet):
-        p = spec_prior(spec)
-        router.register_instance(spec.instance_id, replace(
-            p, prefill_token_s=p.prefill_token_s / k, attn_s_per_token_ctx=p.attn_s_per_token_ctx / k,
-            kv_read_s_per_token=p.kv_read_s_per_token / k, step_overhead_s=p.step_overhead_s / k))
+        router.register_instance(spec.instance_id, too_fast(spec_prior(spec), k))
     wl = scale_rate(head(load_trace(REPO / "traces" / "AzureLLMInferenceTrace_conv.csv"), 1200), rate_scale)
     FleetSimulator(fleet, router).run(prepare(wl.requests, fleet, hash_cache=HashCache()))
     assert len(ratios) == 1200
+    router.cost_ratios = np.array(costs[600:])  # type: ignore[attr-defined]
     return np.array(ratios[600:]), router
 
 
@@ -398,7 +406,31 @@ def test_an_engine_ten_times_slower_than_its_prior_is_learned_while_busy() -> No
     assert np.median(err) < 0.15 and np.percentile(err, 90) < 0.35, (np.median(err), np.percentile(err, 90))
     assert 0.85 < np.median(ratio) < 1.15
     overhead_f, token_f = router.forward_factors(router._s.ids[0])
-    assert token_f is not None and 7.0 < token_f < 14.0 and overhead_f > 4.0  # past main's bound of 4
+    # (past i19-vllm's main's bound of 4. The fixed-cost factor was 15.7 while the prefill factor sat
+    # at its bound 4; the two step factors are not identified apart on these prompts and the ridge
+    # pulls the per-token one toward the prefill factor, which since i19-cap learns the engine (15.9
+    # here, x10 the 1.57 of a router with the right prior, whose fit is 0.39 / 1.21): 2.1 / 12.4,
+    # the prediction as good, 7.5% / 23%)
+    assert token_f is not None and 7.0 < token_f < 14.0 and overhead_f > 1.0
+
+
+def test_the_routing_cost_learns_an_engine_ten_times_slower_as_ten_times_one_at_its_prior() -> None:
+    """The in-pool ranking reads the prior's seconds times the instance's prefill and decode speed
+    factors (its queue and prefill, its own-decode and interference terms). Until i19-cap those were
+    bounded to 4: on the engine 10x slower than its prior both sat at 4, and the cost's TTFT ran 2.5x
+    under what requests got (observed / cost 2.46, where a router with the right prior has 0.51 on
+    the same run). With the bound 64 the router learns the 10x engine as the right-prior router
+    learns the engine, times 10: 15.9 / 1.57 and 21.4 / 2.14 (10.1x, 10.0x), and its cost then
+    stands to what requests got as that router's does."""
+    _, slow = _slow_engine_errors(10.0, 6.0)
+    _, right = _slow_engine_errors(1.0, 6.0)
+    a, b = slow.explain(slow._s.ids[0]), right.explain(right._s.ids[0])
+    assert a["prefill_speed_factor"] / b["prefill_speed_factor"] == pytest.approx(10.0, rel=0.15)
+    assert a["decode_speed_factor"] / b["decode_speed_factor"] == pytest.approx(10.0, rel=0.15)
+    ttft_slow, ttft_right = (np.median(1.0 / r.cost_ratios[:, 0]) for r in (slow, right))  # observed / cost
+    assert ttft_slow == pytest.approx(ttft_right, rel=0.15), (ttft_slow, ttft_right)
+    tpot_slow, tpot_right = (np.nanmedian(1.0 / r.cost_ratios[:, 1]) for r in (slow, right))
+    assert tpot_slow == pytest.approx(tpot_right, rel=0.15), (tpot_slow, tpot_right)
 
 
 def test_a_cost_per_engine_step_is_learned() -> None:

@@ -3,12 +3,14 @@
 Each completed request yields an observed/predicted ratio for its TTFT (prefill
 and the queue ahead of it) and for its time per output token (decode step cost).
 A robust, bounded update in log space turns those ratios into per-instance speed
-factors: one outlier moves a factor by at most `max_step` (x1.15 by default), a
+factors: one outlier moves a factor by at most `max_step` (x1.05 by default), a
 persistent bias converges geometrically, and a degraded instance (thermal
 throttling, a noisy neighbour, a bad GPU) is priced slower within a few dozen
-requests. This is a one-parameter-per-term regression fitted by stochastic
-steps, chosen over batch least squares because it is O(1) per observation and
-tracks drift without a window.
+requests. The per-update clamp is what holds an outlier, not the factor's bounds:
+those only say how far off a prior may be and still be learned (`SpeedFactor`).
+This is a one-parameter-per-term regression fitted by stochastic steps, chosen
+over batch least squares because it is O(1) per observation and tracks drift
+without a window.
 """
 
 from __future__ import annotations
@@ -19,13 +21,26 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class SpeedFactor:
-    """Multiplier on a prior's time estimate (2.0 = the instance is twice as slow)."""
+    """Multiplier on a prior's time estimate (2.0 = the instance is twice as slow).
+
+    Bounds [1/16, 256] (i19-cap; [1/4, 4] from 7cc29c8, "a prior more than 4x off is a wrong prior,
+    not something to learn", the prefill factor's floor 1/16 since 8fc0c8e). An instance on hardware
+    the roofline has no figures for starts from the generic `EnginePrior`, which can be 10x or more
+    off (vLLM on CPU), and with both factors at 4 the routing cost priced such an engine's queue and
+    prefill 2.5x fast, and its decode step ~4x fast next to the other instances of its pool
+    (bench/ROUTING.md, "i19-cap"). 256 is the `StepFit`'s 64 (an engine 64x slower than its prior)
+    times 4: these factors also carry the cost model's shape, which the step fit does not (the decode
+    factor the duty's stretch of a time per token, 1.5-2.1x under load in the simulator; the prefill
+    factor the step fixed cost its term holds at the prior's, ~1.4x), and with 64 an engine 32x slow
+    under load already pinned the decode factor. What keeps one wild outcome from swinging routing is
+    `max_step`: an outcome moves the factor by at most x1.05 whatever its ratio, so 4 is left only by
+    ~28 outcomes in a row that all say so, 256 reached by ~110, and left again by as many that do not."""
 
     value: float = 1.0
     rate: float = 0.03  # learning rate in log space: noise averages out over ~30 samples
-    max_step: float = 0.05  # |log change| per observation (about x1.05)
-    lo: float = 0.25  # a prior more than 4x off is a wrong prior, not something to learn (callers may widen it)
-    hi: float = 4.0
+    max_step: float = 0.05  # |log change| per observation (about x1.05): what holds an outlier
+    lo: float = 1 / 16  # an engine 16x faster than its prior (4x, with the shape's margin)
+    hi: float = 256.0  # ... or 256x slower (64x)
     samples: int = 0
 
     def update(self, observed_s: float, predicted_s: float) -> None:

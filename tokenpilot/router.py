@@ -89,7 +89,6 @@ class _Inflight:
     forward_parts: tuple[float, float, float, float, float] | None = None  # (a, b, c, d, the fitted forward TTFT)
 
 
-_PREFILL_FACTOR_LO = 1 / 16  # the fastest an instance's prefill may be learned to be, x its prior
 _SPLIT = float("inf")  # an _Inflight's predicted_queue_s for a P/D split request: learn no prefill from it
 
 
@@ -278,8 +277,12 @@ class TokenPilot(InstanceRouter):
         self._inflight: dict[str, _Inflight] = {}
         # Observed over predicted time per output token, the prediction being the one the cost
         # uses (decode step stretched by prefill duty, which runs high under load): one factor
-        # for the pool, since it corrects the model's shape (instances' speeds are `_learned`).
-        self._tpot = SpeedFactor(lo=1 / 16)
+        # for the pool, since it corrects the model's shape (instances' speeds are `_learned`,
+        # whose decode factor may go to 256x since i19-cap: this one keeps its ceiling 4, so that
+        # a pool-wide factor, moved by every instance's outcomes, does not race each instance's
+        # own to carry a slow engine's speed; let go to 64, it ran to 52-64 in overloaded mixed-fleet
+        # runs where 4 held it, the goodput the same, bench/ROUTING.md "i19-cap").
+        self._tpot = SpeedFactor(hi=4.0)
         self._outstanding = Outstanding()  # streamed requests sent and not through their prefill
         self._outstanding_tok = Outstanding()  # ... the same, in uncached prompt tokens
         self.latency = latency or LearnedLatency()  # residual over the prior; fitted when the caller says
@@ -301,11 +304,12 @@ class TokenPilot(InstanceRouter):
         k = s.slot(instance_id)
         if k is None:
             k = s.add(instance_id)
-            # The prefill factor may go as fast as the pool's TPOT factor: an engine 4x or more
-            # faster than its prior (a spec the fleet file gets wrong, a sim worker run faster
-            # than real time) pinned it at the default bound, a 20% over-prediction for good
-            # (bench/ROUTING.md, "Over real vLLM on CPU").
-            self._learned.append(_Learned(SpeedFactor(lo=_PREFILL_FACTOR_LO), SpeedFactor(), StepFit()))
+            # Both speed factors within `SpeedFactor`'s bounds, 1/16 to 256 x the prior: an engine 4x
+            # or more faster than its prior (a sim worker run faster than real time) pinned the prefill
+            # factor at 1/4, a 20% over-prediction for good ("Over real vLLM on CPU"), and one 10x
+            # slower (vLLM on CPU) pinned both at 4: the routing cost priced its queue and prefill 2.5x
+            # fast, its decode step ~4x (bench/ROUTING.md, "i19-cap").
+            self._learned.append(_Learned(SpeedFactor(), SpeedFactor(), StepFit()))
             s.m[s.TPOT_FACTOR, k] = self._tpot.value  # the pool's, learned so far
         m = s.m
         m[s.TOKEN_S, k] = prior.prefill_token_s
