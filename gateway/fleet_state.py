@@ -5,13 +5,13 @@ timeout), so a hung engine goes unready without delaying anyone else's update.
 The gateway also keeps its own in-flight count per instance: engine metrics
 lag one scrape, the count does not. An instance being taken out of service (FleetMind's
 planner moving a replica) is *draining*: it finishes what it has and gets nothing new.
-Each probe's round trip is kept too: the lowest of the last few is the network RTT the
-gateway sees to that instance's site (an engine's own work adds to every probe, so the
-minimum, not the mean). The lowest over a site's instances is the site's round trip
-(`network_rtt_s`): what the view tells the policies (`SiteSnapshot.probe_rtt_ms`: the TTFT the
-gateway reports carries it, `fleetmind.place`) and what each outcome's TTFT is said to hold
-(`RequestOutcome.network_s`: TokenPilot learns engine speeds without it). A failed connection marks an instance
-unready at once; only a health check that *started after* the failure may
+Each probe's round trip (its health check's, not the load scrape's beside it) is kept too:
+the lowest of the last few is the network RTT the gateway sees to that instance's site (an
+engine's own work adds to every probe, so the minimum, not the mean). The lowest over a site's
+instances is the site's round trip (`network_rtt_s`): what the view tells the policies
+(`SiteSnapshot.probe_rtt_ms`: the TTFT the gateway reports carries it, `fleetmind.place`) and
+what each outcome's TTFT is said to hold (`RequestOutcome.network_s`: TokenPilot learns engine
+speeds without it). A failed connection marks an instance unready at once; only a health check that *started after* the failure may
 bring it back (an older, slower check must not undo fresh evidence).
 
 Health checks have hysteresis: a ready instance is taken out only after
@@ -209,12 +209,19 @@ def ready_counts(states: Iterable[InstanceState], models: Iterable[str] = ()) ->
     return ReadyCounts(ready, total, by_model, by_site)
 
 
-async def _probe(st: InstanceState) -> tuple[bool, LoadSnapshot]:
+async def _probe(st: InstanceState, clock: Callable[[], float]) -> tuple[bool, LoadSnapshot, float]:
+    """(healthy, load, the health check's own round trip in seconds). The round trip is the health
+    check's alone: the load snapshot beside it (a metrics scrape, the engine's heavier answer)
+    would only add the engine's work to it."""
     # A coroutine, not a bare gather future, so that cancelling the poll (shutdown, timeout)
     # also collects the gather's result instead of leaving it "never retrieved".
     # `check`, not `health`: it raises EngineDown when the engine is certainly gone.
-    healthy, load = await asyncio.gather(st.adapter.check(st.instance), st.adapter.snapshot(st.instance))
-    return healthy, load
+    async def timed_check() -> tuple[bool, float]:
+        t0 = clock()
+        healthy = await st.adapter.check(st.instance)
+        return healthy, clock() - t0
+    (healthy, round_trip), load = await asyncio.gather(timed_check(), st.adapter.snapshot(st.instance))
+    return healthy, load, round_trip
 
 
 # --- the live state ---
@@ -313,7 +320,6 @@ class FleetState:
         if st.adapter.down(st.instance):
             self._taken_out(st, started, "engine process down (being restarted)")
             return
-        t0 = self.clock()
         try:
             result = await self._timed_probe(st)
         except asyncio.CancelledError:
@@ -328,13 +334,13 @@ class FleetState:
             st.last_error = "check stretched by a stalled event loop: not counted"
             log.info("health check of %s not counted: the gateway's event loop was stalled", instance_id)
             return
-        healthy, load = result
-        st.probe_s.append(self.clock() - t0)
+        healthy, load, round_trip = result
+        st.probe_s.append(round_trip)
         self._measure_site(st.instance.site)
         self._apply(instance_id, started, bool(healthy) and load.ready, load,
                     None if healthy and load.ready else "health check failed")
 
-    async def _timed_probe(self, st: InstanceState) -> tuple[bool, LoadSnapshot] | None:
+    async def _timed_probe(self, st: InstanceState) -> tuple[bool, LoadSnapshot, float] | None:
         """Health + load within `call_timeout_s` of *responsive* loop time. Raises TimeoutError
         when the engine had that long and did not answer; None when the loop was stalled so
         long the check proves nothing. The loop monitor ticks finely meanwhile (`hold`): an idle
@@ -345,10 +351,10 @@ class FleetState:
         finally:
             self.lag.release_hold()
 
-    async def _timed_probe_held(self, st: InstanceState) -> tuple[bool, LoadSnapshot] | None:
+    async def _timed_probe_held(self, st: InstanceState) -> tuple[bool, LoadSnapshot, float] | None:
         loop = asyncio.get_running_loop()
         t0, s0 = loop.time(), self.lag.stalled_s()
-        task = loop.create_task(_probe(st))
+        task = loop.create_task(_probe(st, self.clock))
         try:
             while True:
                 wall = loop.time() - t0
