@@ -158,6 +158,7 @@ def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded:
         "reason": route.reason if route else None,
         "candidates": _candidates(route.candidates) if route else [],
         "predicted_ttft_s": route.predicted_ttft_s if route else None,
+        "network_s": route.network_s if route else 0.0,  # the round trip to the site in that TTFT
         "cached_tokens_estimate": route.cached_tokens if route else 0,
     }
 
