@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, rows in (("all", slice(None)), ("second half", slice(len(r) // 2, None))):
         for name, ti, pi in (("cost model physics", 0, 3), ("scheduler-forward prior", 1, 3), ("learned", 2, 4),
-                             ("reported (step-fitted forward once fitted)", 8, 4)):
+                             ("reported (decision + round trip to the site)" if with_network
+                             else "reported (step-fitted forward once fitted)", 8, 4)):
             tm, t90 = errors(held[rows] + r[rows, ti], ttft[rows])
             engine = r[rows, ti] - (net[rows] if ti == 8 and with_network else 0.0)
             dm, d90 = errors(engine, np.maximum(ttft[rows] - held[rows] - net[rows], 1e-6))
