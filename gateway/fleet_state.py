@@ -11,8 +11,9 @@ engine's own work adds to every probe, so the minimum, not the mean). The lowest
 instances is the site's round trip (`network_rtt_s`): what the view tells the policies
 (`SiteSnapshot.probe_rtt_ms`: the TTFT the gateway reports carries it, `fleetmind.place`) and
 what each outcome's TTFT is said to hold (`RequestOutcome.network_s`: TokenPilot learns engine
-speeds without it). A failed connection marks an instance unready at once; only a health check that *started after* the failure may
-bring it back (an older, slower check must not undo fresh evidence).
+speeds without it). A failed connection marks an instance unready at once; only a health
+check that *started after* the failure may bring it back (an older, slower check must not undo
+fresh evidence).
 
 Health checks have hysteresis: a ready instance is taken out only after
 `health_misses_to_unready` consecutive missed checks (no answer within
