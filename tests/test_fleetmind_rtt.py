@@ -146,6 +146,33 @@ def test_the_simulator_reports_the_same_composed_ttft() -> None:
         assert outcomes[rid].ttft_s is not None and outcomes[rid].ttft_s > 0.075
 
 
+def test_a_sites_measured_round_trip_is_its_instances_lowest_probe() -> None:
+    """The gateway's figure for a site: the lowest recent probe over its instances (an engine's own
+    work only adds to a probe), carried by the view's site snapshot; none before any probe."""
+    from collections import deque
+
+    from gateway.fleet_state import FleetState, InstanceState
+    from tests.conftest import FakeAdapter, make_config, make_instance
+
+    insts = [make_instance("e0", "http://e0", site="euw1"), make_instance("e1", "http://e1", site="euw1"),
+             make_instance("u0", "http://u0", site="use1")]
+    state = FleetState(make_config(), [FakeAdapter(insts)], poll_interval_s=60)
+    state.sync_instances()
+    assert state.network_rtt_s("euw1") == 0.0 and state.view().site("euw1").probe_rtt_ms is None
+    before = state.view()
+    for iid, probes in (("e0", (0.090, 0.081, 0.095)), ("e1", (0.084, 0.120))):
+        st = state.get(iid)
+        assert st is not None
+        st.probe_s = deque(probes, maxlen=8)
+        state._measure_site("euw1")  # (what each probe's end does)
+    assert state.network_rtt_s("euw1") == pytest.approx(0.081)
+    assert state.network_rtt_s("use1") == 0.0  # nothing measured there: nothing claimed
+    view = state.view()
+    assert view is not before  # a new figure is a new view
+    assert view.site("euw1").probe_rtt_ms == pytest.approx(81.0) and view.site("use1").probe_rtt_ms is None
+    assert state.view() is view  # and nothing new, the same one
+
+
 # --- live: the gateway measures the round trip, the router learns without it --------------------
 
 KEY = "sk-rtt"
