@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 import numpy as np  # noqa: E402
 
-from bench.latency_recorder import arguments, run_recorded  # noqa: E402
+from bench.latency_recorder import arguments, run_recorded  # noqa: E402  (its argparse parser: `arguments`)
 
 
 def errors(pred: np.ndarray, obs: np.ndarray) -> tuple[float, float]:
