@@ -107,7 +107,8 @@ def measure(n: int) -> dict[str, float]:
         def close(self) -> None:
             pass
 
-    relay = SimpleNamespace(state=SimpleNamespace(end=lambda iid: 0), metrics=metrics, shutdown=Shut(),
+    relay = SimpleNamespace(state=SimpleNamespace(end=lambda iid: 0, network_rtt_s=lambda site: 0.0),
+                            metrics=metrics, shutdown=Shut(),
                             clock=clock, observe=lambda outcome, request_outcome=None: None)
     inst = SimpleNamespace(instance_id="e0")
     target = Target("use1", inst)  # type: ignore[arg-type]

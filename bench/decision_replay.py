@@ -151,7 +151,7 @@ def record_place(out: str, decisions: int, instances: int, seed: int) -> None:
     regions = ("us-east", "us-west", "eu-west", None)
     convs: list[list[int]] = []
     next_id = 1
-    pending: list[tuple[str, str, str, int, float | None]] = []
+    pending: list[tuple[str, str, str, int, float | None, float]] = []
     now = 0.0
     with open(out, "w") as f:
         for n in range(decisions):
@@ -188,19 +188,24 @@ def record_place(out: str, decisions: int, instances: int, seed: int) -> None:
                 }, sort_keys=True) + "\n")
             inst = choice.instance
             if inst is not None and choice.route is not None:
+                # (the engine's part of what the decision reports, and the round trip `place` added)
+                pred, net = choice.route.predicted_ttft_s, choice.route.network_s
                 pending.append((prof.request_id, inst.instance_id, inst.site, prof.prompt_tokens,
-                                choice.route.predicted_ttft_s))
+                                None if pred is None else pred - net, net))
             r = rng.random()
             if r < 0.05:  # another replica routed a request there
                 tp.note_route(rng.choice(ids), hashes[: rng.randrange(1, len(hashes) + 1)], now)
             elif r < 0.08:  # an engine's KV events
                 tp.observe_kv_events(rng.choice(ids), n, [{"type": "BlockStored", "block_hashes": list(hashes)}], now)
             while pending and rng.random() < 0.6:
-                rid, iid, site, ptoks, pred = pending.pop(rng.randrange(len(pending)))
+                rid, iid, site, ptoks, pred, net = pending.pop(rng.randrange(len(pending)))
                 base = pred if pred is not None else 0.2
+                # the engine's time drawn around its prediction, the round trip on top, as the gateway
+                # reports it (`network_s`; since i19-rtt the decision's TTFT holds it too)
                 outcome = RequestOutcome(rid, iid, site, ok=rng.random() > 0.02, prompt_tokens=ptoks,
-                                         output_tokens=rng.randrange(1, 600), ttft_s=base * rng.uniform(0.7, 1.5),
-                                         mean_tpot_s=rng.uniform(0.01, 0.06))
+                                         output_tokens=rng.randrange(1, 600),
+                                         ttft_s=base * rng.uniform(0.7, 1.5) + net,
+                                         mean_tpot_s=rng.uniform(0.01, 0.06), network_s=net)
                 tp.observe(outcome)
                 fm.observe(outcome)
         learned = {i: {k: _hex(v) for k, v in sorted(tp.explain(i).items())} for i in ids}

@@ -55,16 +55,40 @@ class Recorder(TokenPilot):
         c = next((c for c in d.candidates if c.name == d.instance_id), None)
         if c is not None:
             held = max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
-            # (with what the decision reports: the step-fitted forward TTFT once there is a fit)
-            self._at[profile.request_id] = (held, now, {**c.detail, "reported_ttft_s": d.predicted_ttft_s})
+            # (with the router's own TTFT, the one the site was chosen by, and what the decision reports:
+            # the same until `reported` says what the simulator took from `fleetmind.place`, since
+            # i19-rtt that plus the round trip to the site)
+            self._at[profile.request_id] = (held, now, {**c.detail, "decision_ttft_s": d.predicted_ttft_s,
+                                                        "reported_ttft_s": d.predicted_ttft_s})
             self._region[profile.request_id] = profile.client_region
         return d
+
+    def reported(self, request_id: str, ttft_s: float | None) -> None:
+        """The TTFT the placed decision reports (what the simulator acts on: the first-byte deadline)."""
+        p = self._at.get(request_id)
+        if p is not None and ttft_s is not None:
+            self._at[request_id] = (p[0], p[1], {**p[2], "reported_ttft_s": ttft_s})
 
     def observe(self, outcome: RequestOutcome) -> None:
         p = self._at.pop(outcome.request_id, None)
         if p is not None:
             self.rows.append(Recorded(outcome.request_id, *p, outcome, self._region.pop(outcome.request_id, None)))
         super().observe(outcome)
+
+
+class _ReportingSimulator(FleetSimulator):
+    """The simulator, telling the Recorder what each placement reported (`fleetmind.place`'s
+    `route.predicted_ttft_s`, which the simulator keeps for the first-byte deadline)."""
+
+    def __init__(self, *args: Any, recorder: Recorder, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._recorder = recorder
+
+    def _place(self, r: Any, *args: Any, **kw: Any) -> Any:
+        out = super()._place(r, *args, **kw)
+        if not isinstance(out, str):
+            self._recorder.reported(r.inp.request_id, r.predicted_ttft)
+        return out
 
 
 def arguments(doc: str, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -95,8 +119,9 @@ def run_recorded(a: argparse.Namespace) -> Recorder:
     router = Recorder(seed=0)
     for spec in fleet_instances(fleet):  # as fleetsim.cli.make_policy registers them
         router.register_instance(spec.instance_id, spec_prior(spec))
-    res = FleetSimulator(fleet, router, site_chooser=make_placement(getattr(a, "placement", "fleetmind"), fleet, router),
-                         admission=make_admission(a.admission, slomax_config(fleet))).run(inputs)
+    res = _ReportingSimulator(fleet, router,
+                              site_chooser=make_placement(getattr(a, "placement", "fleetmind"), fleet, router),
+                              admission=make_admission(a.admission, slomax_config(fleet)), recorder=router).run(inputs)
     router.summary = summarize_all(res.records, fleet.admission.slos())
     router.fleet = fleet
     return router

@@ -4,8 +4,9 @@
         [--ttft-tail F]
 
 Runs TokenPilot under FleetMind in the simulator (`bench/latency_recorder.py`) and bins the routed
-requests by the TTFT their decision reported (`RouteDecision.predicted_ttft_s`, the one the site
-was chosen by since i19-unify) over their class's TTFT SLO; per bin: how many, the share served at
+requests by the TTFT their router predicted (`TokenPilot.route`'s `predicted_ttft_s`, the one the
+site was chosen by since i19-unify; the decision reports it plus the round trip since i19-rtt) over
+their class's TTFT SLO; per bin: how many, the share served at
 the fleet's first site (home, for untagged traces), the share that missed the TTFT SLO (from
 arrival, the client's), the TPOT SLO, either, and the median observed / predicted TTFT (engine time:
 after dispatch and the network round trip). `--ttft-tail`: FleetMind's `ttft_tail` for the run
@@ -60,8 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tpot_miss = (o.mean_tpot_s is not None and o.output_tokens > 1 and c.tpot_s is not None
                      and o.mean_tpot_s > c.tpot_s)
         engine = o.ttft_s - x.held - getattr(o, "network_s", 0.0)
-        rows.append((x.detail["reported_ttft_s"] / c.ttft_s, o.ttft_s / c.ttft_s, float(tpot_miss),
-                     float(o.site == home), engine / x.detail["reported_ttft_s"]))
+        predicted = x.detail["decision_ttft_s"]
+        rows.append((predicted / c.ttft_s, o.ttft_s / c.ttft_s, float(tpot_miss), float(o.site == home),
+                     engine / predicted))
     r = np.array(rows)
     s = router.summary
     print(f"goodput {s['goodput_tok_s']:.0f} tok/s, SLO {100 * (s['slo_attainment'] or 0):.1f}%, {len(r)} requests")

@@ -70,6 +70,10 @@ class SiteSnapshot:
     jurisdiction: str
     rtt_ms: Mapping[str, float]
     instances: tuple[InstanceSnapshot, ...] = ()
+    # The round trip the gateway measured to this site (its health probes' lowest recent one,
+    # `gateway.fleet_state`), ms; None where nothing measured it (the simulator, whose network is
+    # the fleet file's `rtt_ms`). What a TTFT the gateway reports carries (`fleetmind.place`).
+    probe_rtt_ms: float | None = None
 
     def pool(self, model: str, version: str | None = None) -> tuple[InstanceSnapshot, ...]:
         """Ready, non-draining instances serving `model` (and `version`, when given)."""
@@ -117,6 +121,9 @@ class RouteDecision:
     candidates: Sequence[Candidate] = ()
     predicted_ttft_s: float | None = None
     cached_tokens: int = 0
+    # The round trip to the instance's site inside `predicted_ttft_s`: 0 from a router (its
+    # prediction is of one instance's engine time); `fleetmind.place` adds the site's and says so here.
+    network_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +144,8 @@ class RequestOutcome:
     cancelled: bool = False
     # The network round trip between the gateway and the instance's site inside `ttft_s` (the
     # request's way there and its first token's way back): no engine step's time, so a router
-    # learning engine speeds from TTFT leaves it out (0: not known, or in-site).
+    # learning engine speeds from TTFT leaves it out (0: not known, or in-site). The simulator's
+    # is the fleet file's figure; the live gateway's what its health probes measured to the site.
     network_s: float = 0.0
 
 

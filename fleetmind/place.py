@@ -13,15 +13,22 @@ Two kinds of instances are left out, with different strength:
 Within a try the site chooser and the router see the same exclusions: the chooser picks a
 site that still has a candidate, the router picks from that site's ready pool less them. A
 router answer outside that pool counts as no instance. Pure: no I/O, no clock.
+
+The TTFT a choice reports (`route.predicted_ttft_s`: the response header, the first-byte deadline,
+the hedge's delay, the decision log) is the one the client sees from the gateway: the router's
+(one instance's engine time from dispatch, `TokenPilot`'s forward TTFT) plus the round trip to the
+chosen site (`network_rtt_s`), added here and only here (`route.network_s` says how much), for the
+gateway and the simulator alike. The router's own number stays per instance: it is what it learns
+against (the outcome's TTFT less `RequestOutcome.network_s`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fleetcore.policies import InstanceRouter, SiteChooser
-from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, RouteDecision, SiteDecision
+from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, RouteDecision, SiteDecision, SiteSnapshot
 from fleetmind.site_choice import ready_pool
 
 
@@ -66,10 +73,28 @@ def _try(profile: RequestProfile, view: FleetView, now: float, chooser: SiteChoo
     site = chooser.choose(profile, view, now, exclude_instances=excluded)
     if site.site is None:
         return Choice(site, None, None, excluded)
-    pool = ready_pool(view.site(site.site), profile.model, profile.model_version)
+    snap = view.site(site.site)
+    pool = ready_pool(snap, profile.model, profile.model_version)
     if excluded:
         pool = tuple([i for i in pool if i.instance_id not in excluded])
     route = router.route(profile, pool, now)
     chosen = next((i for i in pool if i.instance_id == route.instance_id), None) \
         if route.instance_id is not None else None
+    if chosen is not None and route.predicted_ttft_s is not None:
+        rtt = network_rtt_s(snap, profile.client_region)
+        if rtt > 0.0:
+            route = replace(route, predicted_ttft_s=route.predicted_ttft_s + rtt, network_s=route.network_s + rtt)
     return Choice(site, route, chosen, excluded)
+
+
+def network_rtt_s(site: SiteSnapshot, client_region: str | None) -> float:
+    """The round trip between the gateway and `site` that a request's TTFT carries, seconds: the
+    gateway's measured one where it has one (`SiteSnapshot.probe_rtt_ms`), else the fleet file's
+    figure from the client's region (the simulator's network: `fleetsim.simulator.site_rtt_s`), 0
+    where neither says (not the site chooser's large unknown, `site_choice.UNKNOWN_RTT_MS`, which
+    ranks such a site last rather than predicting anything; a checked fleet file names every
+    client region for every site)."""
+    if site.probe_rtt_ms is not None:
+        return site.probe_rtt_ms / 1000.0
+    rtt = site.rtt_ms.get(client_region or "")
+    return rtt / 1000.0 if rtt is not None else 0.0

@@ -5,11 +5,15 @@ timeout), so a hung engine goes unready without delaying anyone else's update.
 The gateway also keeps its own in-flight count per instance: engine metrics
 lag one scrape, the count does not. An instance being taken out of service (FleetMind's
 planner moving a replica) is *draining*: it finishes what it has and gets nothing new.
-Each probe's round trip is kept too: the lowest of the last few is the network RTT the
-gateway sees to that instance's site (an engine's own work adds to every probe, so the
-minimum, not the mean). A failed connection marks an instance
-unready at once; only a health check that *started after* the failure may
-bring it back (an older, slower check must not undo fresh evidence).
+Each probe's round trip (its health check's, not the load scrape's beside it) is kept too:
+the lowest of the last few is the network RTT the gateway sees to that instance's site (an
+engine's own work adds to every probe, so the minimum, not the mean). The lowest over a site's
+instances is the site's round trip (`network_rtt_s`): what the view tells the policies
+(`SiteSnapshot.probe_rtt_ms`: the TTFT the gateway reports carries it, `fleetmind.place`) and
+what each outcome's TTFT is said to hold (`RequestOutcome.network_s`: TokenPilot learns engine
+speeds without it). A failed connection marks an instance unready at once; only a health
+check that *started after* the failure may bring it back (an older, slower check must not undo
+fresh evidence).
 
 Health checks have hysteresis: a ready instance is taken out only after
 `health_misses_to_unready` consecutive missed checks (no answer within
@@ -28,7 +32,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine_adapters.base import EngineAdapter, EngineDown, Instance, LoadSnapshot
@@ -92,16 +96,20 @@ def instance_snapshot(st: InstanceState) -> InstanceSnapshot:
         max_model_len=inst.max_model_len)
 
 
-def build_view(config: FleetConfig, states: Iterable[InstanceState]) -> FleetView:
-    """Sites in fleet-file order; instances of a site the file does not name are left out."""
+def build_view(config: FleetConfig, states: Iterable[InstanceState],
+               site_rtt_ms: Mapping[str, float] | None = None) -> FleetView:
+    """Sites in fleet-file order; instances of a site the file does not name are left out.
+    `site_rtt_ms`: the measured round trip per site (`site_network_rtt_ms`), where known."""
     by_site: dict[str, list[InstanceSnapshot]] = {s.name: [] for s in config.sites}
     for st in states:
         if st.instance.site in by_site:
             by_site[st.instance.site].append(instance_snapshot(st))
+    measured = site_rtt_ms or {}
     return FleetView(tuple(
         SiteSnapshot(name=s.name, region=s.region, jurisdiction=s.jurisdiction,
                      rtt_ms=dict(s.rtt_ms),
-                     instances=tuple(sorted(by_site[s.name], key=lambda i: i.instance_id)))
+                     instances=tuple(sorted(by_site[s.name], key=lambda i: i.instance_id)),
+                     probe_rtt_ms=measured.get(s.name))
         for s in config.sites))
 
 
@@ -149,6 +157,14 @@ def placement(pools: dict[tuple[str, str, str], PoolCounts]) -> dict[tuple[str, 
     return out
 
 
+def site_network_rtt_ms(states: Iterable[InstanceState], site: str) -> float | None:
+    """One site's round trip: the lowest recent probe of any of its instances (each probe is one
+    round trip on a kept-alive connection plus the engine's answer, which only adds: the lowest
+    is the nearest to the network alone); None when none of them answered a probe yet."""
+    lows = [min(st.probe_s) for st in states if st.instance.site == site and st.probe_s]
+    return 1000 * min(lows) if lows else None
+
+
 def site_probe_rtt_ms(states: Iterable[InstanceState]) -> dict[str, float]:
     """Per site: the median over its instances of each one's lowest recent probe round trip."""
     by_site: dict[str, list[float]] = {}
@@ -194,12 +210,19 @@ def ready_counts(states: Iterable[InstanceState], models: Iterable[str] = ()) ->
     return ReadyCounts(ready, total, by_model, by_site)
 
 
-async def _probe(st: InstanceState) -> tuple[bool, LoadSnapshot]:
+async def _probe(st: InstanceState, clock: Callable[[], float]) -> tuple[bool, LoadSnapshot, float]:
+    """(healthy, load, the health check's own round trip in seconds). The round trip is the health
+    check's alone: the load snapshot beside it (a metrics scrape, the engine's heavier answer)
+    would only add the engine's work to it."""
     # A coroutine, not a bare gather future, so that cancelling the poll (shutdown, timeout)
     # also collects the gather's result instead of leaving it "never retrieved".
     # `check`, not `health`: it raises EngineDown when the engine is certainly gone.
-    healthy, load = await asyncio.gather(st.adapter.check(st.instance), st.adapter.snapshot(st.instance))
-    return healthy, load
+    async def timed_check() -> tuple[bool, float]:
+        t0 = clock()
+        healthy = await st.adapter.check(st.instance)
+        return healthy, clock() - t0
+    (healthy, round_trip), load = await asyncio.gather(timed_check(), st.adapter.snapshot(st.instance))
+    return healthy, load, round_trip
 
 
 # --- the live state ---
@@ -233,6 +256,10 @@ class FleetState:
         self._supervisor: asyncio.Task[None] | None = None
         self._view: FleetView | None = None  # the last `view()` and what it was built from
         self._view_key: tuple[object, ...] = ()
+        # Per site, the measured round trip (`site_network_rtt_ms`), kept up to date as probes end
+        # (not per request), and a count of its changes (the view's key).
+        self._site_rtt_ms: dict[str, float] = {}
+        self._site_rtt_changes = 0
 
     # lifecycle
 
@@ -263,10 +290,11 @@ class FleetState:
                         adapter, inst, added_at=self.clock(),
                         restarts=adapter.restart_counts().get(inst.instance_id, 0))
         for gone in set(self._states) - seen:
-            del self._states[gone]
+            site = self._states.pop(gone).instance.site
             task = self._pollers.pop(gone, None)
             if task is not None:
                 task.cancel()
+            self._measure_site(site)
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self.poll_instance(i) for i in list(self._states)))
@@ -293,7 +321,6 @@ class FleetState:
         if st.adapter.down(st.instance):
             self._taken_out(st, started, "engine process down (being restarted)")
             return
-        t0 = self.clock()
         try:
             result = await self._timed_probe(st)
         except asyncio.CancelledError:
@@ -308,12 +335,13 @@ class FleetState:
             st.last_error = "check stretched by a stalled event loop: not counted"
             log.info("health check of %s not counted: the gateway's event loop was stalled", instance_id)
             return
-        healthy, load = result
-        st.probe_s.append(self.clock() - t0)
+        healthy, load, round_trip = result
+        st.probe_s.append(round_trip)
+        self._measure_site(st.instance.site)
         self._apply(instance_id, started, bool(healthy) and load.ready, load,
                     None if healthy and load.ready else "health check failed")
 
-    async def _timed_probe(self, st: InstanceState) -> tuple[bool, LoadSnapshot] | None:
+    async def _timed_probe(self, st: InstanceState) -> tuple[bool, LoadSnapshot, float] | None:
         """Health + load within `call_timeout_s` of *responsive* loop time. Raises TimeoutError
         when the engine had that long and did not answer; None when the loop was stalled so
         long the check proves nothing. The loop monitor ticks finely meanwhile (`hold`): an idle
@@ -324,10 +352,10 @@ class FleetState:
         finally:
             self.lag.release_hold()
 
-    async def _timed_probe_held(self, st: InstanceState) -> tuple[bool, LoadSnapshot] | None:
+    async def _timed_probe_held(self, st: InstanceState) -> tuple[bool, LoadSnapshot, float] | None:
         loop = asyncio.get_running_loop()
         t0, s0 = loop.time(), self.lag.stalled_s()
-        task = loop.create_task(_probe(st))
+        task = loop.create_task(_probe(st, self.clock))
         try:
             while True:
                 wall = loop.time() - t0
@@ -470,13 +498,15 @@ class FleetState:
         """`build_view` of the states now; the previous view again when nothing it is built from
         changed since (a request asks three times: admission, placement, the release's poll)."""
         states = self._states.values()
-        # Every input of `instance_snapshot`, per instance in order: a view is a pure function of
-        # these (and of the config's sites, fixed for this object), so equal keys mean equal views.
+        # Every input of `instance_snapshot`, per instance in order, and the count of changes to the
+        # sites' measured round trips: a view is a pure function of these (and of the config's sites,
+        # fixed for this object), so equal keys mean equal views.
         # Tuples compare item by item, identity first: the same Instance and LoadSnapshot objects
         # cost a pointer comparison; `up` asks the adapter, as build_view does.
-        key = tuple((st.instance, st.up, st.draining, st.inflight + st.remote_inflight, st.load) for st in states)
+        key = (self._site_rtt_changes,
+               *((st.instance, st.up, st.draining, st.inflight + st.remote_inflight, st.load) for st in states))
         if key != self._view_key or self._view is None:
-            self._view = build_view(self.config, states)
+            self._view = build_view(self.config, states, self._site_rtt_ms)
             self._view_key = key
         return self._view
 
@@ -492,3 +522,22 @@ class FleetState:
 
     def probe_rtt_ms(self) -> dict[str, float]:
         return site_probe_rtt_ms(self._states.values())
+
+    def network_rtt_s(self, site: str) -> float:
+        """The round trip to `site` a request's TTFT holds (`RequestOutcome.network_s`), seconds:
+        its probes' lowest recent one (`site_network_rtt_ms`). 0 before any probe answered: then
+        the gateway knows nothing of it (its first poll at start measures every instance that
+        answers, so that is an instance no request could have reached), and 0 teaches the router
+        what it learned before this was measured, never less engine time than there was."""
+        ms = self._site_rtt_ms.get(site)
+        return ms / 1000.0 if ms is not None else 0.0
+
+    def _measure_site(self, site: str) -> None:
+        ms = site_network_rtt_ms(self._states.values(), site)
+        if ms == self._site_rtt_ms.get(site):
+            return
+        if ms is None:
+            del self._site_rtt_ms[site]
+        else:
+            self._site_rtt_ms[site] = ms
+        self._site_rtt_changes += 1

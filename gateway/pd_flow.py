@@ -171,9 +171,11 @@ class PDFlow:
         if d is not None and d.split and d.prefill is not None:
             pre = relay.state.get(d.prefill)
             if pre is not None:
-                # The prefill leg's own TTFT (the split's less the transfer): its first-byte deadline
-                # ends before the decode leg's, so a stalled prefill is seen first and blamed.
-                own = d.predicted_ttft_s - d.transfer_s if d.predicted_ttft_s is not None else None
+                # The prefill leg's own TTFT (the split's less the transfer; the round trip to the site,
+                # which `place` added to the split's, its too): its first-byte deadline ends before the
+                # decode leg's, so a stalled prefill is seen first and blamed.
+                split = choice.route.predicted_ttft_s if choice.route is not None else None
+                own = split - d.transfer_s if split is not None else None
                 target.prefill = Target(choice.site.site, pre.instance,
                                         RouteDecision(d.prefill, d.reason, (), own, d.cached_tokens),
                                         choice.site.reason)

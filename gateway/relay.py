@@ -158,6 +158,7 @@ def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded:
         "reason": route.reason if route else None,
         "candidates": _candidates(route.candidates) if route else [],
         "predicted_ttft_s": route.predicted_ttft_s if route else None,
+        "network_s": route.network_s if route else 0.0,  # the round trip to the site in that TTFT
         "cached_tokens_estimate": route.cached_tokens if route else 0,
     }
 
@@ -358,7 +359,10 @@ class Dispatch:
             ok=ok, prompt_tokens=counts.prompt_tokens or profile.prompt_tokens,
             cached_tokens=counts.cached_tokens,
             output_tokens=out_tokens, ttft_s=(first - arrival) if first is not None else None,
-            mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled)
+            mean_tpot_s=tpot, e2e_s=now - arrival, error=error, cancelled=cancelled,
+            # the round trip to the site inside that TTFT, as the health probes measure it (the
+            # router learns engine speeds without it; 0 where no probe has answered yet)
+            network_s=self.relay.state.network_rtt_s(self.target.site))
 
     def _request_outcome(self, leg: RequestOutcome) -> RequestOutcome:
         """The request as a whole when this is a continuation leg: its first token, every token."""

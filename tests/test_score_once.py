@@ -22,7 +22,12 @@ the choices rank by is unchanged. Re-recorded at i19-unify when FleetMind began 
 predicted TTFT 1.8x in its score and spill test (`fleetmind.site_choice.TTFT_TAIL`): every site
 score changed and 289 of the 1,500 choices with them. With the factor at 1 that branch's replay,
 the router carrying one token backlog and one TTFT, matched the previous fixture bit for bit (no
-instance there has the 32 outcomes a step fit needs).
+instance there has the 32 outcomes a step fit needs). Re-recorded at i19-rtt when the reported TTFT
+(`fleetmind.place`) began to hold the round trip to the chosen site, and the replay's outcomes with
+it (drawn around the engine's part, the round trip on top, said in `network_s`): of the 1,501 lines
+only the "ttft" fields changed, each by exactly its site's round trip from the client's region (0,
+1, 60, 80 or 140 ms; 383, 477, 215, 202, 223 of them); every choice, score and learned figure is the
+previous fixture's.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from tests.bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "place_replay.jsonl.gz"
-RECORDED_AT = "i19-unify"  # this fixture was recorded by the i19-unify commit that set TTFT_TAIL
+RECORDED_AT = "i19-rtt"  # this fixture was recorded by the i19-rtt commit that added the round trip
 RECORDED_DECISIONS = 1500  # what the fixture was recorded with (seed 0, 64 instances)
 
 
