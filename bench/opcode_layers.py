@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...] | None], ...] = (
                           "/fleetcore/tokens.py", "/fleetcore/model_tokenizer.py", "/json/",
                           "/gateway/openai_fields.py"), None),
     ("dataclasses.replace (telemetry's record, admission's class)", ("/dataclasses.py", "<string>:dataclasses.py",
-                                                                      "/gateway/fast_replace.py",
+                                                                      "/fleetcore/fast_replace.py",
                                                                       "<string>:fast_replace.py"), None),
     ("handler skeleton, auth, request id", ("/gateway/serving.py", "/gateway/aliases.py", "/gateway/app.py",
                                             "/gateway/auth.py", "/gateway/keys.py"), None),

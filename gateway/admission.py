@@ -30,7 +30,7 @@ from fleetcore.policies import Admission
 from fleetcore.types import AdmissionDecision, RequestOutcome, RequestProfile
 from gateway.budget_store import Charge, SharedBudgets
 from gateway.errors import GatewayError, bad_request, overloaded, rate_limited
-from gateway.fast_replace import replace  # dataclasses.replace, cheaper: the class on every request
+from fleetcore.fast_replace import replace  # dataclasses.replace, cheaper: the class on every request
 from gateway.fleet_state import FleetState
 from gateway.requests import CLASS_HEADER, ParsedRequest
 from slomax import LedgeredAdmission

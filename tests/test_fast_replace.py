@@ -1,4 +1,4 @@
-"""gateway.fast_replace.replace is dataclasses.replace: the same object, the same errors."""
+"""fleetcore.fast_replace.replace is dataclasses.replace: the same object, the same errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetcore.types import RequestProfile
-from gateway.fast_replace import replace
+from fleetcore.fast_replace import replace
 from gateway.requests import ParsedRequest
 
 

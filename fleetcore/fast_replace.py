@@ -6,7 +6,8 @@ with it. A request makes three such copies on its way (telemetry's record into t
 request; admission's class into the profile, and the profile into the parsed request): ~1,000
 bytecodes a request, about 5% of all the gateway executes for it (bench/README.md, "Issue 14:
 per layer"). `replace` here does the same copy with a function made once per class and set of
-changed names: the new object, then each field set as the class's own `__init__` sets it
+changed names (and `fleetmind.place` its one copy of a decision with the site's round trip in its
+TTFT; here in fleetcore, pure, so that policy layers can use it too): the new object, then each field set as the class's own `__init__` sets it
 (`object.__setattr__`, frozen or not), the changed ones from `changes`, the rest from `obj`.
 
 Only where that is all `replace` would do: a dataclass whose fields are all `init` fields and
