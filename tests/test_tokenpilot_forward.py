@@ -18,10 +18,17 @@ from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
 from tests.bench_scripts import load_bench
 from tokenpilot import score_kernel as sk
 from tokenpilot.forward import forward_ttft, step_s
+from tokenpilot.learning import StepFit
 from tokenpilot.priors import prior_from_physics
 from tokenpilot.router import TokenPilot, TokenPilotConfig
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _factors(fit: StepFit, overhead_f: float, token_f: float) -> tuple[float, float] | None:
+    """The fitted (fixed-cost, per-token) factors: `StepFit.fit`'s first two, None while data is thin."""
+    got = fit.fit(overhead_f, token_f)
+    return None if got is None else (got[0], got[1])
 
 
 @pytest.mark.parametrize("spec,gpu,tp,budget", [("llama-3.1-8b", "H100", 1, 2048), ("llama-3.1-70b", "H200", 2, 8192)])
@@ -171,24 +178,23 @@ def test_forward_parts_add_up_to_the_forward_ttft() -> None:
 
 
 def test_step_fit_recovers_both_factors_and_holds_the_unidentified_one() -> None:
-    from tokenpilot.learning import StepFit
 
     rng = np.random.default_rng(0)
     fit = StepFit()
-    assert fit.factors(1.0, 0.5) is None  # no data: no fit
+    assert _factors(fit, 1.0, 0.5) is None  # no data: no fit
     for i in range(200):
         a, b, c = rng.uniform(0.02, 0.06), rng.uniform(0.0, 0.2), rng.uniform(0.0, 0.002)
         fit.update(a, b, c, 0.25 * a + 0.4 * b + c, a + 0.5 * b + c)
         if i + 1 < fit.min_samples:
-            assert fit.factors(1.0, 0.5) is None  # thin data: the caller keeps its prior
-    x, t = fit.factors(1.0, 0.5)
+            assert _factors(fit, 1.0, 0.5) is None  # thin data: the caller keeps its prior
+    x, t = _factors(fit, 1.0, 0.5)
     assert x == pytest.approx(0.25, rel=0.08) and t == pytest.approx(0.4, rel=0.08)
     # Every outcome one and the same kind (a, b in one proportion): the data says only their sum;
     # the ridge keeps the pair near the fallback along the unidentified direction, within bounds.
     same = StepFit()
     for _ in range(100):
         same.update(0.03, 0.01, 0.0, 0.25 * 0.03 + 0.4 * 0.01, 0.035)
-    x, t = same.factors(1.0, 0.5)
+    x, t = _factors(same, 1.0, 0.5)
     assert 0.03 * x + 0.01 * t == pytest.approx(0.25 * 0.03 + 0.4 * 0.01, rel=0.15)
     assert same.lo <= x <= same.hi and same.lo <= t <= same.hi
     # A prior 100x off is held at the bounds, not fitted past them.
@@ -196,7 +202,7 @@ def test_step_fit_recovers_both_factors_and_holds_the_unidentified_one() -> None
     for _ in range(100):
         a, b = rng.uniform(0.02, 0.06), rng.uniform(0.0, 0.2)
         far.update(a, b, 0.0, 0.001 * (a + b), a + b)
-    assert far.factors(1.0, 1.0) == (far.lo, far.lo)
+    assert _factors(far, 1.0, 1.0) == (far.lo, far.lo)
 
 
 def _wrong_fixed_cost_router(outcomes: int, network_s: float = 0.0) -> tuple[TokenPilot, list[float], Any]:
@@ -326,7 +332,6 @@ def test_step_fit_is_not_dragged_by_outliers() -> None:
     simulator's conversation trace such outcomes, on mostly-cached prompts whose prediction is
     nearly all one step's fixed cost, drove a plain least-squares fit's fixed-cost factor to its
     bound (4x) and the forward TTFT's median error from 8% to 25%. The robust weighting holds it."""
-    from tokenpilot.learning import StepFit
 
     rng = np.random.default_rng(5)
     robust, plain = StepFit(), StepFit(robust_floor=1e9)  # (a floor that high: plain least squares)
@@ -335,11 +340,11 @@ def test_step_fit_is_not_dragged_by_outliers() -> None:
         true = 0.5 * a + 0.8 * b
         observed = true * (20.0 if rng.random() < 0.1 else rng.uniform(0.9, 1.1))
         for fit in (robust, plain):  # each predicted with its fit so far, as the router does
-            x, t = fit.factors(1.0, 1.0) or (1.0, 1.0)
+            x, t = _factors(fit, 1.0, 1.0) or (1.0, 1.0)
             fit.update(a, b, c, observed, x * a + t * b + c)
-    x, t = robust.factors(1.0, 1.0)
+    x, t = _factors(robust, 1.0, 1.0)
     assert x == pytest.approx(0.5, rel=0.15) and t == pytest.approx(0.8, rel=0.1)
-    x, t = plain.factors(1.0, 1.0)
+    x, t = _factors(plain, 1.0, 1.0)
     assert x > 1.0 or t > 1.2  # what it was
 
 

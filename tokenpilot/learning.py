@@ -70,7 +70,7 @@ class StepFit:
     window is ~1 / (1 - decay) outcomes). A ridge term of `prior_weight` mean outcomes pulls both
     factors toward the caller's fallback, so one kind of prompt (every one a single step) leaves
     the unidentified factor where it was; below `min_samples` outcomes there is no fit at all
-    (`factors` returns None: the caller keeps its prior). Both within [`lo`, `hi`].
+    (`fit` returns None: the caller keeps its prior). Both within [`lo`, `hi`].
 
     A third term, fitted with them (`fit`): a cost paid once per engine step on top of the
     roofline's max (`steps`: `forward_parts`' `d`), in seconds, within [0, `add_hi`], its ridge
@@ -128,12 +128,6 @@ class StepFit:
         self.sdy = d * self.sdy + w * steps * y
         self.weight = d * self.weight + 1.0
         self.samples += 1
-
-    def factors(self, overhead_f: float, token_f: float) -> tuple[float, float] | None:
-        """(fixed-cost factor, per-token factor) fitted, pulled toward the fallback (`overhead_f`,
-        `token_f`); None while data is thin. (`fit`'s first two.)"""
-        got = self.fit(overhead_f, token_f)
-        return None if got is None else (got[0], got[1])
 
     def _step_add(self, la: float, lb: float, overhead_f: float, token_f: float) -> float:
         """The additive per-step cost of the three-term ridge fit (0 where the data hold no steps or

@@ -625,27 +625,27 @@ class TokenPilot(InstanceRouter):
         # (no clock in an outcome: a request ending without a first token settles at the last decision's time)
         self._release(rec, outcome.request_id, float(s.m[s.DECAYED_AT, k]))
         if outcome.ok and not outcome.cancelled:
+            # The engine's TTFT: from the dispatch on (time held before it, by admission, is no GPU's
+            # speed), less the network round trip to the site (on the 3-site simulated fleet the step
+            # fit took a remote site's 62-75 ms for an engine step's fixed cost, its bound 4x, on nearly
+            # every instance there, so the site chooser counted that round trip twice).
+            ttft = _after_dispatch(outcome.ttft_s, rec.held_s + outcome.network_s)
             if rec.predicted_queue_s != _SPLIT:  # a split P/D request's TTFT is no one instance's
-                self.latency.record(rec.features, rec.forward_ttft_s, rec.predicted_tpot_s,
-                                    _after_dispatch(outcome.ttft_s, rec.held_s + outcome.network_s),
+                self.latency.record(rec.features, rec.forward_ttft_s, rec.predicted_tpot_s, ttft,
                                     outcome.mean_tpot_s if outcome.output_tokens > 1 else None)
-            self._learn(k, rec, outcome)
+            self._learn(k, rec, outcome, ttft)
             s.refresh(k)
         else:
             s.refresh_context(k)
 
-    def _learn(self, k: int, rec: _Inflight, outcome: RequestOutcome) -> None:
+    def _learn(self, k: int, rec: _Inflight, outcome: RequestOutcome, ttft: float | None) -> None:
+        """Update slot `k`'s learned speeds from one outcome (`ttft`: its engine TTFT, `observe`'s)."""
         s, m = self._s, self._s.m
         if outcome.output_tokens > 0:
             self._mean_output += 0.02 * (outcome.output_tokens - self._mean_output)
         learned = self._learned[k]
         # Learn prefill speed only from requests predicted to start at once: otherwise an error
         # in the queue model would be taken for a slow (or fast) GPU and feed back on itself.
-        # The TTFT since dispatch: time the request was held before it (admission) is no GPU's speed.
-        # (and the network round trip to the site: on the 3-site simulated fleet the step fit took a
-        # remote site's 62-75 ms for an engine step's fixed cost, its bound 4x, on nearly every
-        # instance there, so the site chooser counted that round trip twice and spilled too little)
-        ttft = _after_dispatch(outcome.ttft_s, rec.held_s + outcome.network_s)
         if ttft is not None and rec.predicted_queue_s <= 0.1 * rec.predicted_ttft_s:
             learned.prefill.update(ttft, rec.predicted_ttft_s)
             m[s.PREFILL_FACTOR, k] = learned.prefill.value
