@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from fleetcore.fast_replace import replace  # dataclasses.replace, cheaper: once per placed request
 from fleetcore.policies import InstanceRouter, SiteChooser
 from fleetcore.types import FleetView, InstanceSnapshot, RequestProfile, RouteDecision, SiteDecision, SiteSnapshot
-from fleetmind.site_choice import ready_pool
+from fleetmind.site_choice import network_rtt_ms, ready_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,4 @@ def network_rtt_s(site: SiteSnapshot, client_region: str | None) -> float:
     where neither says (not the site chooser's large unknown, `site_choice.UNKNOWN_RTT_MS`, which
     ranks such a site last rather than predicting anything; a checked fleet file names every
     client region for every site)."""
-    if site.probe_rtt_ms is not None:
-        return site.probe_rtt_ms / 1000.0
-    rtt = site.rtt_ms.get(client_region or "")
-    return rtt / 1000.0 if rtt is not None else 0.0
+    return network_rtt_ms(site, client_region, unknown_ms=0.0) / 1000.0

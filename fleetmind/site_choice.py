@@ -44,13 +44,25 @@ class _HasRtt(Protocol):
     rtt_ms: Mapping[str, float]
 
 
-def rtt_ms(site: _HasRtt, client_region: str | None) -> float:
+def rtt_ms(site: _HasRtt, client_region: str | None, unknown_ms: float = UNKNOWN_RTT_MS) -> float:
     """Round trip between a client entry region and a site (fleet-file site or snapshot): the
-    fleet file's figure, else 0 inside the site's own region, else a large unknown."""
+    fleet file's figure, else 0 inside the site's own region, else `unknown_ms` (by default a large
+    unknown, which ranks such a site last)."""
     rtt = site.rtt_ms.get(client_region or "")
     if rtt is None:
-        return 0.0 if client_region == site.region else UNKNOWN_RTT_MS
+        return 0.0 if client_region == site.region else unknown_ms
     return rtt
+
+
+def network_rtt_ms(site: SiteSnapshot, client_region: str | None, unknown_ms: float = UNKNOWN_RTT_MS) -> float:
+    """The round trip a request sent to `site` pays, the one figure both the site chooser's score
+    and the reported TTFT (`fleetmind.place.network_rtt_s`) count: what the gateway measured to the
+    site (`SiteSnapshot.probe_rtt_ms`, its lowest recent health probe: every request goes through
+    the gateway, so that leg is what differs between sites) where it has measured, else the fleet
+    file's figure from the client's region (`rtt_ms`; the simulator's network)."""
+    if site.probe_rtt_ms is not None:
+        return site.probe_rtt_ms
+    return rtt_ms(site, client_region, unknown_ms)
 
 
 _POOLS: dict[tuple[str, str, str | None], tuple[SiteSnapshot, tuple[InstanceSnapshot, ...]]] = {}
@@ -265,7 +277,7 @@ class FleetMind(SiteChooser):
             if not pool:
                 continue
             ttft, cached = self._predict(profile, pool, now)
-            rtt = rtt_ms(site, profile.client_region) / 1000
+            rtt = network_rtt_ms(site, profile.client_region) / 1000
             transfer = self.egress.get(site.name, 0.0) * gb * self.config.usd_to_s
             rows.append(_Row(site, rtt + self.config.ttft_tail * ttft + transfer, ttft, rtt, transfer, cached))
         return rows
@@ -281,6 +293,9 @@ class FleetMind(SiteChooser):
 
     @staticmethod
     def _nearest_allowed(view: FleetView, res: Residency, region: str | None) -> str | None:
+        # The home site is the client region's nearest by the fleet file (its geography, as the
+        # placement plan's demand has it: `fleetmind.demand`), not by the gateway's probes: a
+        # probe's jitter must not move a region's home; what a request pays is in the score.
         sites = [s for s in view.sites if s.name in res.allowed]
         if len(sites) == 1:  # (the min of one; the usual fleet of one site)
             return sites[0].name

@@ -73,12 +73,13 @@ def test_the_reported_ttft_holds_the_chosen_sites_round_trip_once(probe_far_ms: 
         # exactly once: the router's engine time plus the round trip, and it says how much it added
         assert choice.route.predicted_ttft_s == pytest.approx(engine + rtt, rel=1e-12)
         assert choice.route.network_s == rtt
-        # the site chooser weighed the same two numbers for this site (its RTT: the fleet file's)
+        # the site chooser weighed the same two numbers for this site: its score counts the round
+        # trip the report adds (the measured one where the gateway measured one)
         row = next(c for c in choice.site.candidates if c.name == "far")
         assert row.detail["predicted_ttft_s"] == pytest.approx(engine, rel=1e-12)
-        if probe_far_ms is None:
-            assert choice.route.predicted_ttft_s == pytest.approx(row.detail["predicted_ttft_s"] + row.detail["rtt_s"],
-                                                                  rel=1e-12)
+        assert row.detail["rtt_s"] == rtt
+        assert choice.route.predicted_ttft_s == pytest.approx(row.detail["predicted_ttft_s"] + row.detail["rtt_s"],
+                                                              rel=1e-12)
         # the first-byte deadline runs from dispatch, so it holds one round trip too
         assert first_byte_deadline_s(0.0, 3.0, choice.route.predicted_ttft_s) == pytest.approx(3.0 * (engine + rtt))
 
@@ -287,3 +288,29 @@ async def test_live_gateway_reports_and_unlearns_a_remote_sites_round_trip() -> 
         ttft_near = router.predict(probe, [relay.state.snapshot(near)], now)
         assert ttft_far is not None and ttft_near is not None
         assert abs(ttft_far[0] - ttft_near[0]) < 0.3 * FAR_RTT_MS / 1000, (ttft_far, ttft_near)
+
+
+def test_spill_ranks_sites_by_the_round_trip_the_gateway_measured() -> None:
+    """Home overloaded, two idle sites to spill to: the fleet file says "b" is the nearer, the
+    gateway's probes say "c" is (b's path is slow today). The spill goes where the request pays
+    less, by the measured round trip, the one its reported TTFT will carry; with nothing measured,
+    by the fleet file's."""
+    def inst(iid: str, site: str, waiting: int = 0) -> InstanceSnapshot:
+        return InstanceSnapshot(iid, site, MODEL, "v1", f"http://{iid}", num_waiting=waiting, inflight=waiting)
+
+    def view(probes: dict[str, float]) -> FleetView:
+        rtts = {"h": 1.0, "b": 20.0, "c": 60.0}
+        return FleetView(tuple(
+            SiteSnapshot(name, "us-east", "us", {"us-east": rtts[name]},
+                         (inst(f"{name}0", name, waiting=400 if name == "h" else 0),),
+                         **({"probe_rtt_ms": probes[name]} if name in probes else {}))
+            for name in ("h", "b", "c")))
+
+    prior = prior_from_physics(MODEL, "H100", 1)
+    profile = RequestProfile("r", MODEL, 2000, stream=True, client_region="us-east")
+    for probes, expected in (({}, "b"), ({"h": 1.0, "b": 180.0, "c": 15.0}, "c")):
+        router = TokenPilot({i: prior for i in ("h0", "b0", "c0")})
+        choice = place(profile, view(probes), 0.0, _chooser(router), router)
+        assert choice.site.site == expected, choice.site.reason
+        assert choice.route is not None and choice.route.network_s == pytest.approx(
+            probes.get(expected, {"b": 20.0, "c": 60.0}[expected]) / 1000)
