@@ -270,13 +270,16 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
 ENGINE_HISTOGRAMS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
                      "vllm:time_to_first_token_seconds")
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# The sim worker's own (since i19-arrive): its steps, and the wall seconds they went out late (its loop
+# behind the engine's schedule on a busy host: time in TTFTs that no model of the engine predicts).
+WORKER_COUNTERS = ("tokenfleet_sim:steps_total", "tokenfleet_sim:step_late_seconds_total")
 METRICS_POLL_S = 0.25
 
 
 def engine_metrics(text: str) -> dict[str, float]:
     """The gauges, and each histogram's _sum and _count, summed over label sets, from Prometheus text."""
     got: dict[str, float] = {}
-    wanted = ENGINE_GAUGES + tuple(f"{h}_{x}" for h in ENGINE_HISTOGRAMS for x in ("sum", "count"))
+    wanted = ENGINE_GAUGES + WORKER_COUNTERS + tuple(f"{h}_{x}" for h in ENGINE_HISTOGRAMS for x in ("sum", "count"))
     for line in text.splitlines():
         if line.startswith(wanted):
             name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -386,7 +389,8 @@ class Probe:
             -1, len(PROBE_COLUMNS))
 
     def engine_means(self, since_wall: float) -> dict[str, float]:
-        """Each engine histogram's mean over the requests it recorded from `since_wall` to the end (s)."""
+        """Each engine histogram's mean over the requests it recorded from `since_wall` to the end (s), and
+        the sim workers' mean lateness a step (`late_per_step`, wall s: a first token goes out that late)."""
         if not self.timeline:
             return {}
         first = next((v for t, v in self.timeline if t >= since_wall), self.timeline[-1][1])
@@ -395,6 +399,8 @@ class Probe:
         for h in ENGINE_HISTOGRAMS:
             n = last.get(f"{h}_count", 0.0) - first.get(f"{h}_count", 0.0)
             means[h] = (last.get(f"{h}_sum", 0.0) - first.get(f"{h}_sum", 0.0)) / n if n > 0 else math.nan
+        steps, late = (last.get(c, math.nan) - first.get(c, math.nan) for c in WORKER_COUNTERS)
+        means["late_per_step"] = late / steps if steps > 0 else math.nan  # wall s (NaN: a worker without them)
         return means
 
 
@@ -440,7 +446,8 @@ def probe_report(mode: str, model: str, probe: Probe, parts: int = 5) -> list[st
                  f"(its histograms): queue {1e3 * eng.get(ENGINE_HISTOGRAMS[0], math.nan):.0f} + prefill "
                  f"{1e3 * eng.get(ENGINE_HISTOGRAMS[1], math.nan):.0f}, TTFT {1e3 * eng.get(ENGINE_HISTOGRAMS[2], math.nan):.0f} ms; "
                  f"factors at the end: fixed {h[-1, col['overhead_f']]:.3g}, per token {h[-1, col['token_f']]:.3g}, "
-                 f"prefill {h[-1, col['prefill_f']]:.3g}, per step {1e3 * h[-1, col['step_add']]:.1f} ms")
+                 f"prefill {h[-1, col['prefill_f']]:.3g}, per step {1e3 * h[-1, col['step_add']]:.1f} ms; the workers' "
+                 f"steps went out {1e3 * eng.get('late_per_step', math.nan):.2f} ms late on average (wall)")
     return lines
 
 
