@@ -1,7 +1,7 @@
 """How well TokenPilot predicts TTFT and TPOT: its predictions at each decision against what the request got.
 
     .venv/bin/python bench/latency_error.py TRACE [--fleet FILE] [--rate-scale X] [--max-requests N]
-        [--admission fcfs|slomax] [--placement fleetmind|home]
+        [--admission fcfs|slomax] [--placement fleetmind|home] [--live-shape RATE]
 
 Runs TokenPilot in the simulator (virtual time; the learned model is refitted there as the
 gateway's background task would, every `LearnedLatency.refit_every` outcomes) and prints the
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # learned TPOT; the hold; then what the request got
     rows = [(x.detail["prior_ttft_s"], x.detail.get("forward_ttft_s", float("nan")), x.detail["predicted_ttft_s"],
              x.detail["prior_tpot_s"], x.detail["tpot_s"], x.held, x.outcome.ttft_s, x.outcome.mean_tpot_s,
-             x.detail.get("reported_ttft_s", float("nan")), network(x))
+             x.detail.get("reported_ttft_s", float("nan")), network(x), float(x.outcome.prompt_tokens))
             for x in router.rows
             if x.outcome.ok and x.outcome.ttft_s and x.outcome.mean_tpot_s and x.outcome.output_tokens > 1]
     r = np.array(rows)
@@ -99,6 +99,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                       (10, 50, 90))
     print(f"observed / reported TTFT after dispatch and network (second half): P10 {q[0]:.2f}, median {q[1]:.2f}, "
           f"P90 {q[2]:.2f}")
+    # What the hold alone costs a report that leaves it out (the response header before i19-arrive, which
+    # reported the prediction from the dispatch; since, the hold is in it, `RouteDecision.ttft_from_arrival_s`,
+    # as in the "TTFT" columns above): the second half's reported TTFT with and without the hold against
+    # the TTFT from arrival, and the median of the hold.
+    wm, w90 = errors(r[half, 8], ttft[half])
+    hm, h90 = errors(held[half] + r[half, 8], ttft[half])
+    print(f"reported TTFT against the TTFT from arrival (second half): without the hold {wm:.0f}% / {w90:.0f}%, "
+          f"with it {hm:.0f}% / {h90:.0f}% (median / P90); held {100 * np.mean(held[half] > 0):.0f}% of requests, "
+          f"median {1e3 * np.median(held[half]):.1f} ms, P90 {1e3 * np.percentile(held[half], 90):.1f} ms")
+    # By prompt length (fifths of the second half): the median reported / observed TTFT after dispatch and
+    # network (the prediction's own shape), and from arrival without the hold (what the old header gave).
+    prompt = r[half, 10]
+    edges = np.quantile(prompt, np.linspace(0, 1, 6))
+    which = np.clip(np.searchsorted(edges, prompt, side="right") - 1, 0, 4)
+    engine_obs = np.maximum(ttft[half] - held[half] - net[half], 1e-6)
+    fifths = [(f"{edges[q]:.0f}-{edges[q + 1]:.0f}", np.median(reported_engine[which == q] / engine_obs[which == q]),
+               np.median(r[half, 8][which == q] / ttft[half][which == q])) for q in range(5) if np.any(which == q)]
+    print("reported / observed by prompt fifth (second half), after dispatch: "
+          + ", ".join(f"{e} {a:.2f}" for e, a, _ in fifths)
+          + "; from arrival, the hold left out: " + ", ".join(f"{b:.2f}" for _, _, b in fifths))
     return 0
 
 

@@ -82,9 +82,11 @@ MODES = ("process", "embedded")
 # Columns of a run's rows: predicted TTFT, the client's, the gateway's; predicted TPOT, the
 # client's, the gateway's (s); the prompt's tokens as the gateway counted them; the time from the
 # client's send to the router's decision (s, both on the wall clock: the HTTP request, the
-# gateway's parsing, tokenizing and admission; the prediction is of the TTFT after it).
-P_TTFT, C_TTFT, G_TTFT, P_TPOT, C_TPOT, G_TPOT, PROMPT, PRE = range(8)
-NAN5 = (math.nan,) * 5
+# gateway's parsing, tokenizing and admission); the part of the predicted TTFT that is the time the
+# gateway had held the request at the decision (s: since i19-arrive the header is the TTFT from the
+# gateway's arrival, that hold plus the prediction from the dispatch; 0 before, when it held none).
+P_TTFT, C_TTFT, G_TTFT, P_TPOT, C_TPOT, G_TPOT, PROMPT, PRE, HELD = range(9)
+NAN6 = (math.nan,) * 6
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,8 @@ class Sent:
 
 
 # What the gateway saw of a request: its TTFT, the decision's predicted TPOT, its mean TPOT (s),
-# the prompt's tokens, the decision's wall-clock time.
-Seen = tuple[float, float, float, float, float]
+# the prompt's tokens, the decision's wall-clock time, the hold in its predicted TTFT (s, HELD above).
+Seen = tuple[float, float, float, float, float, float]
 
 
 async def one(s: aiohttp.ClientSession, url: str, model: str, prompt: str, out: int) -> Sent | None:
@@ -203,9 +205,9 @@ def joined(sent: Sequence[Sent | None], seen: dict[str, Seen]) -> list[tuple[flo
     for c in sent:
         if c is None:
             continue
-        gw_ttft, pred_tpot, gw_tpot, prompt_tokens, decided_at = seen.get(c.request_id, NAN5)
+        gw_ttft, pred_tpot, gw_tpot, prompt_tokens, decided_at, held = seen.get(c.request_id, NAN6)
         rows.append((c.predicted_ttft_s, c.ttft_s, gw_ttft, pred_tpot, c.tpot_s, gw_tpot, prompt_tokens,
-                     decided_at - c.sent_at))
+                     decided_at - c.sent_at, held))
     return rows
 
 
@@ -220,9 +222,11 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
         router = f.app.state.tokenfleet.relay.router
         if model == "prior":
             router.latency = LearnedLatency(min_samples=10**9)
-        decided: dict[str, tuple[float, float]] = {}  # the chosen instance's predicted TPOT, when (wall)
+        decided: dict[str, tuple[float, float, float]] = {}  # the chosen one's predicted TPOT, when (wall), held
         seen: dict[str, Seen] = {}  # what the gateway saw, per request id
         route, observe = router.route, router.observe
+        # (the header holds the time held before the decision since i19-arrive; a checkout before it: 0)
+        header_holds = hasattr(RouteDecision, "ttft_from_arrival_s")
         if probe is not None:
             probe.attach(router)
 
@@ -230,7 +234,8 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
             d = route(profile, candidates, now)
             chosen = next((c for c in d.candidates if c.name == d.instance_id), None)
             if chosen is not None:
-                decided[profile.request_id] = (chosen.detail["tpot_s"], time.time())
+                held = max(0.0, now - profile.arrival) if header_holds and profile.arrival > 0 else 0.0
+                decided[profile.request_id] = (chosen.detail["tpot_s"], time.time(), held)
             if probe is not None:
                 probe.decided(router, profile, candidates, d, now)
             return d
@@ -239,10 +244,10 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
             if probe is not None:
                 probe.observed(outcome)
             if outcome.ttft_s is not None:
-                tpot, at = decided.pop(outcome.request_id, (math.nan, math.nan))
+                tpot, at, held = decided.pop(outcome.request_id, (math.nan, math.nan, math.nan))
                 seen[outcome.request_id] = (outcome.ttft_s, tpot,
                                             outcome.mean_tpot_s if outcome.mean_tpot_s is not None else math.nan,
-                                            float(outcome.prompt_tokens), at)
+                                            float(outcome.prompt_tokens), at, held)
             observe(outcome)
         router.route, router.observe = routed, watch  # type: ignore[method-assign]
         await all_ready(f.url, setup.instances())
@@ -265,13 +270,16 @@ async def run_embedded(setup: Setup, model: str, work: Sequence[tuple[str, int]]
 ENGINE_HISTOGRAMS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
                      "vllm:time_to_first_token_seconds")
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# The sim worker's own (since i19-arrive): its steps, and the wall seconds they went out late (its loop
+# behind the engine's schedule on a busy host: time in TTFTs that no model of the engine predicts).
+WORKER_COUNTERS = ("tokenfleet_sim:steps_total", "tokenfleet_sim:step_late_seconds_total")
 METRICS_POLL_S = 0.25
 
 
 def engine_metrics(text: str) -> dict[str, float]:
     """The gauges, and each histogram's _sum and _count, summed over label sets, from Prometheus text."""
     got: dict[str, float] = {}
-    wanted = ENGINE_GAUGES + tuple(f"{h}_{x}" for h in ENGINE_HISTOGRAMS for x in ("sum", "count"))
+    wanted = ENGINE_GAUGES + WORKER_COUNTERS + tuple(f"{h}_{x}" for h in ENGINE_HISTOGRAMS for x in ("sum", "count"))
     for line in text.splitlines():
         if line.startswith(wanted):
             name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -381,7 +389,8 @@ class Probe:
             -1, len(PROBE_COLUMNS))
 
     def engine_means(self, since_wall: float) -> dict[str, float]:
-        """Each engine histogram's mean over the requests it recorded from `since_wall` to the end (s)."""
+        """Each engine histogram's mean over the requests it recorded from `since_wall` to the end (s), and
+        the sim workers' mean lateness a step (`late_per_step`, wall s: a first token goes out that late)."""
         if not self.timeline:
             return {}
         first = next((v for t, v in self.timeline if t >= since_wall), self.timeline[-1][1])
@@ -390,6 +399,8 @@ class Probe:
         for h in ENGINE_HISTOGRAMS:
             n = last.get(f"{h}_count", 0.0) - first.get(f"{h}_count", 0.0)
             means[h] = (last.get(f"{h}_sum", 0.0) - first.get(f"{h}_sum", 0.0)) / n if n > 0 else math.nan
+        steps, late = (last.get(c, math.nan) - first.get(c, math.nan) for c in WORKER_COUNTERS)
+        means["late_per_step"] = late / steps if steps > 0 else math.nan  # wall s (NaN: a worker without them)
         return means
 
 
@@ -435,7 +446,8 @@ def probe_report(mode: str, model: str, probe: Probe, parts: int = 5) -> list[st
                  f"(its histograms): queue {1e3 * eng.get(ENGINE_HISTOGRAMS[0], math.nan):.0f} + prefill "
                  f"{1e3 * eng.get(ENGINE_HISTOGRAMS[1], math.nan):.0f}, TTFT {1e3 * eng.get(ENGINE_HISTOGRAMS[2], math.nan):.0f} ms; "
                  f"factors at the end: fixed {h[-1, col['overhead_f']]:.3g}, per token {h[-1, col['token_f']]:.3g}, "
-                 f"prefill {h[-1, col['prefill_f']]:.3g}, per step {1e3 * h[-1, col['step_add']]:.1f} ms")
+                 f"prefill {h[-1, col['prefill_f']]:.3g}, per step {1e3 * h[-1, col['step_add']]:.1f} ms; the workers' "
+                 f"steps went out {1e3 * eng.get('late_per_step', math.nan):.2f} ms late on average (wall)")
     return lines
 
 
@@ -456,7 +468,7 @@ def process_fleet(setup: Setup, model: str) -> dict[str, Any]:
 
 def access_records(log_text: str) -> dict[str, Seen]:
     """The gateway's TTFT, mean TPOT and prompt tokens per request id, from its JSON access log
-    (the predicted TPOT and the decision's time left NaN: the decision log carries them)."""
+    (the predicted TPOT, the decision's time and the hold left NaN: the decision log carries them)."""
     seen: dict[str, Seen] = {}
     for line in log_text.splitlines():
         if not line.startswith("{"):
@@ -469,21 +481,23 @@ def access_records(log_text: str) -> dict[str, Seen]:
             continue
         tpot = rec.get("tpot_ms")
         seen[rec["request_id"]] = (rec["ttft_ms"] / 1000, math.nan, tpot / 1000 if tpot is not None else math.nan,
-                                   float(rec.get("tokens_in") or math.nan), math.nan)
+                                   float(rec.get("tokens_in") or math.nan), math.nan, math.nan)
     return seen
 
 
-def decisions_seen(decisions: Sequence[dict[str, Any]], into: dict[str, tuple[float, float]]) -> None:
-    """The chosen instance's predicted TPOT and the decision's wall-clock time per request id,
-    from /debug/decisions' entries (a request's later decision, e.g. a retry's, overrides its
-    earlier one)."""
+def decisions_seen(decisions: Sequence[dict[str, Any]], into: dict[str, tuple[float, float, float]]) -> None:
+    """The chosen instance's predicted TPOT, the decision's wall-clock time and the time the gateway
+    had held the request (`held_s`, in the header's TTFT since i19-arrive; 0 where the log has none:
+    before it, when the header held none) per request id, from /debug/decisions' entries (a request's
+    later decision, e.g. a retry's, overrides its earlier one)."""
     for d in decisions:
         chosen = next((c for c in d.get("candidates", ()) if c.get("name") == d.get("instance")), None)
         if chosen is not None and "tpot_s" in chosen.get("detail", {}):
-            into[d["request_id"]] = (float(chosen["detail"]["tpot_s"]), float(d["time"]))
+            into[d["request_id"]] = (float(chosen["detail"]["tpot_s"]), float(d["time"]), float(d.get("held_s", 0.0)))
 
 
-async def poll_decisions(url: str, limit: int, into: dict[str, tuple[float, float]], stop: asyncio.Event) -> None:
+async def poll_decisions(url: str, limit: int, into: dict[str, tuple[float, float, float]],
+                         stop: asyncio.Event) -> None:
     """Read /debug/decisions every DECISIONS_POLL_S until `stop`, once more after it."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
         while True:
@@ -514,7 +528,7 @@ async def run_process(setup: Setup, model: str, work: Sequence[tuple[str, int]],
                                              name=f"gateway-{model}", args=("--log-level", "info", "--log-format",
                                                                             "json"), timeout_s=900)
         url = gw.url.removesuffix("/v1")
-        decided: dict[str, tuple[float, float]] = {}
+        decided: dict[str, tuple[float, float, float]] = {}
         stop = asyncio.Event()
         # Enough of the log's last entries to span two polls at this rate; at most what it keeps.
         poller = asyncio.create_task(poll_decisions(url, min(256, int(2 * rate * DECISIONS_POLL_S) + 16), decided, stop))
@@ -528,9 +542,9 @@ async def run_process(setup: Setup, model: str, work: Sequence[tuple[str, int]],
             procs.stop(gw, grace_s=60)  # it stops its engines first (vLLM's take a while)
         procs.stop_all()
     seen: dict[str, Seen] = {}
-    for rid, (ttft, _, tpot, prompt_tokens, _) in access_records(gw.log.read_text(errors="replace")).items():
-        pred_tpot, at = decided.get(rid, (math.nan, math.nan))
-        seen[rid] = (ttft, pred_tpot, tpot, prompt_tokens, at)
+    for rid, (ttft, _, tpot, prompt_tokens, _, _) in access_records(gw.log.read_text(errors="replace")).items():
+        pred_tpot, at, held = decided.get(rid, (math.nan, math.nan, math.nan))
+        seen[rid] = (ttft, pred_tpot, tpot, prompt_tokens, at, held)
     return sent, seen
 
 
@@ -574,8 +588,9 @@ def bias(mode: str, model: str, got: np.ndarray) -> str:
     predicted to observed, their correlation, what is left after the best constant shift (the
     median of observed - predicted) and the best constant scale (the median ratio), the ratio
     for the shorter and the longer half of the prompts (a fixed cost the prediction leaves out
-    shows as a higher ratio for long prompts than for short ones), and the error against the
-    client's TTFT from the decision on (the span the prediction is of), with the time before it."""
+    shows as a higher ratio for long prompts than for short ones), and the error of the prediction
+    from the dispatch (the header less the hold in it, HELD) against the client's TTFT from the
+    decision on (the span that prediction is of), with the time before it and the hold."""
     half = got[len(got) // 2:]
     ok = np.isfinite(half[:, P_TTFT]) & np.isfinite(half[:, G_TTFT]) & (half[:, G_TTFT] > 0)
     h = half[ok]
@@ -588,18 +603,21 @@ def bias(mode: str, model: str, got: np.ndarray) -> str:
     corr = float(np.corrcoef(p, o)[0, 1])
     long = h[:, PROMPT] > np.median(h[:, PROMPT])
     short_ratio, long_ratio = (float(np.median(p[m] / o[m])) if m.any() else math.nan for m in (~long, long))
-    after = errors(p, h[:, C_TTFT] - h[:, PRE])
+    after = errors(p - np.nan_to_num(h[:, HELD]), h[:, C_TTFT] - h[:, PRE])
     pre = 1000 * float(np.nanmedian(h[:, PRE]))
+    held = 1000 * np.nan_to_num(h[:, HELD])
     return (f"| {mode} | {model} | {ratio:.2f} | {corr:.2f} | {1000 * shift:+.1f} | {_q(e_shift, 50):.0f}% "
             f"| {_q(e_shift, 90):.0f}% | {_q(e_scale, 50):.0f}% | {_q(e_scale, 90):.0f}% | {short_ratio:.2f} "
-            f"| {long_ratio:.2f} | {pre:.1f} | {_q(after, 50):.0f}% | {_q(after, 90):.0f}% |")
+            f"| {long_ratio:.2f} | {pre:.1f} | {np.median(held):.1f} / {_q(held, 90):.1f} | {_q(after, 50):.0f}% "
+            f"| {_q(after, 90):.0f}% |")
 
 
 BIAS_HEADER = (
     "| gateway | model | median predicted / gateway's TTFT | correlation | best shift ms | after shift: median err "
     "| P90 | after scale: median err | P90 | ratio, shorter half of prompts | longer half "
-    "| send to decision median ms | vs client's TTFT from the decision: median err | P90 |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    "| send to decision median ms | held in the header: median / P90 ms "
+    "| from the dispatch vs client's TTFT from the decision: median err | P90 |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
 
 
 def by_length(mode: str, model: str, got: np.ndarray, parts: int = 5) -> list[str]:
@@ -695,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Path(f"{a.probe}.{model}.json").write_text(json.dumps(
                     {"columns": PROBE_COLUMNS, "rows": probe.table().tolist(), "timeline": probe.timeline}))
                 probes.append((mode, model, probe))
-            got = np.array(joined(sent, seen), dtype=float).reshape(-1, PRE + 1)
+            got = np.array(joined(sent, seen), dtype=float).reshape(-1, HELD + 1)
             if a.save:
                 np.save(f"{a.save}.{mode}.{model}.npy", got)
             results.append((mode, model, got, len(sent), (before, os.getloadavg()[0])))

@@ -93,7 +93,7 @@ class _ReportingSimulator(FleetSimulator):
 
 def arguments(doc: str, argv: Sequence[str] | None) -> argparse.Namespace:
     """TRACE [--fleet FILE] [--rate-scale X] [--max-requests N] [--admission fcfs|slomax]
-    [--placement fleetmind|home]."""
+    [--placement fleetmind|home] [--live-shape RATE]."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("trace")
     p.add_argument("--fleet", default=str(DEFAULT_SIM_FLEET))
@@ -101,7 +101,30 @@ def arguments(doc: str, argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--admission", default="fcfs")
     p.add_argument("--placement", default="fleetmind", help="fleetmind (as `tokenfleet simulate`) or home")
+    p.add_argument("--live-shape", type=float, default=None, metavar="RATE",
+                   help="the workload of bench/latency_live.py's sim setup in virtual time: the trace's lengths "
+                        "clipped as there, fresh text per request (nothing cached), arrivals evenly spaced at "
+                        "RATE per second (--rate-scale then unused; with bench/fleet_noisy_sim.yaml, RATE = the "
+                        "live rate x 0.25, the live workers' time_scale)")
     return p.parse_args(argv)
+
+
+def live_shaped(trace: str, n: int, rate: float) -> list[Any]:
+    """bench/latency_live.py's sim workload as trace rows: its first `n` requests' lengths clipped to
+    the live setup's ranges, each prompt its own blocks (the live text is fresh per request), one
+    arrival every 1 / `rate` seconds (its open-loop client)."""
+    from bench.latency_live import sim_setup
+    from workloads import head, load_trace
+    from workloads.trace import TraceRequest
+
+    setup = sim_setup()
+    (lo, hi), (out_lo, out_hi) = setup.prompt_range, setup.output_range
+    rows = []
+    for i, r in enumerate(head(load_trace(trace), n).requests):
+        tokens = min(max(r.input_length, lo), hi)
+        ids = tuple(range(10**9 + 100 * i, 10**9 + 100 * i + (tokens + 511) // 512))
+        rows.append(TraceRequest(1000 * i / rate, tokens, max(out_lo, min(r.output_length, out_hi)), ids))
+    return rows
 
 
 def run_recorded(a: argparse.Namespace) -> Recorder:
@@ -112,10 +135,13 @@ def run_recorded(a: argparse.Namespace) -> Recorder:
     from workloads import head, load_trace, scale_rate
 
     fleet = load_fleet_file(Path(a.fleet))
-    wl = load_trace(a.trace)
-    if a.max_requests:
-        wl = head(wl, a.max_requests)
-    inputs = prepare(scale_rate(wl, a.rate_scale).requests, fleet, hash_cache=HashCache())
+    if getattr(a, "live_shape", None):
+        inputs = prepare(live_shaped(a.trace, a.max_requests or 1200, a.live_shape), fleet, hash_cache=HashCache())
+    else:
+        wl = load_trace(a.trace)
+        if a.max_requests:
+            wl = head(wl, a.max_requests)
+        inputs = prepare(scale_rate(wl, a.rate_scale).requests, fleet, hash_cache=HashCache())
     router = Recorder(seed=0)
     for spec in fleet_instances(fleet):  # as fleetsim.cli.make_policy registers them
         router.register_instance(spec.instance_id, spec_prior(spec))

@@ -38,6 +38,12 @@ class RequestProfile:
     arrival: float = 0.0
     deadline: float | None = None
 
+    def held_s(self, now: float) -> float:
+        """Seconds between its arrival at the gateway and `now` (0 where the arrival is not known):
+        at a dispatch, what admission held it (and the gateway's own parsing took) before it, part of
+        the TTFT the client sees, no engine's time."""
+        return max(0.0, now - self.arrival) if self.arrival > 0 else 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class InstanceSnapshot:
@@ -124,6 +130,18 @@ class RouteDecision:
     # The round trip to the instance's site inside `predicted_ttft_s`: 0 from a router (its
     # prediction is of one instance's engine time); `fleetmind.place` adds the site's and says so here.
     network_s: float = 0.0
+    # What the request had waited at the gateway when it was placed (`RequestProfile.held_s`: admission's
+    # hold, parsing), set by `fleetmind.place`. Not in `predicted_ttft_s`, which is from the dispatch on
+    # (what the first-byte deadline and the hedge's delay count from); in `ttft_from_arrival_s`.
+    held_s: float = 0.0
+
+    @property
+    def ttft_from_arrival_s(self) -> float | None:
+        """The TTFT the client sees from the request's arrival at the gateway: the time already held
+        (known at the decision) plus the prediction from the dispatch on. What the response reports
+        (`x-tokenfleet-predicted-ttft-ms`): leaving the hold out under-predicted every held request
+        by all of it (live at 40/s, most of the error: bench/ROUTING.md, "i19-arrive")."""
+        return None if self.predicted_ttft_s is None else self.held_s + self.predicted_ttft_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,15 @@ Within a try the site chooser and the router see the same exclusions: the choose
 site that still has a candidate, the router picks from that site's ready pool less them. A
 router answer outside that pool counts as no instance. Pure: no I/O, no clock.
 
-The TTFT a choice reports (`route.predicted_ttft_s`: the response header, the first-byte deadline,
-the hedge's delay, the decision log) is the one the client sees from the gateway: the router's
+The TTFT a choice predicts from its dispatch (`route.predicted_ttft_s`: the first-byte deadline, the
+hedge's delay, the decision log) is the one the client sees from the gateway's dispatch: the router's
 (one instance's engine time from dispatch, `TokenPilot`'s forward TTFT) plus the round trip to the
 chosen site (`network_rtt_s`), added here and only here (`route.network_s` says how much), for the
 gateway and the simulator alike. The router's own number stays per instance: it is what it learns
-against (the outcome's TTFT less `RequestOutcome.network_s`).
+against (the outcome's TTFT less `RequestOutcome.network_s`). The time the request already waited at
+the gateway (`route.held_s`: admission's hold, parsing) is set here too, beside it and not in it: those
+deadlines count from the dispatch, while what the response header reports is the TTFT from the
+arrival, the two together (`RouteDecision.ttft_from_arrival_s`).
 """
 
 from __future__ import annotations
@@ -83,8 +86,10 @@ def _try(profile: RequestProfile, view: FleetView, now: float, chooser: SiteChoo
         if route.instance_id is not None else None
     if chosen is not None and route.predicted_ttft_s is not None:
         rtt = network_rtt_s(snap, profile.client_region)
-        if rtt > 0.0:
-            route = replace(route, predicted_ttft_s=route.predicted_ttft_s + rtt, network_s=route.network_s + rtt)
+        held = profile.held_s(now)
+        if rtt > 0.0 or held > 0.0:
+            route = replace(route, predicted_ttft_s=route.predicted_ttft_s + rtt, network_s=route.network_s + rtt,
+                            held_s=held)
     return Choice(site, route, chosen, excluded)
 
 

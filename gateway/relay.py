@@ -159,6 +159,7 @@ def _format_decision(at: float, profile: RequestProfile, attempt: int, excluded:
         "candidates": _candidates(route.candidates) if route else [],
         "predicted_ttft_s": route.predicted_ttft_s if route else None,
         "network_s": route.network_s if route else 0.0,  # the round trip to the site in that TTFT
+        "held_s": route.held_s if route else 0.0,  # waited before the decision: not in it, in the header's
         "cached_tokens_estimate": route.cached_tokens if route else 0,
     }
 
@@ -379,10 +380,12 @@ class Dispatch:
             h["x-tokenfleet-worker"] = self.relay.worker
         route = self.target.route
         if route is not None:
-            # The router's prediction, so operators can compare it with what they saw.
+            # The router's prediction, so operators can compare it with what they saw: the TTFT from
+            # the request's arrival here (the time it already waited, then the prediction from dispatch).
             h["x-tokenfleet-cached-tokens"] = str(route.cached_tokens)
-            if route.predicted_ttft_s is not None:
-                h["x-tokenfleet-predicted-ttft-ms"] = f"{route.predicted_ttft_s * 1000:.1f}"
+            ttft = route.ttft_from_arrival_s
+            if ttft is not None:
+                h["x-tokenfleet-predicted-ttft-ms"] = f"{ttft * 1000:.1f}"
         return h
 
 

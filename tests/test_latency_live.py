@@ -30,21 +30,24 @@ def test_access_records_reads_the_gateway_json_access_lines_only() -> None:
     seen = ll.access_records("\n".join(lines))
     assert set(seen) == {"a", "b"}
     assert seen["a"][0] == 0.0125 and math.isnan(seen["a"][1]) and seen["a"][2] == 0.004 and seen["a"][3] == 300
-    assert math.isnan(seen["a"][4])  # the decision's time: from the decision log
+    assert math.isnan(seen["a"][4]) and math.isnan(seen["a"][5])  # the decision's time, the hold: from the decision log
     assert seen["b"][0] == 0.03 and math.isnan(seen["b"][2])
 
 
 def test_decisions_seen_takes_the_chosen_instance_and_the_latest_decision() -> None:
-    def decision(rid: str, chosen: str, tpots: dict[str, float], at: float = 1.0) -> dict[str, object]:
+    def decision(rid: str, chosen: str, tpots: dict[str, float], at: float = 1.0,
+                 held: float | None = None) -> dict[str, object]:
         return {"request_id": rid, "instance": chosen, "time": at,
-                "candidates": [{"name": n, "score": 0.0, "detail": {"tpot_s": t}} for n, t in tpots.items()]}
+                "candidates": [{"name": n, "score": 0.0, "detail": {"tpot_s": t}} for n, t in tpots.items()],
+                **({} if held is None else {"held_s": held})}
 
-    into: dict[str, tuple[float, float]] = {}
+    into: dict[str, tuple[float, float, float]] = {}
     ll.decisions_seen([decision("a", "i1", {"i0": 0.01, "i1": 0.02}),
-                       decision("b", "i1", {"i0": 0.03, "i1": 0.04}),
+                       decision("b", "i1", {"i0": 0.03, "i1": 0.04}, held=0.25),
                        {"request_id": "c", "instance": None, "time": 1.0, "candidates": []}], into)
     ll.decisions_seen([decision("a", "i0", {"i0": 0.05, "i1": 0.06}, 2.0)], into)  # a's retry, in a later poll
-    assert into == {"a": (0.05, 2.0), "b": (0.04, 1.0)}
+    # (a log without `held_s`: a gateway before i19-arrive, whose header held no hold)
+    assert into == {"a": (0.05, 2.0, 0.0), "b": (0.04, 1.0, 0.25)}
 
 
 def test_process_fleet_turns_the_learned_model_off_for_prior_only() -> None:
@@ -68,7 +71,7 @@ def test_process_mode_has_the_gateway_record_of_every_request(tmp_path: Path) ->
     """`tokenfleet up` over the sim fleet in its own process: every answered request has the
     gateway's TTFT (access log) and predicted TPOT (decision log), and the gateway's TTFT lies
     inside the client's (its arrival is after the client's send, its first token before the
-    client reads it), the decision between the client's send and its first token."""
+    client reads it), the decision between the client's send and its first token, the hold before it inside that."""
     setup = ll.sim_setup()
     work = ll.prompts(setup, 24, 0)
     sent, seen = asyncio.run(ll.run_process(setup, "prior", work, 20.0, tmp_path))
@@ -78,6 +81,9 @@ def test_process_mode_has_the_gateway_record_of_every_request(tmp_path: Path) ->
     assert (rows[:, ll.G_TTFT] > 0).all() and (rows[:, ll.G_TTFT] <= rows[:, ll.C_TTFT]).all()
     assert (rows[:, ll.PROMPT] > 0).all()
     assert (rows[:, ll.PRE] > 0).all() and (rows[:, ll.PRE] < rows[:, ll.C_TTFT]).all()
+    # the header's hold (the decision log's `held_s`): the gateway's part of the client's send-to-decision
+    # (two clocks: the gateway's loop clock, the wall clock; a millisecond of slack)
+    assert (rows[:, ll.HELD] > 0).all() and (rows[:, ll.HELD] <= rows[:, ll.PRE] + 1e-3).all()
 
 
 def test_the_probe_reads_vllm_gauges_and_histogram_sums_and_means_from_a_time_on() -> None:

@@ -291,6 +291,34 @@ async def test_kv_subscriber_drops_oldest_with_gap_flag() -> None:
         await driver.stop()
 
 
+async def test_a_step_delivered_late_is_counted_in_wall_seconds() -> None:
+    """The loop held 0.15 s while a step of a few ms runs (a host whose cores are busy): its tokens go
+    out ~0.14 s after the moment its engine time maps to, which the driver counts (`DriverStats.late_s`,
+    `late_max_s`) and /metrics exports, so a live benchmark can say how much of a TTFT was the host's."""
+    from engine_adapters.sim.metrics import SimMetrics
+
+    engine = SimEngine(EngineConfig(hardware.model("llama-3.1-8b"), hardware.gpu("H100"),
+                                    num_gpu_blocks_override=512))
+    driver = EngineDriver(engine, time_scale=1.0)  # real time: this step takes ~10 ms
+    driver.start()
+    try:
+        ids = encode(long_prompt(40, salt="late "))
+        stream = driver.submit("late", len(ids), block_hashes(ids, 16), 2)
+        await asyncio.sleep(0)  # the driver takes the step and sleeps until its end
+        time.sleep(0.15)  # noqa: ASYNC251  (the point: the loop is blocked past the step's end)
+        async for _ in stream:
+            pass
+    finally:
+        await driver.stop()
+    assert driver.stats.late_max_s >= 0.1, driver.stats
+    assert driver.stats.late_s >= driver.stats.late_max_s and driver.stats.steps >= 2
+    m = SimMetrics(MODEL, 16, 512)
+    m.refresh_driver(driver.stats)
+    text = m.render(engine).decode()
+    assert f'tokenfleet_sim:step_late_seconds_total{{model_name="{MODEL}"}} {driver.stats.late_s}' in text
+    assert f'tokenfleet_sim:steps_total{{model_name="{MODEL}"}} {float(driver.stats.steps)}' in text
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 

@@ -558,7 +558,7 @@ class TokenPilot(InstanceRouter):
         self._mean_compute += 0.02 * (compute_s - self._mean_compute)
         self.index.record_route_later(instance_id, profile.block_hashes, now)  # applied after dispatch
         self._inflight[rid] = _Inflight(k, profile.prompt_tokens, ttft, queue_s, tpot_s, features, forward_s,
-                                        _held(profile, now), forward_parts=forward_parts)
+                                        profile.held_s(now), forward_parts=forward_parts)
 
     def _first_token_tracked(self, k: int, profile: RequestProfile, prefill_s: float,
                              uncached: float) -> tuple[float, float, float, float, float, float]:
@@ -801,7 +801,7 @@ class TokenPilot(InstanceRouter):
         self.index.record_route(decode_on, profile.block_hashes, now)
         # Its TTFT spans two instances and a link: not evidence of either one's prefill speed.
         self._inflight[profile.request_id] = _Inflight(kd, profile.prompt_tokens, predicted_ttft_s, _SPLIT,
-                                                       tpot, features, predicted_ttft_s, _held(profile, now),
+                                                       tpot, features, predicted_ttft_s, profile.held_s(now),
                                                        (kp, prefill, uncached, duty, now))
 
     def prefill_withdrawn(self, profile: RequestProfile, priced: Priced, now: float) -> None:
@@ -886,11 +886,6 @@ class Priced:
     def compute(self) -> np.ndarray:
         return self.terms[8]
 
-
-
-def _held(profile: RequestProfile, now: float) -> float:
-    """Seconds between the request's arrival and its dispatch now (0 where the arrival is not known)."""
-    return max(0.0, now - profile.arrival) if profile.arrival > 0 else 0.0
 
 
 def _after_dispatch(ttft_s: float | None, held_s: float) -> float | None:

@@ -227,6 +227,11 @@ class DriverStats:
     resyncs: int = 0
     aborted: int = 0
     kv_batches: int = 0
+    # Wall seconds each step's tokens went out after the moment its engine time maps to (the loop
+    # woke late: a host whose cores are shared): summed, and the worst. Time in every TTFT and
+    # token gap of the step that no model of the engine can predict (bench/ROUTING.md, "i19-arrive").
+    late_s: float = 0.0
+    late_max_s: float = 0.0
 
 
 class EngineDriver:
@@ -428,6 +433,11 @@ class EngineDriver:
                 deadline = self._wall0 + end * self.time_scale
                 delay = deadline - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
+                late = loop.time() - deadline
+                if late > 0:
+                    self.stats.late_s += late
+                    if late > self.stats.late_max_s:
+                        self.stats.late_max_s = late
                 self._deliver(res.events, start, end)
                 self._publish_kv()
                 busy = True

@@ -39,6 +39,14 @@ class EngineCounters(Protocol):
     prefix_hits_tokens: int
 
 
+class DriverCounters(Protocol):
+    """What the metrics read from the driver at scrape time (`DriverStats`)."""
+
+    steps: int
+    late_s: float
+    late_max_s: float
+
+
 class SimMetrics:
     """The vLLM metric set; implements the driver's DriverObserver hooks."""
 
@@ -67,6 +75,13 @@ class SimMetrics:
                              buckets=REQUEST_BUCKETS, registry=r)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time in the waiting queue (engine s).", lbl,
                                buckets=REQUEST_BUCKETS, registry=r)
+        # Not vLLM's: how far the worker's loop fell behind the engine's schedule (`DriverStats`), in
+        # wall seconds: what a shared host adds to every step, which no model of the engine predicts.
+        self.steps = Counter("tokenfleet_sim:steps", "Engine steps run.", lbl, registry=r)
+        self.late = Counter("tokenfleet_sim:step_late_seconds", "Wall seconds steps were delivered after "
+                            "their engine time (the loop woke late).", lbl, registry=r)
+        self.late_max = Gauge("tokenfleet_sim:step_late_max_seconds", "The latest step delivery (wall s).", lbl,
+                              registry=r)
         cache_info = Gauge("vllm:cache_config_info", "Information of the KV cache config.",
                            ["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"], registry=r)
         cache_info.labels(block_size=str(block_size), num_gpu_blocks=str(num_gpu_blocks),
@@ -78,7 +93,7 @@ class SimMetrics:
         # (a scraper computing rates needs the series before the first request).
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
                        self.prefix_queries, self.prefix_hits, self.preemptions, self.ttft, self.itl,
-                       self.e2e, self.queue):
+                       self.e2e, self.queue, self.steps, self.late, self.late_max):
             metric.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
@@ -109,6 +124,12 @@ class SimMetrics:
         self._fold("pq", self.prefix_queries, engine.prefix_queries_tokens)
         self._fold("ph", self.prefix_hits, engine.prefix_hits_tokens)
         self._fold("pre", self.preemptions, engine.num_preemptions)
+
+    def refresh_driver(self, stats: DriverCounters) -> None:
+        """Fold the driver's step counts and lateness (`DriverStats`) in."""
+        self._fold("steps", self.steps, stats.steps)
+        self._fold("late", self.late, stats.late_s)
+        self.late_max.labels(self._m).set(stats.late_max_s)
 
     def _fold(self, key: str, counter: Counter, total: float) -> None:
         delta = total - self._seen.get(key, 0.0)

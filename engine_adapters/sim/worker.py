@@ -488,6 +488,7 @@ class SimWorker:
             "permission": []}]})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.metrics.refresh_driver(self.driver.stats)
         body = self.metrics.render(self.engine)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
