@@ -141,3 +141,54 @@ def test_a_chat_prompts_template_parts_are_kept() -> None:
                                        "\n\n hello there<|eot_id", "assistant<|end_header_id"}
     assert encode(text) == [token_id(p) for p in split_pieces(text)]  # from the kept parts
     tokens._PART_CACHE.clear()
+
+
+def _spaced(rng: random.Random) -> str:
+    """Prose-like text, single spaces between parts (what `_spaced_ids` reads part by part), with
+    what could break the cut next to a space: whitespace of every kind after it (and before it:
+    the texts read in one go), letter runs at 16/17, digit runs at 3/4, marks, non-Latin
+    letters, a lone surrogate, a space first or last, the chat template's markers."""
+    words = ["the", "fox,", "(see", "a.b", "x" * 16, "y" * 17, "123", "1234", "\u00e9t\u00e9", "\u4e2d",
+             "\U0001f600", "\ud800", "|>", "<|eot_id|>", "-", "it's", "\u0663\u0663\u0663\u0663"]
+    parts = []
+    for _ in range(rng.randrange(0, 60)):
+        w = rng.choice(words)
+        if rng.random() < 0.03:
+            w = rng.choice(_SPACES) + w
+        if rng.random() < 0.03:
+            w += rng.choice(_SPACES)
+        parts.append(w)
+    return " ".join(parts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_spaced_parts_cut_between_pieces(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`encode` reads text between its spaces part by part (`_CHUNK_CACHE`): the same ids as the
+    piece pattern over the whole text, on prose-like text with every kind of whitespace, long
+    runs and marks around the spaces, with the part cache small enough to fill and empty and
+    parts both longer and shorter than it keeps."""
+    rng = random.Random(3000 + seed)
+    monkeypatch.setattr(tokens, "CHUNK_CACHE_MAX", 16)
+    monkeypatch.setattr(tokens, "CHUNK_CACHE_CHARS", 5)
+    tokens._CHUNK_CACHE.clear()
+    texts = [_spaced(rng) for _ in range(400)]
+    texts += ["", " ", "  ", " a", "a ", "a  b", "a \nb", "a\n b", "a\u2000 b", "a \u2000b", "<|" + texts[0]]
+    read_in_parts = 0
+    for text in texts + texts[::-1]:
+        want = [token_id(p) for p in tokens._PIECE.findall(text)]
+        assert encode(text) == want, repr(text)
+        assert encode_upto(text, len(want)) == want
+        assert len(tokens._CHUNK_CACHE) <= 16 and all(len(k) <= 5 for k in tokens._CHUNK_CACHE)
+        read_in_parts += (tokens._WS_BEFORE_SPACE.search(text) is None and text.count(" ") > 0
+                          and (text.count(" ") + 1) * 8 >= len(text))
+    assert read_in_parts > 200  # (the path under test was taken)
+    tokens._CHUNK_CACHE.clear()
+
+
+def test_prose_parts_are_kept() -> None:
+    tokens._CHUNK_CACHE.clear()
+    text = "The fox, (quick) jumps over the dog."
+    assert encode(text) == [token_id(p) for p in split_pieces(text)]
+    assert set(tokens._CHUNK_CACHE) == {"fox,", "(quick)", "jumps", "over", "the", "dog."}
+    assert encode(text) == [token_id(p) for p in split_pieces(text)]  # from the kept parts
+    tokens._CHUNK_CACHE.clear()
