@@ -163,14 +163,14 @@ def _spaced(rng: random.Random) -> str:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_spaced_parts_cut_between_pieces(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`encode` reads text between its spaces part by part (`_CHUNK_CACHE`): the same ids as the
+    """`encode` reads text between its spaces part by part (`_WORD_IDS`, `_PART_IDS`): the same ids as the
     piece pattern over the whole text, on prose-like text with every kind of whitespace, long
     runs and marks around the spaces, with the part cache small enough to fill and empty and
     parts both longer and shorter than it keeps."""
     rng = random.Random(3000 + seed)
     monkeypatch.setattr(tokens, "CHUNK_CACHE_MAX", 16)
     monkeypatch.setattr(tokens, "CHUNK_CACHE_CHARS", 5)
-    tokens._CHUNK_CACHE.clear()
+    _clear_parts()
     texts = [_spaced(rng) for _ in range(400)]
     texts += ["", " ", "  ", " a", "a ", "a  b", "a \nb", "a\n b", "a\u2000 b", "a \u2000b", "<|" + texts[0]]
     read_in_parts = 0
@@ -178,17 +178,24 @@ def test_spaced_parts_cut_between_pieces(seed: int, monkeypatch: pytest.MonkeyPa
         want = [token_id(p) for p in tokens._PIECE.findall(text)]
         assert encode(text) == want, repr(text)
         assert encode_upto(text, len(want)) == want
-        assert len(tokens._CHUNK_CACHE) <= 16 and all(len(k) <= 5 for k in tokens._CHUNK_CACHE)
+        for kept in (tokens._WORD_IDS, tokens._PART_IDS):
+            assert len(kept) <= 16 and all(len(k) <= 5 for k in kept)
         read_in_parts += (tokens._WS_BEFORE_SPACE.search(text) is None and text.count(" ") > 0
                           and (text.count(" ") + 1) * 8 >= len(text))
     assert read_in_parts > 200  # (the path under test was taken)
-    tokens._CHUNK_CACHE.clear()
+    _clear_parts()
+
+
+def _clear_parts() -> None:
+    tokens._WORD_IDS.clear()
+    tokens._PART_IDS.clear()
 
 
 def test_prose_parts_are_kept() -> None:
-    tokens._CHUNK_CACHE.clear()
+    _clear_parts()
     text = "The fox, (quick) jumps over the dog."
     assert encode(text) == [token_id(p) for p in split_pieces(text)]
-    assert set(tokens._CHUNK_CACHE) == {"fox,", "(quick)", "jumps", "over", "the", "dog."}
+    assert set(tokens._WORD_IDS) == {"jumps", "over", "the"}  # one piece each, after a space
+    assert set(tokens._PART_IDS) == {"fox,", "(quick)", "dog."}
     assert encode(text) == [token_id(p) for p in split_pieces(text)]  # from the kept parts
-    tokens._CHUNK_CACHE.clear()
+    _clear_parts()
