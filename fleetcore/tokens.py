@@ -110,67 +110,10 @@ PART_CACHE_MAX = 1 << 12
 PART_CACHE_CHARS = 64  # longer parts (the messages' own text) are not kept
 
 
-# The ids of a word and what clings to it (" the", " fox.", " (see"), once computed (`_spaced_ids`).
-# A text cut before each of its spaces that follows a character other than whitespace is cut
-# between pieces: a piece is whitespace and then one run of a single kind of character that is
-# not whitespace (letters, digits, one mark), so the piece that holds that character ends with
-# it, and the next begins at the space; the pattern looks neither behind nor ahead, so each
-# part, tokenized alone, gives the pieces the whole text gives there. Prose is mostly such parts,
-# and they repeat (Zipf): one dict lookup for each in place of ~1.7 k instructions of the regex
-# per piece (bench/README.md, "Issue 14: the request's logic"). A part after a space that is one
-# piece (a word) has its id in `_WORD_IDS`, read for a whole text by one `map` (a tuple per part
-# chained cost ~0.9 k instructions a part); one of several pieces (" fox.") its ids in
-# `_PART_IDS`, read when the word lookup misses. Both bounded as `_ID_CACHE` is (emptied when
-# full; thread-safe the same way); long parts (an id, a URL) are not kept.
-#
-# A space after whitespace: not a cut between pieces. (Written as a space, then the two
-# characters behind it: sre finds a literal first character by a fast scan and tests only
-# there; `\s ` tests the whitespace class at every position: ~27 k instructions for 350
-# characters against ~15 k, callgrind.)
-_WS_BEFORE_SPACE = re.compile(r" (?<=\s )")
-_WORD_IDS: dict[str, int] = {}
-_PART_IDS: dict[str, tuple[int, ...]] = {}
-CHUNK_CACHE_MAX = 1 << 15  # each
-CHUNK_CACHE_CHARS = 24  # longer parts are tokenized each time
-
-
-def _spaced_ids(text: str) -> list[int]:
-    """`_ids(split_pieces(text))`, by the parts between its spaces where it can (see above)."""
-    if _WS_BEFORE_SPACE.search(text) is not None:
-        return _ids(_PIECE.findall(text))
-    parts = text.split(" ")
-    if len(parts) * 8 < len(text):  # few spaces (code, ids, another script): parts too long to keep
-        return _ids(_PIECE.findall(text))
-    first = parts[0]
-    out = _ids(_PIECE.findall(first)) if first else []
-    words = _WORD_IDS
-    rest = itertools.islice(parts, 1, None)
-    while True:
-        try:
-            # (every part a word seen before: no bytecode per part; `+=` has added the ids of
-            # every part before one that misses, and `rest` goes on after it)
-            out += map(words.__getitem__, rest)
-            return out
-        except KeyError as e:
-            part = e.args[0]
-        ids = _PART_IDS.get(part)
-        if ids is None:
-            ids = tuple(_ids(_PIECE.findall(" " + part)))
-            if len(part) <= CHUNK_CACHE_CHARS:
-                kept = words if len(ids) == 1 else _PART_IDS
-                if len(kept) >= CHUNK_CACHE_MAX:
-                    kept.clear()
-                if len(ids) == 1:
-                    words[part] = ids[0]
-                else:
-                    _PART_IDS[part] = ids
-        out += ids
-
-
 def encode(text: str) -> list[int]:
     """Token ids of `text`; equal text gives equal ids."""
-    if not text.startswith("<|") or text.find(_MARKER_END) < 0:  # not a rendered template
-        return _spaced_ids(text)
+    if not text.startswith("<|") or text.find(_MARKER_END) < 0:  # not a rendered template: in one go
+        return _ids(split_pieces(text))
     parts = text.split(_MARKER_END)
     last = parts.pop()
     cache = _PART_CACHE
@@ -178,14 +121,14 @@ def encode(text: str) -> list[int]:
     for part in parts:
         ids = cache.get(part)
         if ids is None:
-            ids = tuple(_spaced_ids(part + _MARKER_END))
+            ids = tuple(_ids(_PIECE.findall(part + _MARKER_END)))
             if len(part) <= PART_CACHE_CHARS:
                 if len(cache) >= PART_CACHE_MAX:
                     cache.clear()
                 cache[part] = ids
         out += ids
     if last:
-        out += _spaced_ids(last)
+        out += _ids(_PIECE.findall(last))
     return out
 
 
