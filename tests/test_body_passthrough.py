@@ -117,10 +117,12 @@ def test_upstream_body_reads_as_the_old_one(fields: dict[str, Any], served: str,
     want = _old_body(parsed, served, stream, token_ids)
     assert json.loads(got) == json.loads(want)
     streamed = bool(fields.get("stream"))
-    unchanged = (served == "m1" and not token_ids and (streamed or not stream)
-                 and (not streamed or fields.get("stream_options", {}).get("include_usage") is True))
-    assert (got is raw) == (unchanged and _no_repeated_key(raw)), (got, want)
-    if got is not raw:
+    as_sent = served == "m1" and not token_ids and (streamed or not stream) and _no_repeated_key(raw)
+    if as_sent and (not streamed or fields.get("stream_options", {}).get("include_usage") is True):
+        assert got is raw
+    elif as_sent and streamed and "stream_options" not in fields:  # the usage request appended
+        assert got == raw[:-1] + b',"stream_options":{"include_usage":true}}'
+    else:
         assert got == want
 
 
@@ -154,11 +156,13 @@ async def test_the_engine_gets_the_clients_bytes_or_the_encoded_body(gateway: An
     client, stub = gateway
     same = b'{"model": "m1", "prompt": "a: b", "max_tokens": 2, "stream": true, "stream_options": {"include_usage": true}}'
     forced = b'{"model": "m1", "prompt": "a: b", "max_tokens": 2, "stream": true}'
+    null = b'{"model": "m1", "prompt": "x", "max_tokens": 2, "stream": true, "stream_options": null} \n'
     twice = b'{"model": "m1", "prompt": "x", "max_tokens": 64, "max_tokens": 2}'
-    for raw in (same, forced, twice):
+    for raw in (same, forced, null, twice):
         r = await client.post("/v1/completions", content=raw, headers=AUTH)
         assert r.status_code == 200, r.text
     sent = [req["raw"] for req in stub.requests]
     assert sent[0] == same  # nothing to change: as the client wrote it
-    assert json.loads(sent[1])["stream_options"] == {"include_usage": True} and sent[1] != forced
-    assert sent[2] == b'{"model":"m1","prompt":"x","max_tokens":2}'  # the value validated, and only it
+    assert sent[1] == forced[:-1] + b',"stream_options":{"include_usage":true}}'  # the usage request appended
+    assert json.loads(sent[2])["stream_options"] == {"include_usage": True}  # encoded: the key was there
+    assert sent[3] == b'{"model":"m1","prompt":"x","max_tokens":2}'  # the value validated, and only it
