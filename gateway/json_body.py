@@ -113,26 +113,23 @@ MEMBER_WALK_MAX = 4096
 
 
 def sent_as_parsed(raw: bytes, body: dict[str, Any]) -> bool:
-    """Whether `raw`, which `parse_json_object` made `body` of, holds exactly `body`: a UTF-8
-    JSON object (it begins with `{`: no byte-order mark, no UTF-16/32, which json.loads takes
-    and an engine may not) in which no object names a key twice. json.loads keeps a repeated
-    key's last value; an engine's parser may keep the first (simdjson's lookup) or refuse, so
-    a body with one would be validated as one request and run as another: such bytes are never
-    sent as they are.
+    """Whether `raw`, which `parse_json_object` made `body` of, holds exactly `body` and says so
+    cheaply: a UTF-8 JSON object (it begins with `{`: no byte-order mark, no UTF-16/32, which
+    json.loads takes and an engine may not) in which no object names a key twice, and whose
+    strings hold no colon. json.loads keeps a repeated key's last value; an engine's parser may
+    keep the first (simdjson's lookup) or refuse, so a body with one would be validated as one
+    request and run as another: such bytes are never sent as they are.
 
-    The rule, exact and in C but for the walk: outside strings a colon appears in JSON only
-    between a member's key and value, so the colons outside strings count the members written,
-    and they equal the members `body` holds exactly when no key was dropped as a repeat. The
-    colons of the whole body are counted first (a body whose strings hold none is answered by
-    that); only otherwise are its strings blanked out first. False where the walk would be long
-    (`MEMBER_WALK_MAX`): re-encoding is the safe answer."""
+    The rule, in C but for the walk: outside strings a colon appears in JSON only between a
+    member's key and value, so when the body's colons equal the members `body` holds, every
+    colon is such a separator (none is in a string) and no key was dropped as a repeat. Strings
+    that do hold colons are not blanked out to count the rest: that regex costs about twice the
+    re-encoding it would save (6.5 against 2.8 ns a byte for a 116 kB body, timeit, ad-hoc), so
+    such bodies are re-encoded, as are those whose walk would be long (`MEMBER_WALK_MAX`)."""
     if raw[:1] != b"{":
         return False
     members = _members(body)
-    if members is None:
-        return False
-    colons = raw.count(b":")
-    return colons == members or (colons > members and _STRING.sub(b'""', raw).count(b":") == members)
+    return members is not None and raw.count(b":") == members
 
 
 def _members(body: dict[str, Any]) -> int | None:

@@ -37,6 +37,19 @@ def _no_repeated_key(raw: bytes) -> bool:
     return not seen_twice
 
 
+def _colon_in_a_string(value: Any) -> bool:
+    """Whether any key or string of a parsed body holds a colon (such bodies are re-encoded)."""
+    if isinstance(value, dict):
+        return any(":" in k or _colon_in_a_string(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_colon_in_a_string(v) for v in value)
+    return isinstance(value, str) and ":" in value
+
+
+def _sendable(raw: bytes) -> bool:
+    return _no_repeated_key(raw) and not _colon_in_a_string(json.loads(raw))
+
+
 # JSON text written by hand, so that objects may repeat keys and strings may hold colons,
 # quotes, escapes and non-ASCII text.
 _KEYS = st.sampled_from(["a", "b", "model", "a:b", 'q"', "\\", "é", ":"])
@@ -61,16 +74,16 @@ _OBJECTS = st.lists(st.tuples(_KEYS, _VALUES), max_size=6).map(tuple)
 
 @settings(max_examples=400, deadline=None)
 @given(_OBJECTS)
-def test_sent_as_parsed_is_exactly_no_repeated_key(obj: tuple[tuple[str, Any], ...]) -> None:
+def test_sent_as_parsed_is_exactly_no_repeated_key_and_no_colon_in_strings(obj: tuple[tuple[str, Any], ...]) -> None:
     raw = _dump(obj).encode()
     body = parse_json_object(raw)
-    assert sent_as_parsed(raw, body) == _no_repeated_key(raw)
+    assert sent_as_parsed(raw, body) == _sendable(raw)
 
 
 def test_sent_as_parsed_refusals() -> None:
     body = {"model": "m1", "prompt": "x"}
     assert sent_as_parsed(b'{"model":"m1","prompt":"x"}', body)
-    assert sent_as_parsed(b'{"model":"m1","prompt":"a: b"}', {"model": "m1", "prompt": "a: b"})
+    assert not sent_as_parsed(b'{"model":"m1","prompt":"a: b"}', {"model": "m1", "prompt": "a: b"})  # re-encoded
     assert not sent_as_parsed(b'{"model":"m0","model":"m1","prompt":"x"}', body)
     assert not sent_as_parsed(b'{"s":{"include_usage":false,"include_usage":true}}', {"s": {"include_usage": True}})
     # not plain UTF-8 beginning with the object: a byte-order mark, UTF-16, leading space
@@ -102,14 +115,15 @@ _FIELDS = st.fixed_dictionaries({}, optional={
 
 @settings(max_examples=300, deadline=None)
 @given(_FIELDS, st.sampled_from(["m1", "m2"]), st.sampled_from([None, True]), st.booleans(), st.booleans(),
-       st.sampled_from(["", ' "model": "m0",', ' "stream": false,']))
+       st.sampled_from(["", ' "model": "m0",', ' "stream": false,']),
+       st.sampled_from(["the quick brown fox", "the quick: brown fox"]))
 def test_upstream_body_reads_as_the_old_one(fields: dict[str, Any], served: str, stream: bool | None,
-                                            token_ids: bool, spaced: bool, repeat: str) -> None:
+                                            token_ids: bool, spaced: bool, repeat: str, prompt: str) -> None:
     """Whatever is sent reads as `upstream_fields`; the client's bytes are sent exactly where
     nothing changes and no key repeats."""
     if "stream_options" in fields and not fields.get("stream"):
         fields["stream"] = True  # (stream_options without a stream is a 400)
-    text = json.dumps({"model": "m1", "prompt": "the quick: brown fox", **fields},
+    text = json.dumps({"model": "m1", "prompt": prompt, **fields},
                       separators=(", ", ": ") if spaced else (",", ":"))
     raw = ("{" + repeat + text[1:]).encode()  # a repeated key comes first: json.loads keeps the later one
     parsed = _parsed(raw)
@@ -117,7 +131,7 @@ def test_upstream_body_reads_as_the_old_one(fields: dict[str, Any], served: str,
     want = _old_body(parsed, served, stream, token_ids)
     assert json.loads(got) == json.loads(want)
     streamed = bool(fields.get("stream"))
-    as_sent = served == "m1" and not token_ids and (streamed or not stream) and _no_repeated_key(raw)
+    as_sent = served == "m1" and not token_ids and (streamed or not stream) and _sendable(raw)
     if as_sent and (not streamed or fields.get("stream_options", {}).get("include_usage") is True):
         assert got is raw
     elif as_sent and streamed and "stream_options" not in fields:  # the usage request appended
@@ -154,11 +168,12 @@ async def gateway(stub_upstream: Callable[..., Awaitable[Any]], gateway_server: 
 
 async def test_the_engine_gets_the_clients_bytes_or_the_encoded_body(gateway: Any) -> None:
     client, stub = gateway
-    same = b'{"model": "m1", "prompt": "a: b", "max_tokens": 2, "stream": true, "stream_options": {"include_usage": true}}'
-    forced = b'{"model": "m1", "prompt": "a: b", "max_tokens": 2, "stream": true}'
+    same = b'{"model": "m1", "prompt": "a b", "max_tokens": 2, "stream": true, "stream_options": {"include_usage": true}}'
+    forced = b'{"model": "m1", "prompt": "a b", "max_tokens": 2, "stream": true}'
+    colon = b'{"model": "m1", "prompt": "a: b", "max_tokens": 2, "stream": true}'
     null = b'{"model": "m1", "prompt": "x", "max_tokens": 2, "stream": true, "stream_options": null} \n'
     twice = b'{"model": "m1", "prompt": "x", "max_tokens": 64, "max_tokens": 2}'
-    for raw in (same, forced, null, twice):
+    for raw in (same, forced, null, twice, colon):
         r = await client.post("/v1/completions", content=raw, headers=AUTH)
         assert r.status_code == 200, r.text
     sent = [req["raw"] for req in stub.requests]
@@ -166,3 +181,4 @@ async def test_the_engine_gets_the_clients_bytes_or_the_encoded_body(gateway: An
     assert sent[1] == forced[:-1] + b',"stream_options":{"include_usage":true}}'  # the usage request appended
     assert json.loads(sent[2])["stream_options"] == {"include_usage": True}  # encoded: the key was there
     assert sent[3] == b'{"model":"m1","prompt":"x","max_tokens":2}'  # the value validated, and only it
+    assert json.loads(sent[4]) == {**json.loads(colon), "stream_options": {"include_usage": True}}  # encoded
