@@ -118,10 +118,10 @@ def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None 
                   token_ids: bool = False) -> bytes:
     """`upstream_fields`, encoded as sent: the client's own bytes where they already say exactly
     that (the served model's name, no stream or token ids asked for on its behalf, and provably
-    no key given twice: `json_body.sent_as_parsed`), a stream's usage request appended to them where the
-    client named no `stream_options` (`upstream_fields` adds it last too). That saves re-encoding
-    the whole prompt (~43 k instructions of a 64-token request's ~2.1 M, bench/README.md "Issue
-    14: the request's logic"). Else `upstream_fields`, encoded."""
+    no key given twice: `json_body.sent_as_parsed`), a stream's usage request appended to them
+    where the client named no `stream_options` (`upstream_fields` adds it last too). That saves
+    re-encoding the whole prompt (~43 k instructions of a 64-token request's ~2.1 M,
+    bench/README.md "Issue 14: the request's logic"). Else `upstream_fields`, encoded."""
     raw = parsed.raw
     if raw is not None and raw[0] is parsed.body and not token_ids and (parsed.stream or not stream):
         body = parsed.body
