@@ -13,8 +13,8 @@ suggests, so a body is checked before and after parsing:
   raise on it. The escape or its raw bytes must appear in the body for one to exist, so
   the walk only looks at strings when they do.
 
-`sent_as_parsed` says whether the client's bytes hold exactly what `json.loads` made of them
-(no key given twice in any object), so that they can go upstream as they are.
+`sent_as_parsed` says whether the client's bytes provably hold exactly what `json.loads` made of
+them (no key given twice in any object), so that they can go upstream as they are.
 """
 
 from __future__ import annotations
@@ -104,7 +104,6 @@ def _walk(body: dict[str, Any], max_depth: int, check_strings: bool) -> None:
 def _lone_surrogate(where: str | None) -> None:
     raise bad_request(f"`{where or 'the request body'}` contains an unpaired UTF-16 surrogate "
                       "(such as \\ud83d): not valid Unicode text.", param=where, code="invalid_unicode")
-
 
 
 # Values `sent_as_parsed` walks at most before it gives up (a prompt of thousands of token ids:
