@@ -12,6 +12,9 @@ suggests, so a body is checked before and after parsing:
   or value, is a 400 naming where: UTF-8 encoders (the upstream body, tokenizers, logs)
   raise on it. The escape or its raw bytes must appear in the body for one to exist, so
   the walk only looks at strings when they do.
+
+`sent_as_parsed` says whether the client's bytes provably hold exactly what `json.loads` made of
+them (no key given twice in any object), so that they can go upstream as they are.
 """
 
 from __future__ import annotations
@@ -102,3 +105,47 @@ def _lone_surrogate(where: str | None) -> None:
     raise bad_request(f"`{where or 'the request body'}` contains an unpaired UTF-16 surrogate "
                       "(such as \\ud83d): not valid Unicode text.", param=where, code="invalid_unicode")
 
+
+# Values `sent_as_parsed` walks at most before it gives up (a prompt of thousands of token ids:
+# the walk would cost what re-encoding saves).
+MEMBER_WALK_MAX = 4096
+
+
+def sent_as_parsed(raw: bytes, body: dict[str, Any]) -> bool:
+    """Whether `raw`, which `parse_json_object` made `body` of, holds exactly `body` and says so
+    cheaply: a UTF-8 JSON object (it begins with `{`: no byte-order mark, no UTF-16/32, which
+    json.loads takes and an engine may not) in which no object names a key twice, and whose
+    strings hold no colon. json.loads keeps a repeated key's last value; an engine's parser may
+    keep the first (simdjson's lookup) or refuse, so a body with one would be validated as one
+    request and run as another: such bytes are never sent as they are.
+
+    The rule, in C but for the walk: outside strings a colon appears in JSON only between a
+    member's key and value, so when the body's colons equal the members `body` holds, every
+    colon is such a separator (none is in a string) and no key was dropped as a repeat. Strings
+    that do hold colons are not blanked out to count the rest: that regex costs about twice the
+    re-encoding it would save (6.5 against 2.8 ns a byte for a 116 kB body, timeit, ad-hoc), so
+    such bodies are re-encoded, as are those whose walk would be long (`MEMBER_WALK_MAX`)."""
+    if raw[:1] != b"{":
+        return False
+    members = _members(body)
+    return members is not None and raw.count(b":") == members
+
+
+def _members(body: dict[str, Any]) -> int | None:
+    """The members of every object in `body` (json.loads' dicts and lists; their values
+    visited iteratively); None past MEMBER_WALK_MAX values."""
+    n, budget, todo = 0, MEMBER_WALK_MAX, [body]
+    while todo:
+        v = todo.pop()
+        if type(v) is dict:
+            n += len(v)
+            values: Any = v.values()
+        else:
+            values = v
+        budget -= len(values)
+        if budget < 0:
+            return None
+        for x in values:
+            if type(x) is dict or type(x) is list:
+                todo.append(x)
+    return n

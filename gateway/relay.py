@@ -71,6 +71,7 @@ from gateway.fleet_state import FleetState
 from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
 from gateway.head_hold import HeadHold
 from gateway.hedge import HedgeMetrics, hedge_delay, open_hedged
+from gateway.json_body import sent_as_parsed
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest
 from gateway.resume import DRAINED, continuation_of, drained, resume
@@ -115,8 +116,27 @@ def upstream_fields(parsed: ParsedRequest, served_model: str, stream: bool | Non
 
 def upstream_body(parsed: ParsedRequest, served_model: str, stream: bool | None = None,
                   token_ids: bool = False) -> bytes:
-    """`upstream_fields`, encoded as sent."""
+    """`upstream_fields`, encoded as sent: the client's own bytes where they already say exactly
+    that (the served model's name, no stream or token ids asked for on its behalf, and provably
+    no key given twice: `json_body.sent_as_parsed`), a stream's usage request appended to them
+    where the client named no `stream_options` (`upstream_fields` adds it last too). That saves
+    re-encoding the whole prompt (~43 k instructions of a 64-token request's ~2.1 M,
+    bench/README.md "Issue 14: the request's logic"). Else `upstream_fields`, encoded."""
+    raw = parsed.raw
+    if raw is not None and raw[0] is parsed.body and not token_ids and (parsed.stream or not stream):
+        body = parsed.body
+        if body.get("model") == served_model and sent_as_parsed(raw[1], body):
+            if not parsed.stream:
+                return raw[1]
+            opts = body.get("stream_options")
+            if type(opts) is dict and opts.get("include_usage") is True:
+                return raw[1]
+            if "stream_options" not in body:  # (a JSON object's bytes end with `}` and JSON whitespace)
+                return raw[1].rstrip()[:-1] + _USAGE_MEMBER
     return json.dumps(upstream_fields(parsed, served_model, stream, token_ids), separators=(",", ":")).encode()
+
+
+_USAGE_MEMBER = b',"stream_options":{"include_usage":true}}'  # (the body has a member: its model)
 
 
 # --- decisions kept for /debug/decisions ---

@@ -54,6 +54,11 @@ class ParsedRequest:
     # through admission's `replace`. None: no telemetry (tests that build requests directly).
     obs: RequestRecord | None = None
     key_id: str | None = None  # the API key created by API that sent it (its own budgets: gateway.key_budgets)
+    # (the body as parsed, the client's bytes of it): what `gateway.relay.upstream_body` may send
+    # as it is while `body` is still that dict and nothing in it needs changing
+    # (`gateway.json_body.sent_as_parsed` decides whether the bytes hold exactly it). None: a
+    # body changed as parsed (a fallback's model), or one not parsed from bytes.
+    raw: tuple[dict[str, Any], bytes] | None = None
 
     @property
     def stream(self) -> bool:
@@ -121,7 +126,8 @@ def parse_request(kind: Kind, raw: bytes, *, config: FleetConfig, caller: Caller
         task_type=headers.get(TASK_TYPE_HEADER) or None, stream=stream,
         client_region=resolve_region(headers.get(REGION_HEADER), caller, config), arrival=now,
         request_class=requested_class(headers, body, config))
-    return ParsedRequest(kind, body, profile, model_cfg, include_usage, requested, key_id=caller.key_id)
+    return ParsedRequest(kind, body, profile, model_cfg, include_usage, requested, key_id=caller.key_id,
+                         raw=(body, raw) if model_override is None else None)
 
 
 def requested_class(headers: Mapping[str, str], body: Mapping[str, Any], config: FleetConfig) -> str | None:

@@ -72,8 +72,10 @@ class StubUpstream:
         return web.Response(text="ok")
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append({"path": request.path, "body": body, "headers": {k.lower(): v for k, v in request.headers.items()}})
+        raw = await request.read()  # (kept: tests of what bytes the gateway sends)
+        body = json.loads(raw)
+        self.requests.append({"path": request.path, "body": body, "raw": raw,
+                              "headers": {k.lower(): v for k, v in request.headers.items()}})
         if self.mode == "error500":
             return web.json_response({"error": {"message": "engine exploded", "type": "server_error"}},
                                      status=500)
