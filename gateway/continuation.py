@@ -45,6 +45,7 @@ from fleetcore.sse import SSE_DONE, SSEEvent, SSESplitter, parse_sse_event, usag
 from fleetcore.tokens import encode
 from fleetcore.types import RequestProfile
 # the very functions that tokenized the prompt for routing: the continuation's ids equal them
+from gateway.openai_fields import PD_LEG_FIELDS  # a P/D decode leg's body carries them
 from gateway.requests import ParsedRequest
 from gateway.requests import _chat_prompt_ids as chat_prompt_ids
 from gateway.requests import _completion_prompt_ids as completion_prompt_ids
@@ -61,9 +62,8 @@ _CHAT_ONLY = frozenset({
     "reasoning_effort", "store", "metadata", "prediction", "web_search_options", "service_tier",
     "add_generation_prompt", "continue_final_message", "documents", "chat_template",
     "chat_template_kwargs"})
-# A disaggregated request's leg fields (gateway.pd_flow: SGLang's bootstrap, vLLM's
-# kv_transfer_params): they name one prefill's KV, which a continuation leg re-prefills instead.
-PD_LEG_FIELDS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params"})
+# A disaggregated request's leg fields (`PD_LEG_FIELDS`, set by gateway.pd_flow on its decode leg's
+# body): they name one prefill's KV, which a continuation leg re-prefills instead.
 # Constrained decoding holds a parser state a continuation cannot resume from text.
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
            "json_schema", "regex", "ebnf")

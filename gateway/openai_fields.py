@@ -18,6 +18,13 @@ from typing import Any
 from gateway.errors import bad_request
 
 MAX_N = 128  # OpenAI's limit
+
+# The fields of a disaggregated (P/D) leg: which prefill engine a decode engine pulls its KV from
+# (SGLang's bootstrap host / port / room, vLLM's `kv_transfer_params`: remote host, port, block
+# ids). The gateway sets them on its own legs (`gateway.pd_flow`); from a client they would make
+# an engine connect to a host of the client's choosing or read another request's KV, so a body
+# that carries one is refused (fail closed), never forwarded.
+PD_LEG_FIELDS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params"})
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI chat: top_logprobs 0..20
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: logprobs 0..5
 
@@ -28,6 +35,10 @@ def _is_int(v: Any) -> bool:
 
 def check_unsupported(body: Mapping[str, Any], kind: str) -> None:
     """400 naming the first field the gateway cannot honour (see the module docstring)."""
+    if not PD_LEG_FIELDS.isdisjoint(body):
+        name = min(PD_LEG_FIELDS.intersection(body))
+        raise bad_request(f"`{name}` is set by the gateway on its prefill/decode legs, never by a client.",
+                          name, code="unsupported_parameter")
     if body.get("store") is True:
         raise bad_request("The gateway is stateless: `store: true` (stored completions) is not supported.",
                           "store", code="unsupported_parameter")
