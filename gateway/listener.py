@@ -38,13 +38,14 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from fleetcore.fleet_config import GatewaySettings
 from gateway.errors import INVALID_REQUEST, SERVER_ERROR, error_body
 from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
 from gateway.head_hold import HeadHold
+from gateway.lane_cycle import Lane, LaneCycle, find_lane
 from gateway.loop_monitor import LoopMonitor, running_on
 
 log = logging.getLogger("tokenfleet.listener")
@@ -152,6 +153,7 @@ class Listener:
         self._per_client: dict[str, int] = {}
         self.closed: Counter[str] = Counter()  # connections refused or closed by us, by reason
         self._wrapped: tuple[ASGIApp, ASGIApp] | None = None
+        self._lane: tuple[ASGIApp, Lane | None] | None = None  # (the app, its /v1 lane), found once
 
     def admit(self, client: str) -> bool:
         if self.open >= self.limits.max_connections:
@@ -170,6 +172,15 @@ class Listener:
         n = self._per_client.pop(client) - 1
         if n:
             self._per_client[client] = n
+
+    def lane_for(self, app: ASGIApp) -> Lane | None:
+        """The /v1 lane this listener serves `app`'s POST /v1 requests by (`gateway.lane_cycle`):
+        none on a listener that serves only some paths (the ops one: /v1 is not among them)."""
+        if self.limits.paths is not None:
+            return None
+        if self._lane is None or self._lane[0] is not app:
+            self._lane = (app, find_lane(app))
+        return self._lane[1]
 
     def app_for(self, app: ASGIApp) -> ASGIApp:
         if self.limits.paths is None:
@@ -270,12 +281,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None  # the header or body deadline
         self._in_headers = False  # a request has begun (or the connection is new), headers incomplete
         self._header_bytes = 0  # bytes received during the header phase (whole reads; may overcount)
-        self._header_size = 0  # exact: request target plus complete header fields
-        self._header_count = 0
+        # What the request's head may still take (exact: request target plus complete header
+        # fields), counted down: one subtraction and one sign test a header (`on_header`)
+        self._header_room = 0  # bytes
+        self._headers_left = 0  # header fields
         self._read_len = 0
         self._refusal: tuple[int, str, str] | None = None
         self._monitor: LoopMonitor | None = None  # the loop's stall monitor: told when bytes arrive
         self._lingering = False  # refused, answered, waiting for the client's close (`_close_refused`)
+        self._lane: Lane | None = None  # the app's /v1 lane on this listener (`_start_asgi_task`)
 
     # --- connection ---
 
@@ -291,6 +305,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._close_refused(transport)
             return
         self._listener = listener
+        self._lane = listener.lane_for(self.app)
         self.app = listener.app_for(self.app)
         self._monitor = running_on(self.loop)
         if self._monitor is not None:
@@ -373,19 +388,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Once per header of every request: the byte count inline (`_count_header_bytes`' test)
-        # and uvicorn's own `on_header` called as a function, not through `super()` (httptools'
-        # feed_data, both sides' header callbacks, 184 -> 167 k instructions a request:
-        # bench/README.md, "Issue 14: per layer").
-        limits = self._listener.limits  # type: ignore[union-attr]  (set before the parser runs)
-        self._header_count += 1
-        if self._header_count > limits.max_header_count:
-            self._refusal = (431, f"More than {limits.max_header_count} header fields.", "too_many_headers")
-            raise _Refused
-        self._header_size += len(name) + len(value) + 4
-        if self._header_size > limits.max_header_bytes:
-            self._refusal = (431, f"Request headers are larger than {limits.max_header_bytes} bytes.",
-                             "headers_too_large")
+        # Once per header of every request: the limits as budgets counted down (no attribute
+        # chain to the limits, one test for both) and uvicorn's own `on_header` called as a
+        # function, not through `super()` (bench/README.md, "Issue 14: per layer", and "the
+        # server side").
+        self._headers_left -= 1
+        self._header_room -= len(name) + len(value) + 4
+        if self._headers_left < 0 or self._header_room < 0:
+            limits = self._listener.limits  # type: ignore[union-attr]  (set before the parser runs)
+            if self._headers_left < 0:  # the count first, as it was tested first
+                self._refusal = (431, f"More than {limits.max_header_count} header fields.", "too_many_headers")
+            else:
+                self._refusal = (431, f"Request headers are larger than {limits.max_header_bytes} bytes.",
+                                 "headers_too_large")
             raise _Refused
         _uvicorn_on_header(self, name, value)
 
@@ -396,9 +411,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle and self.cycle is not None:  # this request's: head and first events in one write
-            hold = HeadHold(self.transport)
-            self.cycle.transport = hold  # type: ignore[assignment]
-            self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
+            if type(self.cycle) is LaneCycle:  # started on the lane: the cycle holds the head itself
+                self.scope[HEAD_HOLD] = self.cycle  # type: ignore[literal-required]
+            else:
+                hold = HeadHold(self.transport)
+                self.cycle.transport = hold  # type: ignore[assignment]
+                self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
         # Cancelled by on_message_complete, at once for a request without a body.
         self._arm(self._listener.limits.body_timeout_s, self._body_timeout)
 
@@ -406,21 +424,35 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timer()
         super().on_message_complete()
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # uvicorn starts every request's task here (at its headers, or a pipelined one when the
+        # one before it is answered). A POST to a /v1 lane route runs the lane itself, on a
+        # LaneCycle (`gateway.lane_cycle`): not the app's ASGI chain. `app is self.app`: not
+        # uvicorn's own 503 for its concurrency limit.
+        lane = self._lane
+        if lane is not None and app is self.app:
+            entry = lane.entry(cycle.scope)
+            if entry is not None:
+                # uvicorn built the cycle (its constructor stays the only one); the class adds methods only
+                cycle.__class__ = LaneCycle
+                app = entry
+        super()._start_asgi_task(cycle, app)
+
     # --- deadlines and refusals ---
 
     def _begin_headers(self, bytes_so_far: int) -> None:
         assert self._listener is not None
         self._in_headers = True
         self._header_bytes = bytes_so_far
-        self._header_size = 0
-        self._header_count = 0
+        self._header_room = self._listener.limits.max_header_bytes
+        self._headers_left = self._listener.limits.max_header_count
         self._cancel_timer()
         self._arm(self._listener.limits.header_timeout_s, self._header_timeout)
 
     def _count_header_bytes(self, n: int) -> None:
         assert self._listener is not None
-        self._header_size += n
-        if self._header_size > self._listener.limits.max_header_bytes:
+        self._header_room -= n
+        if self._header_room < 0:
             self._refusal = (431, f"Request headers are larger than {self._listener.limits.max_header_bytes} bytes.",
                              "headers_too_large")
             raise _Refused
