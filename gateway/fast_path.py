@@ -64,10 +64,7 @@ class LookupHeaders(Headers):
     def _first(self) -> dict[str, str]:
         table: dict[str, str] | None = self.__dict__.get("_by_name")
         if table is None:
-            # Read backwards, so that a name's first value is the one left (one comprehension:
-            # no method call per header)
-            table = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(self._list)}
-            self.__dict__["_by_name"] = table
+            table = self.__dict__["_by_name"] = _first_values(self._list)
         return table
 
     def __getitem__(self, key: str) -> str:
@@ -81,6 +78,22 @@ class LookupHeaders(Headers):
 
     def __contains__(self, key: Any) -> bool:
         return key.lower() in self._first()
+
+
+def _first_values(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """{name: its first value}, decoded as latin-1, from a list of raw header pairs. Read
+    backwards, so that a name's first value is the one left. Built in C, without a Python step
+    per header: names and values each joined by a newline, decoded once and split again; the
+    parser lets no newline into a name or a value, and a list with one anyway (not from the
+    parser) comes apart into more parts than it has pairs and is read pair by pair instead."""
+    if not raw:
+        return {}
+    names, values = zip(*reversed(raw))
+    keys = b"\n".join(names).decode("latin-1").split("\n")
+    vals = b"\n".join(values).decode("latin-1").split("\n")
+    if len(keys) == len(vals) == len(raw):
+        return dict(zip(keys, vals))
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(raw)}
 
 
 class BufferedRequest(Request):
