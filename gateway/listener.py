@@ -290,6 +290,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._monitor: LoopMonitor | None = None  # the loop's stall monitor: told when bytes arrive
         self._lingering = False  # refused, answered, waiting for the client's close (`_close_refused`)
         self._lane: Lane | None = None  # the app's /v1 lane on this listener (`_start_asgi_task`)
+        self._body_due = False  # a request's headers are in, its body is not (the body deadline's phase)
 
     # --- connection ---
 
@@ -371,6 +372,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_headers and self._header_bytes > self._listener.limits.max_header_bytes:
             self._refuse(431, f"Request headers are larger than {self._listener.limits.max_header_bytes} bytes.",
                          "headers_too_large")
+            return
+        if self._timer is None:
+            # A deadline only for a request still arriving after this read (its clock starts
+            # now, in the same loop step as its bytes): the usual request, whole in one read,
+            # has neither timer armed and cancelled (`_begin_headers`, `on_headers_complete`).
+            if self._in_headers:
+                self._arm(self._listener.limits.header_timeout_s, self._header_timeout)
+            elif self._body_due:
+                self._arm(self._listener.limits.body_timeout_s, self._body_timeout)
 
     # --- parser callbacks ---
 
@@ -379,9 +389,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         assert self._listener is not None
         self.scope["tokenfleet.listener"] = self._listener.limits.name  # type: ignore[typeddict-unknown-key]
         if not self._in_headers:
-            # A later request on a kept-alive connection: its header clock starts with its first byte.
+            # A later request on a kept-alive connection: its header clock starts with its first byte
+            # (armed by `data_received` if its headers are not all in this read).
             # The whole read counts (a pipelined request's tail may precede it): an overcount only.
-            self._begin_headers(self._read_len)
+            self._begin_headers(self._read_len, arm=False)
 
     def on_url(self, url: bytes) -> None:
         self._count_header_bytes(len(url))
@@ -417,10 +428,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 hold = HeadHold(self.transport)
                 self.cycle.transport = hold  # type: ignore[assignment]
                 self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
-        # Cancelled by on_message_complete, at once for a request without a body.
-        self._arm(self._listener.limits.body_timeout_s, self._body_timeout)
+        # The body deadline: armed by `data_received` if the body is still due after this read.
+        self._body_due = True
 
     def on_message_complete(self) -> None:
+        self._body_due = False
         self._cancel_timer()
         super().on_message_complete()
 
@@ -440,14 +452,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # --- deadlines and refusals ---
 
-    def _begin_headers(self, bytes_so_far: int) -> None:
+    def _begin_headers(self, bytes_so_far: int, arm: bool = True) -> None:
         assert self._listener is not None
         self._in_headers = True
         self._header_bytes = bytes_so_far
         self._header_room = self._listener.limits.max_header_bytes
         self._headers_left = self._listener.limits.max_header_count
         self._cancel_timer()
-        self._arm(self._listener.limits.header_timeout_s, self._header_timeout)
+        if arm:
+            self._arm(self._listener.limits.header_timeout_s, self._header_timeout)
 
     def _count_header_bytes(self, n: int) -> None:
         assert self._listener is not None
