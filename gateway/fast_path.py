@@ -53,7 +53,7 @@ class GatewayApp(FastAPI):
 
 
 class LookupHeaders(Headers):
-    """Starlette's request headers, looked up in a dict built at the first lookup.
+    """Starlette's request headers, looked up in a dict built with them.
 
     Starlette's `Headers` scans the raw list for every lookup and, through `Mapping.get`, raises
     and catches a KeyError for every header that is absent; a /v1 request asks for about seven
@@ -61,23 +61,22 @@ class LookupHeaders(Headers):
     are the same: the first value of a name, names compared as the raw (ASGI: lower-case) bytes
     against the asked name in lower case."""
 
-    def _first(self) -> dict[str, str]:
-        table: dict[str, str] | None = self.__dict__.get("_by_name")
-        if table is None:
-            table = self.__dict__["_by_name"] = _first_values(self._list)
-        return table
+    def __init__(self, *, scope: Scope) -> None:  # as BufferedRequest makes it: from the scope
+        super().__init__(scope=scope)
+        # Built at once: every /v1 request looks headers up (its id, its key, ...)
+        self._by_name = _first_values(self._list)
 
     def __getitem__(self, key: str) -> str:
         try:
-            return self._first()[key.lower()]
+            return self._by_name[key.lower()]
         except KeyError:
             raise KeyError(key) from None
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return self._first().get(key.lower(), default)
+        return self._by_name.get(key.lower(), default)
 
     def __contains__(self, key: Any) -> bool:
-        return key.lower() in self._first()
+        return key.lower() in self._by_name
 
 
 def _first_values(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
