@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.config import Config
+from uvicorn.protocols.http import httptools_impl as _httptools_impl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
@@ -420,14 +421,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._cancel_timer()
         cycle = self.cycle
-        super().on_headers_complete()
+        # uvicorn builds the request's cycle here (`httptools_impl.RequestResponseCycle`, a name
+        # looked up in its module at the call): a LaneCycle, uvicorn's cycle with a leaner send
+        # (`gateway.lane_cycle`), for this call only. Built by uvicorn's own constructor: a cycle
+        # whose class is changed afterwards loses its instances' shared-key dict (every attribute
+        # read slower: callgrind, ~10 k instructions a request more, not less).
+        _httptools_impl.RequestResponseCycle = LaneCycle
+        try:
+            super().on_headers_complete()
+        finally:
+            _httptools_impl.RequestResponseCycle = RequestResponseCycle
         if self.cycle is not cycle and self.cycle is not None:  # this request's: head and first events in one write
-            if type(self.cycle) is LaneCycle:  # started on the lane: the cycle holds the head itself
-                self.scope[HEAD_HOLD] = self.cycle  # type: ignore[literal-required]
-            else:
-                hold = HeadHold(self.transport)
-                self.cycle.transport = hold  # type: ignore[assignment]
-                self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
+            hold = HeadHold(self.transport)
+            self.cycle.transport = hold  # type: ignore[assignment]
+            self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
         # The body deadline: armed by `data_received` if the body is still due after this read.
         self._body_due = True
 
@@ -438,15 +445,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         # uvicorn starts every request's task here (at its headers, or a pipelined one when the
-        # one before it is answered). A POST to a /v1 lane route runs the lane itself, on a
-        # LaneCycle (`gateway.lane_cycle`): not the app's ASGI chain. `app is self.app`: not
-        # uvicorn's own 503 for its concurrency limit.
+        # one before it is answered). A POST to a /v1 lane route runs the lane itself
+        # (`gateway.lane_cycle`), not the app's ASGI chain. `app is self.app`: not uvicorn's own
+        # 503 for its concurrency limit.
         lane = self._lane
         if lane is not None and app is self.app:
             entry = lane.entry(cycle.scope)
             if entry is not None:
-                # uvicorn built the cycle (its constructor stays the only one); the class adds methods only
-                cycle.__class__ = LaneCycle
                 app = entry
         super()._start_asgi_task(cycle, app)
 
