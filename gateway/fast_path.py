@@ -14,7 +14,9 @@ request leaves the overload backlog's `pending` count when its handler has retur
 response (the relay returns a stream only once its first event is in), which is when that
 response starts. Everything else — admin, reports, /metrics, /health, /openapi.json,
 unknown paths — goes through FastAPI as before; the /v1 routes stay declared there too, for
-the OpenAPI document.
+the OpenAPI document. Under the gateway's listener (`tokenfleet up`) the protocol starts
+`FastLane` itself, past uvicorn's proxy-headers middleware and `GatewayApp.__call__`
+(`gateway.lane_cycle`); `GatewayApp` routes the same way under any other ASGI server.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ socket gets a `Listener` (its caps and live counts) and every connection a
   headers (408, OpenAI-style; the app sees `http.disconnect`);
 - answers 431 to too many header fields or too many header bytes, before buffering more.
 
-Idle keep-alive is uvicorn's own `timeout_keep_alive`. An optional ops listener (own socket,
+POST /v1 requests on the public listener start the app's lean lane directly, and every response
+is written by a leaner `send` of uvicorn's semantics (`gateway.lane_cycle`). Idle keep-alive is
+uvicorn's own `timeout_keep_alive`. An optional ops listener (own socket,
 own small caps) serves only the operator paths, so a flood on the public port cannot starve
 `/health` and `/metrics`.
 """
