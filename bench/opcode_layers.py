@@ -1,11 +1,12 @@
 """Bytecodes a streamed request executes, per layer of the gateway: where the interpreter's work goes.
 
-    .venv/bin/python bench/opcode_layers.py [--requests 200] [--chunks 4] [--top 40]
+    .venv/bin/python bench/opcode_layers.py [--requests 200] [--chunks 4] [--top 40] [--listener]
 
 callgrind (`bench/callgrind_request.py`) counts instructions exactly but sees only C functions:
 every Python function is `_PyEval_EvalFrameDefault`. This script names them. It runs the
 gateway of `bench/profile_gateway.py` (`create_app` over one static instance, TokenPilot, FCFS,
-uvicorn, a stub engine in this process streaming `--chunks` token chunks, then usage and
+uvicorn's own protocol, or with `--listener` the gateway's listener as `tokenfleet up` serves
+(its caps and deadlines, the /v1 lane of `gateway.lane_cycle`), a stub engine in this process streaming `--chunks` token chunks, then usage and
 [DONE]) and, after a warm-up of 60 requests, counts every bytecode the event loop's thread
 executes (`sys.settrace` with `f_trace_opcodes`) while `--requests` requests run one at a time.
 It prints bytecodes per request by layer (a function's layer is where its code lives; the
@@ -39,7 +40,8 @@ ROOT = oo.ROOT
 
 # (layer, substrings of the code's file, function names or None for all); first match wins
 LAYERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...] | None], ...] = (
-    ("server protocol (uvicorn, listener)", ("/uvicorn/", "/gateway/listener.py", "/gateway/head_hold.py"), None),
+    ("server protocol (uvicorn, listener)", ("/uvicorn/", "/gateway/listener.py", "/gateway/head_hold.py",
+                                             "/gateway/lane_cycle.py"), None),
     ("ASGI lane (FastLane, body read, Request)", ("/gateway/fast_path.py", "/gateway/body_limit.py",
                                                   "/gateway/overload.py", "/starlette/"), None),
     ("parse + tokenize", ("/gateway/requests.py", "/gateway/json_body.py", "/fleetcore/prefix.py",
@@ -84,7 +86,25 @@ def layer_of(filename: str, name: str) -> str:
     return "other"
 
 
-def child(port: int, engine_url: str, out: str) -> None:
+def _serve_through_listener() -> None:
+    """`uvicorn.run` as `tokenfleet up` serves (gateway/cli.py): the listener's protocol
+    (`GuardedHttpToolsProtocol`, caps, deadlines, the /v1 lane) on a socket bound by
+    `bind_socket`, uvicorn's default proxy-headers middleware in front of the app."""
+    import uvicorn
+
+    from fleetcore.fleet_config import GatewaySettings
+    from gateway.listener import bind_socket, build_listeners, protocol_class
+
+    def run(app: Any, *, host: str, port: int, **kwargs: Any) -> None:
+        sock = bind_socket(host, port)
+        listeners, _ = build_listeners(GatewaySettings(), sock, None, 4096)
+        server = uvicorn.Server(uvicorn.Config(app, http=protocol_class(listeners), ws="none", **kwargs))
+        server.run(sockets=[sock])  # the loop uvicorn picks (uvloop), as `tokenfleet up`
+
+    uvicorn.run = run  # type: ignore[assignment]
+
+
+def child(port: int, engine_url: str, out: str, listener: bool = False) -> None:
     counts: collections.Counter[Any] = collections.Counter()
 
     def local(frame: Any, event: str, arg: Any) -> Any:
@@ -114,6 +134,8 @@ def child(port: int, engine_url: str, out: str) -> None:
 
     make = slomax.make_admission
     gateway.app.make_admission = lambda _policy, cfg=None: make("fcfs", cfg)  # type: ignore[assignment]
+    if listener:
+        _serve_through_listener()
     try:
         oo.child(port, engine_url)
     finally:
@@ -125,7 +147,8 @@ def child(port: int, engine_url: str, out: str) -> None:
 async def run(args: argparse.Namespace, out: str) -> None:
     runner, engine_url = await oo.serve(oo.engine_app(args.chunks))
     port = oo.free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(port), engine_url, out], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, __file__, "--child", str(port), engine_url, out,
+                             *(["--listener"] if args.listener else [])], cwd=ROOT)
     try:
         url = f"http://127.0.0.1:{port}"
         await oo.wait_ready(url, proc)
@@ -162,10 +185,12 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--chunks", type=int, default=4, help="token chunks per answer from the stub engine")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--listener", action="store_true",
+                   help="serve through the gateway's listener as `tokenfleet up` does (default: uvicorn's own protocol)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(int(args.child[0]), args.child[1], args.child[2])
+        child(int(args.child[0]), args.child[1], args.child[2], args.listener)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "opcodes.json")

@@ -14,7 +14,9 @@ request leaves the overload backlog's `pending` count when its handler has retur
 response (the relay returns a stream only once its first event is in), which is when that
 response starts. Everything else — admin, reports, /metrics, /health, /openapi.json,
 unknown paths — goes through FastAPI as before; the /v1 routes stay declared there too, for
-the OpenAPI document.
+the OpenAPI document. Under the gateway's listener (`tokenfleet up`) the protocol starts
+`FastLane` itself, past uvicorn's proxy-headers middleware and `GatewayApp.__call__`
+(`gateway.lane_cycle`); `GatewayApp` routes the same way under any other ASGI server.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class GatewayApp(FastAPI):
 
 
 class LookupHeaders(Headers):
-    """Starlette's request headers, looked up in a dict built at the first lookup.
+    """Starlette's request headers, looked up in a dict built with them.
 
     Starlette's `Headers` scans the raw list for every lookup and, through `Mapping.get`, raises
     and catches a KeyError for every header that is absent; a /v1 request asks for about seven
@@ -61,26 +63,38 @@ class LookupHeaders(Headers):
     are the same: the first value of a name, names compared as the raw (ASGI: lower-case) bytes
     against the asked name in lower case."""
 
-    def _first(self) -> dict[str, str]:
-        table: dict[str, str] | None = self.__dict__.get("_by_name")
-        if table is None:
-            # Read backwards, so that a name's first value is the one left (one comprehension:
-            # no method call per header)
-            table = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(self._list)}
-            self.__dict__["_by_name"] = table
-        return table
+    def __init__(self, *, scope: Scope) -> None:  # as BufferedRequest makes it: from the scope
+        super().__init__(scope=scope)
+        # Built at once: every /v1 request looks headers up (its id, its key, ...)
+        self._by_name = _first_values(self._list)
 
     def __getitem__(self, key: str) -> str:
         try:
-            return self._first()[key.lower()]
+            return self._by_name[key.lower()]
         except KeyError:
             raise KeyError(key) from None
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return self._first().get(key.lower(), default)
+        return self._by_name.get(key.lower(), default)
 
     def __contains__(self, key: Any) -> bool:
-        return key.lower() in self._first()
+        return key.lower() in self._by_name
+
+
+def _first_values(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """{name: its first value}, decoded as latin-1, from a list of raw header pairs. Read
+    backwards, so that a name's first value is the one left. Built in C, without a Python step
+    per header: names and values each joined by a newline, decoded once and split again; the
+    parser lets no newline into a name or a value, and a list with one anyway (not from the
+    parser) comes apart into more parts than it has pairs and is read pair by pair instead."""
+    if not raw:
+        return {}
+    names, values = zip(*reversed(raw))
+    keys = b"\n".join(names).decode("latin-1").split("\n")
+    vals = b"\n".join(values).decode("latin-1").split("\n")
+    if len(keys) == len(vals) == len(raw):
+        return dict(zip(keys, vals))
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(raw)}
 
 
 class BufferedRequest(Request):

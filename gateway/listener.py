@@ -14,7 +14,9 @@ socket gets a `Listener` (its caps and live counts) and every connection a
   headers (408, OpenAI-style; the app sees `http.disconnect`);
 - answers 431 to too many header fields or too many header bytes, before buffering more.
 
-Idle keep-alive is uvicorn's own `timeout_keep_alive`. An optional ops listener (own socket,
+POST /v1 requests on the public listener start the app's lean lane directly, and every response
+is written by a leaner `send` of uvicorn's semantics (`gateway.lane_cycle`). Idle keep-alive is
+uvicorn's own `timeout_keep_alive`. An optional ops listener (own socket,
 own small caps) serves only the operator paths, so a flood on the public port cannot starve
 `/health` and `/metrics`.
 """
@@ -38,13 +40,15 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http import httptools_impl as _httptools_impl
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from fleetcore.fleet_config import GatewaySettings
 from gateway.errors import INVALID_REQUEST, SERVER_ERROR, error_body
 from gateway.head_hold import SCOPE_KEY as HEAD_HOLD
 from gateway.head_hold import HeadHold
+from gateway.lane_cycle import Lane, LaneCycle, find_lane
 from gateway.loop_monitor import LoopMonitor, running_on
 
 log = logging.getLogger("tokenfleet.listener")
@@ -152,6 +156,7 @@ class Listener:
         self._per_client: dict[str, int] = {}
         self.closed: Counter[str] = Counter()  # connections refused or closed by us, by reason
         self._wrapped: tuple[ASGIApp, ASGIApp] | None = None
+        self._lane: tuple[ASGIApp, Lane | None] | None = None  # (the app, its /v1 lane), found once
 
     def admit(self, client: str) -> bool:
         if self.open >= self.limits.max_connections:
@@ -170,6 +175,15 @@ class Listener:
         n = self._per_client.pop(client) - 1
         if n:
             self._per_client[client] = n
+
+    def lane_for(self, app: ASGIApp) -> Lane | None:
+        """The /v1 lane this listener serves `app`'s POST /v1 requests by (`gateway.lane_cycle`):
+        none on a listener that serves only some paths (the ops one: /v1 is not among them)."""
+        if self.limits.paths is not None:
+            return None
+        if self._lane is None or self._lane[0] is not app:
+            self._lane = (app, find_lane(app))
+        return self._lane[1]
 
     def app_for(self, app: ASGIApp) -> ASGIApp:
         if self.limits.paths is None:
@@ -270,12 +284,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None  # the header or body deadline
         self._in_headers = False  # a request has begun (or the connection is new), headers incomplete
         self._header_bytes = 0  # bytes received during the header phase (whole reads; may overcount)
-        self._header_size = 0  # exact: request target plus complete header fields
-        self._header_count = 0
+        # What the request's head may still take (exact: request target plus complete header
+        # fields), counted down: one subtraction and one sign test a header (`on_header`)
+        self._header_room = 0  # bytes
+        self._headers_left = 0  # header fields
         self._read_len = 0
         self._refusal: tuple[int, str, str] | None = None
         self._monitor: LoopMonitor | None = None  # the loop's stall monitor: told when bytes arrive
         self._lingering = False  # refused, answered, waiting for the client's close (`_close_refused`)
+        self._lane: Lane | None = None  # the app's /v1 lane on this listener (`_start_asgi_task`)
+        self._body_due = False  # a request's headers are in, its body is not (the body deadline's phase)
 
     # --- connection ---
 
@@ -291,6 +309,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._close_refused(transport)
             return
         self._listener = listener
+        self._lane = listener.lane_for(self.app)
         self.app = listener.app_for(self.app)
         self._monitor = running_on(self.loop)
         if self._monitor is not None:
@@ -356,6 +375,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_headers and self._header_bytes > self._listener.limits.max_header_bytes:
             self._refuse(431, f"Request headers are larger than {self._listener.limits.max_header_bytes} bytes.",
                          "headers_too_large")
+            return
+        if self._timer is None:
+            # A deadline only for a request still arriving after this read (its clock starts
+            # now, in the same loop step as its bytes): the usual request, whole in one read,
+            # has neither timer armed and cancelled (`_begin_headers`, `on_headers_complete`).
+            if self._in_headers:
+                self._arm(self._listener.limits.header_timeout_s, self._header_timeout)
+            elif self._body_due:
+                self._arm(self._listener.limits.body_timeout_s, self._body_timeout)
 
     # --- parser callbacks ---
 
@@ -364,28 +392,29 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         assert self._listener is not None
         self.scope["tokenfleet.listener"] = self._listener.limits.name  # type: ignore[typeddict-unknown-key]
         if not self._in_headers:
-            # A later request on a kept-alive connection: its header clock starts with its first byte.
+            # A later request on a kept-alive connection: its header clock starts with its first byte
+            # (armed by `data_received` if its headers are not all in this read).
             # The whole read counts (a pipelined request's tail may precede it): an overcount only.
-            self._begin_headers(self._read_len)
+            self._begin_headers(self._read_len, arm=False)
 
     def on_url(self, url: bytes) -> None:
         self._count_header_bytes(len(url))
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Once per header of every request: the byte count inline (`_count_header_bytes`' test)
-        # and uvicorn's own `on_header` called as a function, not through `super()` (httptools'
-        # feed_data, both sides' header callbacks, 184 -> 167 k instructions a request:
-        # bench/README.md, "Issue 14: per layer").
-        limits = self._listener.limits  # type: ignore[union-attr]  (set before the parser runs)
-        self._header_count += 1
-        if self._header_count > limits.max_header_count:
-            self._refusal = (431, f"More than {limits.max_header_count} header fields.", "too_many_headers")
-            raise _Refused
-        self._header_size += len(name) + len(value) + 4
-        if self._header_size > limits.max_header_bytes:
-            self._refusal = (431, f"Request headers are larger than {limits.max_header_bytes} bytes.",
-                             "headers_too_large")
+        # Once per header of every request: the limits as budgets counted down (no attribute
+        # chain to the limits, one test for both) and uvicorn's own `on_header` called as a
+        # function, not through `super()` (bench/README.md, "Issue 14: per layer", and "the
+        # server side").
+        self._headers_left -= 1
+        self._header_room -= len(name) + len(value) + 4
+        if self._headers_left < 0 or self._header_room < 0:
+            limits = self._listener.limits  # type: ignore[union-attr]  (set before the parser runs)
+            if self._headers_left < 0:  # the count first, as it was tested first
+                self._refusal = (431, f"More than {limits.max_header_count} header fields.", "too_many_headers")
+            else:
+                self._refusal = (431, f"Request headers are larger than {limits.max_header_bytes} bytes.",
+                                 "headers_too_large")
             raise _Refused
         _uvicorn_on_header(self, name, value)
 
@@ -394,33 +423,56 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._cancel_timer()
         cycle = self.cycle
-        super().on_headers_complete()
+        # uvicorn builds the request's cycle here (`httptools_impl.RequestResponseCycle`, a name
+        # looked up in its module at the call): a LaneCycle, uvicorn's cycle with a leaner send
+        # (`gateway.lane_cycle`), for this call only. Built by uvicorn's own constructor: a cycle
+        # whose class is changed afterwards loses its instances' shared-key dict (every attribute
+        # read slower: callgrind, ~10 k instructions a request more, not less).
+        _httptools_impl.RequestResponseCycle = LaneCycle
+        try:
+            super().on_headers_complete()
+        finally:
+            _httptools_impl.RequestResponseCycle = RequestResponseCycle
         if self.cycle is not cycle and self.cycle is not None:  # this request's: head and first events in one write
             hold = HeadHold(self.transport)
             self.cycle.transport = hold  # type: ignore[assignment]
             self.scope[HEAD_HOLD] = hold  # type: ignore[literal-required]
-        # Cancelled by on_message_complete, at once for a request without a body.
-        self._arm(self._listener.limits.body_timeout_s, self._body_timeout)
+        # The body deadline: armed by `data_received` if the body is still due after this read.
+        self._body_due = True
 
     def on_message_complete(self) -> None:
+        self._body_due = False
         self._cancel_timer()
         super().on_message_complete()
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # uvicorn starts every request's task here (at its headers, or a pipelined one when the
+        # one before it is answered). A POST to a /v1 lane route runs the lane itself
+        # (`gateway.lane_cycle`), not the app's ASGI chain. `app is self.app`: not uvicorn's own
+        # 503 for its concurrency limit.
+        lane = self._lane
+        if lane is not None and app is self.app:
+            entry = lane.entry(cycle.scope)
+            if entry is not None:
+                app = entry
+        super()._start_asgi_task(cycle, app)
+
     # --- deadlines and refusals ---
 
-    def _begin_headers(self, bytes_so_far: int) -> None:
+    def _begin_headers(self, bytes_so_far: int, arm: bool = True) -> None:
         assert self._listener is not None
         self._in_headers = True
         self._header_bytes = bytes_so_far
-        self._header_size = 0
-        self._header_count = 0
+        self._header_room = self._listener.limits.max_header_bytes
+        self._headers_left = self._listener.limits.max_header_count
         self._cancel_timer()
-        self._arm(self._listener.limits.header_timeout_s, self._header_timeout)
+        if arm:
+            self._arm(self._listener.limits.header_timeout_s, self._header_timeout)
 
     def _count_header_bytes(self, n: int) -> None:
         assert self._listener is not None
-        self._header_size += n
-        if self._header_size > self._listener.limits.max_header_bytes:
+        self._header_room -= n
+        if self._header_room < 0:
             self._refusal = (431, f"Request headers are larger than {self._listener.limits.max_header_bytes} bytes.",
                              "headers_too_large")
             raise _Refused

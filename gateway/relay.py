@@ -696,7 +696,16 @@ class RelayStreamingResponse(Response):
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]
-        head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]  # (no generator)
+        h = self.headers
+        if h:
+            # Names and values each joined by a newline, converted once and split again: no
+            # Python step per header. A newline inside one (none of ours has one) makes more
+            # parts than headers: then header by header, as before.
+            names = "\n".join(h).lower().encode("latin-1").split(b"\n")
+            values = "\n".join(h.values()).encode("latin-1").split(b"\n")
+            if len(names) == len(values) == len(h):
+                return [*_SSE_HEAD, *zip(names, values), _SSE_CONTENT_TYPE]
+        head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in h.items()]  # (no generator)
         return [*_SSE_HEAD, *head, _SSE_CONTENT_TYPE]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
