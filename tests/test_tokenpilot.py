@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
-
 from fleetcore.prefix import synthetic_block_hashes
 from fleetcore.types import InstanceSnapshot, RequestOutcome, RequestProfile
 from tokenpilot.cache_index import PrefixCacheIndex
@@ -249,21 +247,3 @@ def test_match_blocks_cached_groups_follow_membership_changes() -> None:
         by_id = idx.match(probe, pool)
         assert idx.match_blocks(probe, pool).tolist() == [float(by_id[i]) for i in pool], n
     assert 0 < len(idx._members) <= 4096  # the cache was used, within its bound
-
-
-def test_kv_reads_beside_streams_are_priced_at_the_own_decode_rate() -> None:
-    """With `price_kv_externality`, joining an instance where streams decode costs them the KV reads
-    this request's context adds to each of their steps, at `decode_weight`; where none decodes, nothing."""
-    from dataclasses import replace
-
-    cfg = replace(NO_EXPLORE, price_kv_externality=True)
-    on = TokenPilot({i: PRIOR for i in "abc"}, config=cfg)
-    off = pilot("a", "b", "c")
-    pool = [inst("a", num_running=20), inst("b", num_running=10), inst("c")]
-    by_on = {c.name: c.detail for c in on.route(req("r", list(range(8))), pool, 0.0).candidates}
-    by_off = {c.name: c.detail for c in off.route(req("r", list(range(8))), pool, 0.0).candidates}
-    assert all(d["interference_s"] == 0 for d in by_off.values())  # 20 streams have slack: free before
-    assert by_on["c"]["interference_s"] == 0
-    assert by_on["a"]["interference_s"] > 0
-    # linear in the streams beside it
-    assert by_on["a"]["interference_s"] == pytest.approx(2 * by_on["b"]["interference_s"], rel=0.05)

@@ -68,8 +68,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_KV_EXT_W) = range(14)
-PARAMS = 14  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN) = range(13)
+PARAMS = 13  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(UniTuple(float64, 2)(float64[:, ::1], intp, float64), **INLINE)
 def drain_s(m: np.ndarray, s: int, elapsed: float) -> tuple[float, float]:
@@ -204,13 +204,6 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # its SLO); without this term, requests whose prefill is cheap everywhere would
         # all tie on TTFT and pile onto one instance.
         own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - duty_after)
-        # The same KV read seen from the other side: every step this request decodes there, each
-        # stream decoding beside it reads its context too, over (on average) their remaining output.
-        # Priced at the rate of its own decoding, so that a stream's cost to its neighbours counts
-        # as its neighbours' cost to it does (0: not priced).
-        ext_w = p[P_KV_EXT_W]
-        if ext_w != 0.0:
-            interference += ext_w * streams * remaining * (tpot_factor * prompt * kv_s / (1 - duty_after))
         positive = _max(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
         capacity = m[CAPACITY_BLOCKS, s]
         kv_max = _max(kv_max, kv_usage[j])
