@@ -69,9 +69,6 @@ class TokenPilotConfig:
     # Rank candidates by the learned latency model's TTFT / TPOT (`tokenpilot.latency_model`)
     # instead of the physics' own. Either way the decision reports the learned predictions.
     learned_cost: bool = False
-    # Own decode stretched by the duty it will see on average over its decode (the instance's excess
-    # over the pool's mean decaying with the duty's window), not the duty of now (i19-span experiment).
-    duty_reverts: bool = False
 
 
 @dataclass(slots=True)
@@ -442,8 +439,7 @@ class TokenPilot(InstanceRouter):
         n = len(pool)
         p = np.array((profile.prompt_tokens, profile.block_size, now, self._duty_window(), self._remaining_tokens(),
                       cfg.tpot_slo_s, cfg.max_duty, cfg.interference_weight, cfg.locality_weight, cfg.decode_weight,
-                      cfg.decode_slo_weight, 0.0, 0.0, 1.0 if cfg.duty_reverts else 0.0),
-                     dtype=np.float64)  # (sk.P_*: P_KV_MAX, P_CAPACITY_MIN are answers)
+                      cfg.decode_slo_weight, 0.0, 0.0), dtype=np.float64)  # (sk.P_*: the last two are answers)
         # the snapshots' fields, read once each
         # (one array, three C-contiguous rows: each value converted as np.fromiter converts it)
         running, waiting, kv_usage = np.array([c.num_running for c in pool] + [c.num_waiting for c in pool]

@@ -21,8 +21,6 @@ the learned latency model's features, C-contiguous like the `np.array` of rows t
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import float64, intp, njit, void
 from numba.types import UniTuple
@@ -70,8 +68,8 @@ OUT_ROWS = O_FEATURES + N_FEATURES
 
 # -- a decision's scalars (`p`) -----------------------------------------------------------------
 (P_PROMPT, P_BLOCK_SIZE, P_NOW, P_WINDOW, P_REMAINING, P_TPOT_SLO, P_MAX_DUTY, P_INTERFERENCE_W,
- P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN, P_DUTY_REVERTS) = range(14)
-PARAMS = 14  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
+ P_LOCALITY_W, P_DECODE_W, P_DECODE_SLO_W, P_KV_MAX, P_CAPACITY_MIN) = range(13)
+PARAMS = 13  # (P_KV_MAX, P_CAPACITY_MIN: written by `score`, for `TokenPilot._kv_cost`)
 
 @njit(UniTuple(float64, 2)(float64[:, ::1], intp, float64), **INLINE)
 def drain_s(m: np.ndarray, s: int, elapsed: float) -> tuple[float, float]:
@@ -143,13 +141,6 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
     cap_prompt = _max(prompt - 1.0, 0.0)  # (max(prompt - 1, 0) on ints: exact as floats)
     n = k.shape[0]
     kv_max, cap_min = -np.inf, np.inf
-    # The pool's mean prefill duty now: where an instance's own duty reverts to over a decode.
-    reverts = p[P_DUTY_REVERTS] != 0.0
-    pool_duty = 0.0
-    if reverts:
-        for j in range(n):
-            pool_duty += m[DUTY, k[j]] * o[O_DECAY, j]
-        pool_duty /= _max(n, 1.0)
     for j in range(n):
         s = k[j]
         cached = _min(matched[j] * block_size, cap_prompt)
@@ -212,13 +203,6 @@ def score(m: np.ndarray, k: np.ndarray, running: np.ndarray, waiting: np.ndarray
         # instance stretches this request's time per token (and past the TPOT budget, costs
         # its SLO); without this term, requests whose prefill is cheap everywhere would
         # all tie on TTFT and pile onto one instance.
-        if reverts:
-            # The duty is an EWMA over `window` seconds: over a decode of `span` seconds the instance's
-            # excess over the pool's mean decays (new prefills arrive at the pool's rate), so the
-            # stretch the decode sees on average is that of the mean duty over its span.
-            span = 2 * remaining * tpot_factor * (decode_step + prompt * kv_s)
-            g = 1.0 if span <= 0.0 else window / span * (1.0 - math.exp(-span / window))
-            duty_after = _min(max_duty, _max(0.0, pool_duty + (duty_after - pool_duty) * g))
         own_step = tpot_factor * (decode_step + prompt * kv_s) / (1 - duty_after)
         positive = _max(forward, 1e-9)  # (> 0 with any prior that has a step cost; guarded all the same)
         capacity = m[CAPACITY_BLOCKS, s]
