@@ -36,6 +36,9 @@ class Recorded:
     detail: Mapping[str, float]  # the chosen candidate's cost terms (`Candidate.detail`)
     outcome: RequestOutcome
     region: str | None = None  # the client's region (the site's round trip from it: `network_s`)
+    # the learned latency model's features of the chosen instance at the decision (`sk.O_FEATURES`
+    # rows: queue, prefill, uncached/1e3, streams, context/1e6, ...); None where none was kept
+    features: tuple[float, ...] | None = None
 
 
 class Recorder(TokenPilot):
@@ -49,6 +52,7 @@ class Recorder(TokenPilot):
         self.fleet: Any = None  # the fleet file it ran (`run_recorded`)
         self._at: dict[str, tuple[float, float, Mapping[str, float]]] = {}
         self._region: dict[str, str | None] = {}
+        self._features: dict[str, tuple[float, ...]] = {}
 
     def route(self, profile: RequestProfile, candidates: Any, now: float) -> Any:
         d = super().route(profile, candidates, now)
@@ -61,6 +65,9 @@ class Recorder(TokenPilot):
             self._at[profile.request_id] = (held, now, {**c.detail, "decision_ttft_s": d.predicted_ttft_s,
                                                         "reported_ttft_s": d.predicted_ttft_s})
             self._region[profile.request_id] = profile.client_region
+            f = self._inflight.get(profile.request_id)
+            if f is not None:
+                self._features[profile.request_id] = tuple(float(v) for v in f.features)
         return d
 
     def reported(self, request_id: str, ttft_s: float | None) -> None:
@@ -72,7 +79,8 @@ class Recorder(TokenPilot):
     def observe(self, outcome: RequestOutcome) -> None:
         p = self._at.pop(outcome.request_id, None)
         if p is not None:
-            self.rows.append(Recorded(outcome.request_id, *p, outcome, self._region.pop(outcome.request_id, None)))
+            self.rows.append(Recorded(outcome.request_id, *p, outcome, self._region.pop(outcome.request_id, None),
+                                      self._features.pop(outcome.request_id, None)))
         super().observe(outcome)
 
 

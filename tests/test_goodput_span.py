@@ -40,3 +40,17 @@ def test_table_row_on_a_small_prefix(tmp_path, capsys: pytest.CaptureFixture[str
         cells = r.split(" | ")
         assert cells[3] in gs.PEERS
         assert float(cells[5].rstrip("x")) > 0 and float(cells[6].rstrip("x")) > 0
+
+
+def test_decode_load_weights_co_runners_by_overlap() -> None:
+    # r decodes from 1.0 to 3.0 on "a"; q from 2.0 to 5.0 (half of r's decode), w on "b".
+    r = _rec("r", 0.5, "a", ttft=0.5, end=3.0)
+    q = _rec("q", 1.5, "a", prompt=1000, cached=200, ttft=0.5, end=5.0)  # output 10: context 1005
+    w = _rec("w", 1.5, "b", prompt=4000, ttft=0.5, end=5.0)
+    load = gs.decode_load([r, q, w])
+    assert load["r"]["streams"] == pytest.approx(0.5)
+    assert load["r"]["context"] == pytest.approx(0.5 * 1005)
+    assert load["r"]["prefill_tok_s"] == pytest.approx(800 / 2.0)  # q's first token at 2.0, inside r's decode
+    assert load["q"]["streams"] == pytest.approx(1.0 / 3.0)
+    assert load["q"]["prefill_tok_s"] == 0.0  # r's first token came before q's decode
+    assert load["w"]["streams"] == 0.0
