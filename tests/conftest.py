@@ -275,3 +275,24 @@ async def gateway_server() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 5)
         sock.close()
+
+
+# --- a gateway over one stub engine, with a key ---
+
+KEYED_GATEWAY_KEY = "sk-test"  # the key of tenant `dev` (tests write it out: "Bearer sk-test")
+
+
+@pytest.fixture
+async def keyed_gateway(stub_upstream: Callable[..., Awaitable[StubUpstream]],
+                        gateway_server: Callable[[Any], Awaitable[str]]) -> AsyncIterator[tuple[Any, StubUpstream]]:
+    """(client, stub): an httpx client of a gateway over one stub instance `i0` serving `m1`, whose
+    tenant `dev` has the key `sk-test`; `stub.requests` is what the engine was sent."""
+    import httpx  # (only the tests that use this fixture need it)
+
+    from gateway.app import create_app
+
+    stub = await stub_upstream()
+    config = make_config(tenants=[{"name": "dev", "api_keys": [KEYED_GATEWAY_KEY]}])
+    url = await gateway_server(create_app(config, [FakeAdapter([make_instance("i0", stub.url)])]))
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client, stub

@@ -9,15 +9,11 @@ the client wrote it."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.app import create_app
 from gateway.auth import Caller
 from gateway.json_body import MEMBER_WALK_MAX, parse_json_object, sent_as_parsed
 from gateway.relay import upstream_body, upstream_fields
@@ -155,19 +151,8 @@ KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
-@pytest.fixture
-async def gateway(stub_upstream: Callable[..., Awaitable[Any]], gateway_server: Callable[[Any], Awaitable[str]],
-                  fake_adapter: Any, instance_factory: Any, config_factory: Any) -> AsyncIterator[Any]:
-    stub = await stub_upstream()
-    config = config_factory(tenants=[{"name": "dev", "api_keys": [KEY]}])
-    app = create_app(config, [fake_adapter([instance_factory("i0", stub.url)])])
-    url = await gateway_server(app)
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        yield client, stub
-
-
-async def test_the_engine_gets_the_clients_bytes_or_the_encoded_body(gateway: Any) -> None:
-    client, stub = gateway
+async def test_the_engine_gets_the_clients_bytes_or_the_encoded_body(keyed_gateway: Any) -> None:
+    client, stub = keyed_gateway
     same = b'{"model": "m1", "prompt": "a b", "max_tokens": 2, "stream": true, "stream_options": {"include_usage": true}}'
     forced = b'{"model": "m1", "prompt": "a b", "max_tokens": 2, "stream": true}'
     colon = b'{"model": "m1", "prompt": "a: b", "max_tokens": 2, "stream": true}'

@@ -3,32 +3,16 @@ or a KV of the client's choosing (fail closed: 400, the engine never sees the bo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
-import pytest
-
-from gateway.app import create_app
 from gateway.openai_fields import PD_LEG_FIELDS
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture
-async def gateway(stub_upstream: Callable[..., Awaitable[Any]], gateway_server: Callable[[Any], Awaitable[str]],
-                  fake_adapter: Any, instance_factory: Any, config_factory: Any) -> AsyncIterator[Any]:
-    stub = await stub_upstream()
-    config = config_factory(tenants=[{"name": "dev", "api_keys": [KEY]}])
-    app = create_app(config, [fake_adapter([instance_factory("i0", stub.url)])])
-    url = await gateway_server(app)
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        yield client, stub
-
-
-async def test_a_client_set_pd_leg_field_is_refused_before_any_engine(gateway: Any) -> None:
-    client, stub = gateway
+async def test_a_client_set_pd_leg_field_is_refused_before_any_engine(keyed_gateway: Any) -> None:
+    client, stub = keyed_gateway
     values: dict[str, object] = {
         "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_port": 5600,
                                "remote_block_ids": [1, 2, 3]},
