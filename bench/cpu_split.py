@@ -24,16 +24,14 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (bench/ is not a package: the same worker, gateway, router and load)
-from request_wakeups import parse_strace  # noqa: E402  (one reader of strace -c's table)
+from request_wakeups import strace_round  # noqa: E402  (one strace round, one reader of its table)
 from fleetsim.live import Target, new_session, replay  # noqa: E402
 
 
@@ -69,22 +67,6 @@ async def one_round(name: str, url: str, key: str | None, pid: int, wl: Any, ses
     row = {"user_us": 1e6 * (u1 - u0) / n, "sys_us": 1e6 * (s1 - s0) / n, "ok": ok, "n": len(run.records),
            "busy": (peers._system_busy_s() - b0) / max(run.wall_s, 1e-9), "load": os.getloadavg()[0]}
     return row
-
-
-async def strace_round(url: str, key: str | None, pid: int, wl: Any, session: Any, out: Path) -> dict[str, float]:
-    st = subprocess.Popen(["strace", "-f", "-c", "-q", "-o", str(out), "-p", str(pid)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    await asyncio.sleep(1.0)  # attached to every thread before the first request
-    try:
-        await replay(wl, Target(url.removesuffix("/v1"), peers.MODEL, key), session=session, timeout_s=30)
-    finally:
-        st.send_signal(signal.SIGINT)
-        _, err = st.communicate(timeout=30)
-    calls = parse_strace(out.read_text())
-    if not calls:
-        raise RuntimeError(f"strace gave no table: {err.decode(errors='replace')[-500:]}")
-    n = len(wl.requests)
-    return {k: v / n for k, v in sorted(calls.items(), key=lambda kv: -kv[1])}
 
 
 async def main_async(args: argparse.Namespace) -> None:

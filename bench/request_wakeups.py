@@ -348,14 +348,14 @@ def parse_strace(text: str) -> dict[str, int]:
     return out
 
 
-async def strace_round(gw: Gateway, wl: Any, session: Any, tmp: Path) -> dict[str, float]:
-    out = tmp / f"strace-{gw.pid}.txt"
-    st = subprocess.Popen(["strace", "-f", "-c", "-q", "-o", str(out), "-p", str(gw.pid)],
+async def strace_round(url: str, key: str | None, pid: int, wl: Any, session: Any, out: Path) -> dict[str, float]:
+    """System calls per request by kind: one replay of `wl` to `url` with `strace -f -c` on process
+    `pid` (all its threads), its table written to `out`."""
+    st = subprocess.Popen(["strace", "-f", "-c", "-q", "-o", str(out), "-p", str(pid)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     await asyncio.sleep(1.0)  # attached to every thread before the first request
     try:
-        await replay(wl, Target(gw.proc.url.removesuffix("/v1"), peers.MODEL, peers.API_KEY), session=session,
-                     timeout_s=30)
+        await replay(wl, Target(url.removesuffix("/v1"), peers.MODEL, key), session=session, timeout_s=30)
     finally:
         st.send_signal(signal.SIGINT)
         _, err = st.communicate(timeout=30)
@@ -436,7 +436,8 @@ async def amain(args: argparse.Namespace) -> int:
             if args.strace:
                 report["strace"] = {}
                 for g in gws:
-                    report["strace"][g.label] = calls = await strace_round(g, wl, session, tmp)
+                    report["strace"][g.label] = await strace_round(g.proc.url, peers.API_KEY, g.pid, wl, session,
+                                                                  tmp / f"strace-{g.pid}.txt")
                 names = list(dict.fromkeys(k for c in report["strace"].values() for k in c))
                 print(f"{'syscalls per request (strace -f -c)':<40}" + "".join(f"{g.label:>16}" for g in gws))
                 for k in names:
