@@ -394,6 +394,6 @@ class StreamReader:
                 return
             ev = parse_sse_event(raw)
             if ev.malformed:
-                st.error = f"unparseable stream chunk {ev.data[:80]!r}"
+                st.error = f"unparseable stream chunk {(ev.data or '')[:80]!r}"  # (malformed: data is a str)
             else:
                 st.account(ev, now)

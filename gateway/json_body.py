@@ -29,7 +29,7 @@ from gateway.errors import bad_request
 
 # A JSON string, escapes included; used only to blank strings out before counting structure.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE = re.compile("[" + chr(0xD800) + "-" + chr(0xDFFF) + "]")  # (chr: mypyc refuses surrogate literals)
 _OPEN_ARRAY, _OPEN_OBJECT, _CLOSE_ARRAY, _CLOSE_OBJECT = b"[{]}"
 
 
@@ -134,7 +134,8 @@ def sent_as_parsed(raw: bytes, body: dict[str, Any]) -> bool:
 def _members(body: dict[str, Any]) -> int | None:
     """The members of every object in `body` (json.loads' dicts and lists; their values
     visited iteratively); None past MEMBER_WALK_MAX values."""
-    n, budget, todo = 0, MEMBER_WALK_MAX, [body]
+    n, budget = 0, MEMBER_WALK_MAX
+    todo: list[Any] = [body]
     while todo:
         v = todo.pop()
         if type(v) is dict:
