@@ -21,6 +21,13 @@ from fleetcore.fleet_config import FleetConfig
 from gateway.listener import bind_socket
 
 
+# How long the shutdown waits for connections still open and requests still running before it
+# cancels them. uvicorn's default is no bound: one connection left open (a client that never
+# closed it, a request task stuck) held a test fixture's teardown for good (seen once in four CI
+# runs, tests/test_e2e_dropin.py's module fleet). Every wait has a timeout.
+SHUTDOWN_GRACE_S = 5  # seconds (uvicorn takes an int)
+
+
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -32,7 +39,8 @@ class _EmbeddedServer(uvicorn.Server):
 async def serve_app(app: object, host: str = "127.0.0.1") -> AsyncIterator[str]:
     """Serve `app` on a free port; yields its base URL and shuts it down afterwards."""
     sock = bind_socket(host, 0, backlog=1024)
-    server = _EmbeddedServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    server = _EmbeddedServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
