@@ -27,6 +27,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
@@ -76,11 +77,11 @@ def decode_load(records: Sequence[RequestRecord]) -> dict[str, dict[str, float]]
     return out
 
 
-def decode_line(name: str, seed: int, pol: str, st: dict, recs: Sequence[RequestRecord], slos) -> str:
-    """One line of `--decode`'s table for one run (`st`: its `summarize_all`)."""
+def decode_line(name: str, seed: int, pol: str, st: dict, recs: Sequence[RequestRecord], slos: Any,
+                load: dict[str, dict[str, float]]) -> str:
+    """One line of `--decode`'s table for one run (`st`: its `summarize_all`; `load`: its `decode_load`)."""
     import numpy as np
 
-    load = decode_load(recs)
     last = max(recs, key=lambda r: r.end_s or 0.0)
     tpots = [r.tpot_s for r in recs if r.status == "completed" and r.tpot_s is not None]
     mean = {k: float(np.mean([v[k] for v in load.values()])) for k in ("streams", "context", "prefill_tok_s")}
@@ -96,9 +97,9 @@ def decode_line(name: str, seed: int, pol: str, st: dict, recs: Sequence[Request
             f"| {drain:.2f} | {st['goodput_tok_s']:.0f} | {good / span2:.0f} |")
 
 
-def tail_lines(name: str, seed: int, pol: str, recs: Sequence[RequestRecord], n: int) -> list[str]:
-    """`--tail`'s lines: the `n` requests of one run that end last, latest first."""
-    load = decode_load(recs)
+def tail_lines(name: str, seed: int, pol: str, recs: Sequence[RequestRecord], n: int,
+               load: dict[str, dict[str, float]]) -> list[str]:
+    """`--tail`'s lines: the `n` requests of one run that end last, latest first (`load`: its `decode_load`)."""
     z = {"streams": 0.0, "context": 0.0, "prefill_tok_s": 0.0}
     out = []
     for r in sorted((r for r in recs if r.end_s is not None), key=lambda r: -(r.end_s or 0.0))[:n]:
@@ -151,11 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"| {st['span_s']:.2f} / {sp['span_s']:.2f} | {last} ({lt.output_tokens}) "
                   f"| {1e3 * (lt.tpot_s or 0):.2f} / {1e3 * (lp.tpot_s or 0):.2f} "
                   f"| {stalls_during(rt, lt)} / {stalls_during(rp, lp)} |", flush=True)
-            if a.decode:
-                decode += [decode_line(name, seed, pol, runs[pol][0], runs[pol][1], slos) for pol in ("tokenpilot", peer)]
-            if a.tail:
-                for pol in ("tokenpilot", peer):
-                    tails += tail_lines(name, seed, pol, runs[pol][1], a.tail)
+            for pol in ("tokenpilot", peer) if a.decode or a.tail else ():
+                load = decode_load(runs[pol][1])  # (once per run, for both tables)
+                if a.decode:
+                    decode.append(decode_line(name, seed, pol, runs[pol][0], runs[pol][1], slos, load))
+                if a.tail:
+                    tails += tail_lines(name, seed, pol, runs[pol][1], a.tail, load)
     if a.decode:
         print("\n| row | seed | policy | TPOT p50 / mean ms | streams beside | their context k tok "
               "| prefill tok/s beside | last to end: streams / context k / prefill tok/s | drain s "

@@ -23,7 +23,7 @@ from gateway.listener import bind_socket
 
 # How long the shutdown waits for connections still open and requests still running before it
 # cancels them. uvicorn's default is no bound: one connection left open (a client that never
-# closed it, a request task stuck) held a test fixture's teardown for good (seen once in four CI
+# closed it, a request task stuck) held a test fixture's teardown for good (seen once in five CI
 # runs, tests/test_e2e_dropin.py's module fleet). Every wait has a timeout.
 SHUTDOWN_GRACE_S = 5  # seconds (uvicorn takes an int)
 
