@@ -34,7 +34,8 @@ gateway's TTFT and TPOT come from its access log (`--log-level info --log-format
 second). `--gateway embedded`: the gateway in this process, on the client's event loop (the
 router wrapped to read its decisions and outcomes; the learned model switched off by an
 unfittable `LearnedLatency`): the client then sees the loop it shares with the gateway as well.
-Several modes (`process,embedded`) run interleaved, model by model, in one command. The machine's
+Several modes (`process,embedded`) run interleaved, model by model, in one command; a model named
+again (`--models prior,learned,prior,learned`) is another round. The machine's
 load average is printed before and after every run.
 """
 
@@ -679,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "engine's own view (`Probe`), written to PREFIX.MODEL.json, and a table by prompt length")
     p.add_argument("--save", default=None,
                    help="write each run's rows (predicted, client, gateway TTFT s; the same for TPOT; "
-                        "prompt tokens) to SAVE.MODE.MODEL.npy")
+                        "prompt tokens) to SAVE.MODE.MODEL.npy (SAVE.MODE.MODEL.I.npy for the I-th model named, I > 0)")
     a = p.parse_args(argv)
     modes = a.gateway.split(",")
     if not modes or any(m not in MODES for m in modes):
@@ -701,10 +702,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gateway logs: {runs}")
     results = []
     probes: list[tuple[str, str, Probe]] = []
-    for model in a.models.split(","):
+    for i, model in enumerate(a.models.split(",")):  # a model named again is another round
         for mode in modes:
             before = os.getloadavg()[0]
-            workdir = Path(runs) / f"{mode}-{model}"
+            workdir = Path(runs) / f"{i}-{mode}-{model}"
             workdir.mkdir()
             probe = Probe() if a.probe else None
             sent, seen = asyncio.run(run_embedded(setup, model, work, a.rate, workdir, probe) if probe
@@ -715,7 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 probes.append((mode, model, probe))
             got = np.array(joined(sent, seen), dtype=float).reshape(-1, HELD + 1)
             if a.save:
-                np.save(f"{a.save}.{mode}.{model}.npy", got)
+                np.save(f"{a.save}.{mode}.{model}{'.' + str(i) if i else ''}.npy", got)
             results.append((mode, model, got, len(sent), (before, os.getloadavg()[0])))
             print(f"done: {mode} {model}, {len(got)} of {len(sent)} answered, load {results[-1][4][1]:.2f}", flush=True)
     print(SUMMARY_HEADER)

@@ -311,6 +311,10 @@ class GatewaySettings(_Strict):
     # --- clients ---
     header_timeout_s: float = Field(default=10.0, gt=0, description="a request's headers must arrive within this")
     body_timeout_s: float = Field(default=30.0, gt=0, description="a request's body must arrive within this")
+    send_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="a client that takes no bytes of a response for this long is gone: its connection is "
+                    "closed and its request aborted on the engine (nginx's send_timeout)")
     keep_alive_timeout_s: float = Field(
         default=75.0, gt=0, description="idle client connection kept open (longer than clients' pools: 5 s for the OpenAI SDK)")
     max_connections: int = Field(default=8192, ge=1, description="client connections open at once")

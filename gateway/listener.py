@@ -12,7 +12,10 @@ socket gets a `Listener` (its caps and live counts) and every connection a
   `header_timeout_s` (408 once some bytes came, silently when none did);
 - closes a connection whose body has not all arrived within `body_timeout_s` of its
   headers (408, OpenAI-style; the app sees `http.disconnect`);
-- answers 431 to too many header fields or too many header bytes, before buffering more.
+- answers 431 to too many header fields or too many header bytes, before buffering more;
+- closes a connection that takes no bytes of a response for `send_timeout_s` (a client that
+  stopped reading: uvicorn would wait on the socket's drain for ever, holding the request and
+  its engine's KV cache); the app sees `http.disconnect`, so a relayed stream is aborted upstream.
 
 POST /v1 requests on the public listener start the app's lean lane directly, and every response
 is written by a leaner `send` of uvicorn's semantics (`gateway.lane_cycle`). Idle keep-alive is
@@ -30,7 +33,7 @@ import logging
 import resource
 import socket
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -41,6 +44,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.config import Config
 from uvicorn.protocols.http import httptools_impl as _httptools_impl
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
@@ -76,16 +80,18 @@ class ListenerLimits:
     max_header_count: int
     max_header_bytes: int
     paths: tuple[str, ...] | None = None  # None: every path; else only these (see OPS_PATHS)
+    send_timeout_s: float = 30.0  # a response's bytes not taken by the client for this long: closed
 
     @classmethod
     def public(cls, gw: GatewaySettings) -> ListenerLimits:
         return cls("public", gw.max_connections, min(gw.max_connections_per_client, gw.max_connections),
-                   gw.header_timeout_s, gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes)
+                   gw.header_timeout_s, gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes,
+                   send_timeout_s=gw.send_timeout_s)
 
     @classmethod
     def ops(cls, gw: GatewaySettings) -> ListenerLimits:
         return cls("ops", OPS_MAX_CONNECTIONS, OPS_MAX_CONNECTIONS_PER_CLIENT, gw.header_timeout_s,
-                   gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes, OPS_PATHS)
+                   gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes, OPS_PATHS, gw.send_timeout_s)
 
 
 def bind_socket(host: str, port: int, backlog: int = 2048, reuse_port: bool = False) -> socket.socket:
@@ -141,6 +147,29 @@ def fit_to_fd_limit(limits: ListenerLimits, nofile: int, reserved: int) -> tuple
                      max_connections_per_client=min(limits.max_connections_per_client, room))
     return fitted, (f"gateway.max_connections {limits.max_connections} lowered to {room}: the open-file "
                     f"limit is {nofile} (raise it with `ulimit -Hn` or LimitNOFILE=)")
+
+
+class BoundedFlow(FlowControl):
+    """uvicorn's flow control with a bound on the write side: `drain` (a response's `send` while
+    the socket's buffer is over its high-water mark) waits at most `timeout_s` for the client to
+    take bytes, then calls `expired` (the protocol closes the connection). uvicorn's own waits for
+    ever: a client that stops reading holds its request, and the engine's KV cache behind it, for
+    as long as it keeps the connection open. Each drain is one stretch without progress: a client
+    that reads slowly but reads is never cut off."""
+
+    def __init__(self, transport: asyncio.Transport, timeout_s: float, expired: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self._timeout_s = timeout_s
+        self._expired = expired
+
+    async def drain(self) -> None:
+        writable = self._is_writable_event
+        if writable.is_set():
+            return
+        try:
+            await asyncio.wait_for(writable.wait(), self._timeout_s)
+        except asyncio.TimeoutError:
+            self._expired()
 
 
 class Listener:
@@ -315,6 +344,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._monitor is not None:
             self._monitor.poke()
         super().connection_made(transport)
+        self.flow = BoundedFlow(transport, listener.limits.send_timeout_s, self._send_timeout)
         # The header clock starts at connect: a connection that sends nothing is closed too.
         self._begin_headers(0)
 
@@ -517,6 +547,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.close()
+
+    def _send_timeout(self) -> None:
+        """The client took no bytes of a response for `send_timeout_s` (`BoundedFlow`): gone. The
+        cycle is marked disconnected now (its `send` drops what follows; the request's disconnect
+        watch hears `http.disconnect` and aborts the engine's stream) and the connection aborted:
+        a plain close would wait for the unread buffer to drain first, i.e. for ever."""
+        assert self._listener is not None
+        self._listener.closed["send_timeout"] += 1
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.abort()
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         assert self._listener is not None
