@@ -31,7 +31,9 @@ the fleet file (written with `gateway: {health_interval_s: 0.2, learned_latency:
 `prior`), which launches the engines as its children; this process runs only the client. The
 gateway's TTFT and TPOT come from its access log (`--log-level info --log-format json`:
 `ttft_ms`, `tpot_ms`, `tokens_in`), the predicted TPOT from `/debug/decisions` (polled every
-second). `--gateway embedded`: the gateway in this process, on the client's event loop (the
+second), SLOMax's state from `/admin/v1/admission` (every 0.5 s, into the run's folder as
+`admission.jsonl`), and at the end the gateway's refits of its learned model, its worst loop stall
+and SLOMax's knobs from `/metrics` (printed). `--gateway embedded`: the gateway in this process, on the client's event loop (the
 router wrapped to read its decisions and outcomes; the learned model switched off by an
 unfittable `LearnedLatency`): the client then sees the loop it shares with the gateway as well.
 Several modes (`process,embedded`) run interleaved, model by model, in one command; a model named
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
@@ -79,6 +82,8 @@ KEY = "sk-live-chat"
 VLLM_VENV = Path(os.environ.get("TOKENFLEET_VLLM_VENV", "~/.cache/tokenfleet/vllm-venv")).expanduser()
 HEALTH_INTERVAL_S = 0.2  # how often the gateway polls the engines, in both modes
 DECISIONS_POLL_S = 1.0  # how often the process mode reads /debug/decisions (it keeps the last 256)
+ADMISSION_POLL_S = 0.5  # ... and SLOMax's state (/admin/v1/admission), into the run's admission.jsonl
+ADMIN_KEY = "sk-live-admin"
 MODES = ("process", "embedded")
 # Columns of a run's rows: predicted TTFT, the client's, the gateway's; predicted TPOT, the
 # client's, the gateway's (s); the prompt's tokens as the gateway counted them; the time from the
@@ -464,7 +469,7 @@ def process_fleet(setup: Setup, model: str) -> dict[str, Any]:
     with the learned model off for `prior` (`gateway.learned_latency`)."""
     gateway = {**setup.fleet.get("gateway", {}), "health_interval_s": HEALTH_INTERVAL_S,
                "learned_latency": model != "prior"}
-    return {**setup.fleet, "gateway": gateway}
+    return {**setup.fleet, "gateway": gateway, "admin_api_keys": [ADMIN_KEY]}
 
 
 def access_records(log_text: str) -> dict[str, Seen]:
@@ -518,6 +523,40 @@ async def poll_decisions(url: str, limit: int, into: dict[str, tuple[float, floa
                 pass
 
 
+END_METRICS = ("tokenfleet_router_refits_total", "tokenfleet_event_loop_lag_max_seconds",
+               "tokenfleet_event_loop_lag_busy_max_seconds", "tokenfleet_admission_engine_wait_target_seconds",
+               "tokenfleet_admission_prefill_rate_per_instance")
+
+
+async def end_metrics(url: str) -> str:
+    """What the gateway's /metrics says at the end of a run: its learned model's fits by result,
+    its event loop's worst stall, SLOMax's control knobs (which explain a run's rejections)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.get(f"{url}/metrics") as r:
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return f"/metrics not read: {type(e).__name__}"
+    return "; ".join(line.removeprefix("tokenfleet_") for line in text.splitlines() if line.startswith(END_METRICS))
+
+
+async def poll_admission(url: str, into: Path, stop: asyncio.Event) -> None:
+    """SLOMax's state (`/admin/v1/admission`) every ADMISSION_POLL_S until `stop`, one JSON line
+    each with the seconds since the first poll (`--admission-trace`)."""
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        with into.open("w") as f:
+            while not stop.is_set():
+                try:
+                    async with s.get(f"{url}/admin/v1/admission", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+                        if r.status == 200:
+                            f.write(json.dumps({"t": round(time.monotonic() - t0, 3), **(await r.json())}) + "\n")
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    pass
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), ADMISSION_POLL_S)
+
+
 async def run_process(setup: Setup, model: str, work: Sequence[tuple[str, int]], rate: float,
                       workdir: Path) -> tuple[list[Sent | None], dict[str, Seen]]:
     """`tokenfleet up` in its own process (peers' helpers), its engines its children; this process
@@ -533,11 +572,14 @@ async def run_process(setup: Setup, model: str, work: Sequence[tuple[str, int]],
         stop = asyncio.Event()
         # Enough of the log's last entries to span two polls at this rate; at most what it keeps.
         poller = asyncio.create_task(poll_decisions(url, min(256, int(2 * rate * DECISIONS_POLL_S) + 16), decided, stop))
+        admission = asyncio.create_task(poll_admission(url, workdir / "admission.jsonl", stop))
         try:
             sent = await send_all(url, setup, work, rate)
         finally:
             stop.set()
             await poller
+            await admission
+        print(f"at the end: {await end_metrics(url)}", flush=True)
     finally:
         if gw is not None:
             procs.stop(gw, grace_s=60)  # it stops its engines first (vLLM's take a while)

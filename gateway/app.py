@@ -178,7 +178,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     metrics.watch_backlog(lambda: backlog.pending, lambda: backlog.inflight)
 
     kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
-    refit = RouterRefit(relay.router)  # the router's learned latency model, fitted off the request path
+    # the router's learned latency model, fitted off the request path
+    refit = RouterRefit(relay.router, results=metrics.router_refits)
     policy_admin = RegionPolicyAdmin(config, policy_sync)
 
     @asynccontextmanager

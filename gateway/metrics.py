@@ -134,6 +134,9 @@ class GatewayMetrics:
                                      ["model", "site"], buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tokenfleet_prompt_tokens", "Prompt tokens of routed requests",
                                      ["model", "site"], registry=r)
+        self.router_refits = Counter(
+            "tokenfleet_router_refits", "Fits of the router's learned latency model, by result: installed, "
+            "kept_prior (no better than the prior on the newest outcomes), failed", ["result"], registry=r)
         self.output_tokens = Counter("tokenfleet_output_tokens", "Output tokens relayed",
                                      ["model", "site"], registry=r)
         self.cached_tokens = Counter("tokenfleet_cached_prompt_tokens",

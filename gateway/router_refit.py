@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from fleetcore.policies import InstanceRouter
 from gateway.background import cancel_and_wait
@@ -20,11 +21,18 @@ log = logging.getLogger("tokenfleet.router_refit")
 
 
 class RouterRefit:
-    def __init__(self, router: InstanceRouter, interval_s: float = 5.0, timeout_s: float = 30.0) -> None:
+    """`results`: a Prometheus counter with one label, `result` (`GatewayMetrics.router_refits`):
+    each fit's outcome, `installed`, `kept_prior` (no better than the prior on the newest
+    outcomes: decisions go on with the prior, or the fit before) or `failed` (logged), so that an
+    operator sees whether the learned model is doing anything at all."""
+
+    def __init__(self, router: InstanceRouter, interval_s: float = 5.0, timeout_s: float = 30.0,
+                 results: Any = None) -> None:
         if not interval_s > 0 or not timeout_s > 0:
             raise ValueError("interval_s and timeout_s must be positive")
         self.router, self.interval_s, self.timeout_s = router, interval_s, timeout_s
         self.fits = 0  # fits installed (tests, operators)
+        self._results = results
         self._task: asyncio.Task[None] | None = None
 
     async def prepare(self) -> None:
@@ -47,9 +55,18 @@ class RouterRefit:
         """Fit now if due (in a worker thread, within `timeout_s`); True if a fit was installed."""
         if not self.router.refit_due():
             return False
-        fitted = await asyncio.wait_for(asyncio.to_thread(self.router.refit), self.timeout_s)
+        try:
+            fitted = await asyncio.wait_for(asyncio.to_thread(self.router.refit), self.timeout_s)
+        except Exception:
+            self._count("failed")
+            raise
         self.fits += bool(fitted)
+        self._count("installed" if fitted else "kept_prior")
         return bool(fitted)
+
+    def _count(self, result: str) -> None:
+        if self._results is not None:
+            self._results.labels(result).inc()
 
     async def _run(self) -> None:
         while True:

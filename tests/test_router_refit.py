@@ -127,3 +127,40 @@ def test_learned_latency_is_on_unless_the_fleet_file_says_off(config_factory: An
     raw = config_factory().model_dump(mode="json", exclude_defaults=True)
     assert parse_fleet(raw).gateway.learned_latency is True
     assert parse_fleet({**raw, "gateway": {"learned_latency": False}}).gateway.learned_latency is False
+
+
+class _Fits(TokenPilot):
+    """TokenPilot whose fits give what the test says: True, False, or an error."""
+
+    def __init__(self, results: list[Any]) -> None:
+        super().__init__({"a": prior_from_physics("llama-3.1-8b", "H100")}, config=TokenPilotConfig(explore=0.0))
+        self.results = results
+
+    def refit_due(self) -> bool:
+        return True
+
+    def refit(self) -> bool:
+        r = self.results.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return bool(r)
+
+
+def test_every_fit_is_counted_by_its_result() -> None:
+    """tokenfleet_router_refits_total{result}: whether the learned model is doing anything at all."""
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    task = RouterRefit(_Fits([True, False, False, RuntimeError("singular")]), results=metrics.router_refits)
+
+    async def main() -> None:
+        assert await task.once() and not await task.once() and not await task.once()
+        with pytest.raises(RuntimeError):
+            await task.once()
+
+    asyncio.run(main())
+    text = metrics.render().decode()
+    assert 'tokenfleet_router_refits_total{result="installed"} 1.0' in text
+    assert 'tokenfleet_router_refits_total{result="kept_prior"} 2.0' in text
+    assert 'tokenfleet_router_refits_total{result="failed"} 1.0' in text
+    assert task.fits == 1
