@@ -22,7 +22,7 @@ from aiohttp import web
 
 from engine_adapters.base import EngineAdapter, Instance, LoadSnapshot
 from fleetcore.fleet_config import FleetConfig, parse_fleet
-from gateway.listener import bind_socket
+from gateway.listener import bind_socket, build_listeners, protocol_class
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -249,14 +249,23 @@ class _TestServer(uvicorn.Server):
 
 
 @pytest.fixture
-async def gateway_server() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
-    """Factory: `await gateway_server(app)` → base URL of `app` served by uvicorn on a free port."""
+async def gateway_server() -> AsyncIterator[Callable[..., Awaitable[str]]]:
+    """Factory: `await gateway_server(app)` → base URL of `app` served by uvicorn on a free port.
+    `listener=GatewaySettings(...)`: served by the real client-facing listener of `tokenfleet up`
+    (gateway.listener: its deadlines, caps and /v1 lane) with those settings' limits, the
+    listeners appended to `listeners` when a list is given (their counts: what it closed, why)."""
     running: list[tuple[uvicorn.Server, asyncio.Task[None], socket.socket]] = []
 
-    async def start(app: Any) -> str:
+    async def start(app: Any, listener: Any = None, listeners: list[Any] | None = None) -> str:
         sock = bind_socket("127.0.0.1", 0)  # as production binds: TCP_NODELAY on every connection
         port = sock.getsockname()[1]
-        config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
+        served: dict[str, Any] = {}
+        if listener is not None:
+            built, _ = build_listeners(listener, sock, None, 4096)
+            served = {"http": protocol_class(built), "ws": "none"}  # as `tokenfleet up` serves
+            if listeners is not None:
+                listeners.extend(built)
+        config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1, **served)
         server = _TestServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         running.append((server, task, sock))

@@ -12,15 +12,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
@@ -30,7 +26,6 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from fleetcore.fleet_config import GatewaySettings
 from gateway.app import create_app
 from gateway.lane_cycle import Lane, LaneCycle, find_lane
-from gateway.listener import bind_socket, build_listeners, protocol_class
 
 # --- LaneCycle.send against uvicorn's send ---
 
@@ -183,34 +178,14 @@ async def test_forwarded_requests_still_get_the_proxy_headers_rewrite() -> None:
 # --- through the real listener ---
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]  # leave pytest's signal handling alone
-        yield
-
-
 @pytest.fixture
-async def gateway(stub_upstream: Any, fake_adapter: Any, instance_factory: Any,
-                  config_factory: Any) -> AsyncIterator[tuple[int, Any]]:
+async def gateway(stub_upstream: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
+                  gateway_server: Any) -> tuple[int, Any]:
     """(the listener's port, the stub engine): one gateway app served by the listener."""
     stub = await stub_upstream(chunks=20, delay_s=0.05)
     app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
-    sock = bind_socket("127.0.0.1", 0)
-    listeners, _ = build_listeners(GatewaySettings(), sock, None, 4096)
-    server = _Server(uvicorn.Config(app, http=protocol_class(listeners), ws="none", lifespan="on",
-                                    log_level="warning", timeout_graceful_shutdown=1))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert not task.done() and time.monotonic() < deadline, "the gateway did not start"
-        await asyncio.sleep(0.01)
-    try:
-        yield sock.getsockname()[1], stub
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 5)
-        sock.close()
+    url = await gateway_server(app, listener=GatewaySettings())
+    return int(url.rsplit(":", 1)[1]), stub
 
 
 def _post(path: str, body: dict[str, Any], close: bool = False) -> bytes:
