@@ -879,6 +879,7 @@ class Relay:
             if watch.take_gone():
                 self.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
             return Response(status_code=CLIENT_CLOSED)
+        rid = parsed.profile.request_id  # admitted under its own id (a client's id in flight twice: not the same)
         streaming = False
         try:
             resp = await self._attempts(watch, parsed, path, avoid)
