@@ -4,7 +4,8 @@ stream with an SSE error event and [DONE], a properly ended response: never a cu
 Before, the relay's parser raised out of the response: uvicorn dropped the connection mid-body
 (the client saw a broken chunked response and no error event), and the dispatch was booked as a
 client that left (499). Before the first event it was a 500 rather than a retry elsewhere and a
-502. Real gateway on uvicorn over a real aiohttp engine stand-in."""
+502. The Responses API's translation of the stream likewise ends with `error` and `response.failed`.
+Real gateway on uvicorn over a real aiohttp engine stand-in."""
 
 from __future__ import annotations
 
@@ -101,3 +102,24 @@ async def test_an_unreadable_first_event_is_a_502_not_a_500(
     status, body = await _chat(gw)
     assert status == 502
     assert json.loads(body)["error"]["code"] == "upstream_error"
+
+
+async def test_a_responses_stream_ends_with_response_failed_on_a_chunk_it_cannot_translate(
+        engine: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any) -> None:
+    # The relay reads this usage chunk (it counts what it can); the Responses translation cannot.
+    odd_usage = {"id": "cmpl-x", "object": "chat.completion.chunk", "choices": [],
+                 "usage": {"prompt_tokens": "many", "completion_tokens": 1}}
+    go = asyncio.Event()
+    gw, _ = await _gateway(gateway_server, fake_adapter, instance_factory, config_factory,
+                           await engine([GOOD, odd_usage], go))
+    body = {"model": "m1", "input": "hi", "max_output_tokens": 4, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/responses", json=body) as r:
+        assert r.status == 200
+        got = b""
+        async with asyncio.timeout(30):
+            while b"response.output_text.delta" not in got:
+                got += await r.content.readany()
+            go.set()
+            got += await r.read()  # a cut chunked body raises ClientPayloadError here
+    kinds = [line.removeprefix("event: ") for line in got.decode().splitlines() if line.startswith("event: ")]
+    assert kinds[-2:] == ["error", "response.failed"]
