@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from fleetcore.sse import SSESplitter, parse_sse_event
 from gateway.auth import Caller
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, bad_request, upstream_failed
 from gateway.json_body import parse_json_object
 from gateway.relay import RelayStreamingResponse
 from gateway.requests import ParsedRequest, json_value_cap, parse_request
@@ -329,6 +329,11 @@ def _translated_whole(resp: Response, shape: ResponseShape) -> Response:
         chat = json.loads(resp.body)
     except ValueError:
         return resp
-    body = json.dumps(from_chat_completion(chat, shape), separators=(",", ":")).encode()
+    try:
+        body = json.dumps(from_chat_completion(chat, shape), separators=(",", ":")).encode()
+    except Exception:  # an engine answer of a shape no translation expects: the engine's 502, not a 500
+        log.exception("responses %s: the engine's answer could not be translated", shape.id)
+        instance = resp.headers.get("x-tokenfleet-instance", "?")
+        raise upstream_failed(f"engine instance {instance} sent an answer the gateway could not translate") from None
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
     return Response(body, status_code=resp.status_code, media_type="application/json", headers=headers)

@@ -33,7 +33,8 @@ async def engine() -> AsyncIterator[Callable[..., Awaitable[str]]]:
 
     async def start(events: list[dict[str, Any]], go: asyncio.Event | None = None) -> str:
         async def generate(request: web.Request) -> web.StreamResponse:
-            await request.read()
+            if not (await request.json()).get("stream"):
+                return web.json_response(events[0])  # a whole answer: the first "event"
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i, ev in enumerate(events):
@@ -123,3 +124,12 @@ async def test_a_responses_stream_ends_with_response_failed_on_a_chunk_it_cannot
             got += await r.read()  # a cut chunked body raises ClientPayloadError here
     kinds = [line.removeprefix("event: ") for line in got.decode().splitlines() if line.startswith("event: ")]
     assert kinds[-2:] == ["error", "response.failed"]
+
+
+async def test_a_whole_responses_answer_it_cannot_translate_is_a_502_not_a_500(
+        engine: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any) -> None:
+    gw, _ = await _gateway(gateway_server, fake_adapter, instance_factory, config_factory,
+                           await engine([{"id": "cmpl-x", "object": "chat.completion", "choices": 5}]))
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/responses", json={"model": "m1", "input": "hi"}) as r:
+        assert r.status == 502
+        assert (await r.json())["error"]["code"] == "upstream_error"
