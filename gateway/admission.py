@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,6 +47,13 @@ AdmissionPolicy = LedgeredAdmission
 # no wake-up: its pump would do nothing but build a fleet view.
 _HOLDS_NONE = Admission.poll
 _NO_WAKEUP = Admission.next_wakeup
+
+
+def distinct_id(parsed: ParsedRequest) -> ParsedRequest:
+    """The request under an id of its own: the client's with a random suffix (what the engine
+    and the response's `x-request-id` then carry, so the client can tell its two requests apart)."""
+    rid = f"{parsed.profile.request_id}.{os.urandom(4).hex()}"
+    return replace(parsed, profile=replace(parsed.profile, request_id=rid))
 
 
 def decision_error(d: AdmissionDecision) -> GatewayError:
@@ -104,6 +112,14 @@ class AdmissionGate:
         try:
             # Fleet-wide budgets first (one bounded round trip); the policy gets the verdict, stays pure.
             charge = await shared.before_admit(profile) if shared is not None else None
+            if rid in self._admitted or rid in self._waiting:
+                # Another request with this id (the client's X-Request-Id) is in flight: everything
+                # from here on is keyed by the id, and sharing it, one request overwrote the other's
+                # entries (a queued one's future lost: it waited until its client gave up; an ended
+                # one's capacity and stream slot never given back). Checked after the awaits above,
+                # with nothing awaited until the id is taken below.
+                parsed = distinct_id(parsed)
+                profile, rid = parsed.profile, parsed.profile.request_id
             try:
                 d = self._call(self.policy.admit, profile, self.state.view(), entered) or AdmissionDecision("admit")
             finally:

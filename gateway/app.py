@@ -227,6 +227,8 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
                 await kv_feed.stop()
             await state.stop()
             relay.shutdown.close()
+            if relay.pd is not None:  # prefill legs still running past their decode's start (SGLang)
+                await relay.pd.close()
             await relay.session.close()
             relay.session = None
             pool.close()

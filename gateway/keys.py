@@ -46,6 +46,7 @@ from pydantic import ValidationError
 
 from fleetcore.admission_config import BudgetConfig
 from fleetcore.fleet_config import FleetConfig, hash_api_key
+from gateway.background import cancel_and_wait
 from gateway.errors import GatewayError, bad_request
 from gateway.json_body import parse_json_object
 from gateway.logs import emit
@@ -168,11 +169,11 @@ class KVKeyStore:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        # Cancelled until it ends: every store call is an `asyncio.wait_for`, which on Python 3.11
+        # swallows a cancel that lands as the call completes; the loop then went on polling and a
+        # plain `await` of it held the gateway's shutdown (its lifespan) for ever.
+        task, self._task = self._task, None
+        await cancel_and_wait([task])
         with contextlib.suppress(StoreUnavailable):
             await self._flush_used()
 

@@ -323,6 +323,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._lingering = False  # refused, answered, waiting for the client's close (`_close_refused`)
         self._lane: Lane | None = None  # the app's /v1 lane on this listener (`_start_asgi_task`)
         self._body_due = False  # a request's headers are in, its body is not (the body deadline's phase)
+        # The request whose response is being sent: uvicorn's `self.cycle` is the newest one, which
+        # a pipelined request's headers replace while this one is still answered (`_disconnect`).
+        self._answering: RequestResponseCycle | None = None
 
     # --- connection ---
 
@@ -375,6 +378,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timer()
         self._listener.release(self._peer)
         super().connection_lost(exc)
+        self._disconnect(self._answering)
 
     def data_received(self, data: bytes) -> None:
         if self._listener is None or self.parser is None:
@@ -485,7 +489,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             entry = lane.entry(cycle.scope)
             if entry is not None:
                 app = entry
+        self._answering = cycle  # HTTP/1.1 answers in order: the previous one's response is complete
         super()._start_asgi_task(cycle, app)
+
+    def _disconnect(self, cycle: RequestResponseCycle | None) -> None:
+        """Tell the request being answered that its client is gone, as uvicorn tells only the newest
+        cycle: with a request pipelined behind it, this one's `receive` never heard `http.disconnect`
+        (its disconnect watch never fired) and its stream ran on the engine to its end, relayed into
+        a closed socket."""
+        if cycle is not None and cycle is not self.cycle and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
 
     # --- deadlines and refusals ---
 
@@ -559,6 +573,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None:
             cycle.disconnected = True
             cycle.message_event.set()
+        self._disconnect(self._answering)  # the one whose send timed out, when a request is pipelined behind it
         self.transport.abort()
 
     def _refuse(self, status: int, message: str, code: str) -> None:

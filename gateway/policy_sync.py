@@ -25,6 +25,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.policies import SiteChooser
 from fleetcore.region_policy import PolicySet, Residency
 from fleetcore.types import FleetView, RequestOutcome, RequestProfile, SiteDecision
+from gateway.background import cancel_and_wait
 from gateway.errors import SERVER_ERROR, GatewayError
 from gateway.admin_store import SqliteKV, SqlitePolicyStore
 from gateway.policy_snapshot import SnapshotFile, state_dir
@@ -129,13 +130,10 @@ class PolicySync:
                 log.exception("region policy sync failed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        # Cancelled until it ends: a store call (`asyncio.wait_for`) swallows a cancel that lands
+        # as it completes (Python 3.11), and the poll loop went on: a plain `await` waited for ever.
+        task, self._task = self._task, None
+        await cancel_and_wait([task])
 
 
 def _same(a: KnownState, b: KnownState | None) -> bool:

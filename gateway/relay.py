@@ -89,6 +89,7 @@ T = TypeVar("T")
 
 MAX_ATTEMPTS = ATTEMPTS_BEFORE_FIRST_BYTE  # the first try plus one retry elsewhere (the simulator's too)
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
+INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the relay could not read
 _ERROR_SNIPPET = 300
 
 
@@ -530,6 +531,10 @@ class RelayStream:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise RetryableFailure("stream_start", describe(e),
                                    f"engine instance {iid} connection broke before the first event") from None
+        except Exception as e:  # an event no parser expected (`"choices": 5`), or a bug: not a 500
+            log.exception("request %s: the stream of %s could not be relayed", self.d.parsed.profile.request_id, iid)
+            raise RetryableFailure(INVALID_STREAM, repr(e),
+                                   f"engine instance {iid} sent a stream the gateway could not relay") from None
 
     def take_pending(self) -> bytes:
         chunk, self._pending = self._pending, b""
@@ -599,6 +604,15 @@ class RelayStream:
             self.d.relay.state.mark_failed(iid, detail)
             yield LegFailure("engine_died", "stream_broken", "upstream_error",
                              f"engine instance {iid} connection broke mid-stream", detail)
+            return
+        except Exception as e:
+            # An event no parser expected (an engine's `"choices": 5`), or a bug of the relay's: the
+            # stream still ends with its error event (not continued: the same engine output would
+            # meet the same code). Raised on, the client's stream was cut without one and the
+            # dispatch booked as a client that left.
+            log.exception("request %s: the stream of %s could not be relayed", self.d.parsed.profile.request_id, iid)
+            yield LegFailure(None, INVALID_STREAM, "upstream_error",
+                             f"engine instance {iid} sent a stream the gateway could not relay", repr(e))
             return
         if not self.d.stats.done:
             message = f"engine instance {iid} ended the stream without [DONE]"
@@ -879,6 +893,7 @@ class Relay:
             if watch.take_gone():
                 self.metrics.answered(parsed.profile.model, "", "", str(CLIENT_CLOSED))
             return Response(status_code=CLIENT_CLOSED)
+        rid = parsed.profile.request_id  # admitted under its own id (a client's id in flight twice: not the same)
         streaming = False
         try:
             resp = await self._attempts(watch, parsed, path, avoid)

@@ -17,6 +17,7 @@ not believe a tool or format was honoured when it was dropped).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -27,7 +28,7 @@ from starlette.responses import Response
 
 from fleetcore.sse import SSESplitter, parse_sse_event
 from gateway.auth import Caller
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, bad_request, upstream_failed
 from gateway.json_body import parse_json_object
 from gateway.relay import RelayStreamingResponse
 from gateway.requests import ParsedRequest, json_value_cap, parse_request
@@ -35,6 +36,8 @@ from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 
 if TYPE_CHECKING:
     from gateway.app import GatewayContext
+
+log = logging.getLogger("tokenfleet.gateway")
 
 CHAT_PATH = "/v1/chat/completions"
 # Fields carried into the chat body as they are.
@@ -258,12 +261,21 @@ async def translate_stream(chat_bytes: AsyncIterator[bytes], events: EventStream
     yield events.start()
     async for data in chat_bytes:
         out = b""
-        for raw in splitter.feed(data):
-            ev = parse_sse_event(raw)
-            if ev.done:
-                out += events.finish()
-            elif ev.obj is not None and not events.ended:
-                out += events.chunk(ev.obj)
+        try:
+            for raw in splitter.feed(data):
+                ev = parse_sse_event(raw)
+                if ev.done:
+                    out += events.finish()
+                elif ev.obj is not None and not events.ended:
+                    out += events.chunk(ev.obj)
+        except Exception:
+            # A chunk this translation cannot read (an engine's `"prompt_tokens": "many"`), or a bug:
+            # the stream still ends with `error` and `response.failed`. Raised on, the client's
+            # connection was cut mid-body with neither (the relay then aborts the engine's stream).
+            log.exception("responses stream %s: a chunk could not be translated", events.shape.id)
+            yield out + events.fail({"code": "upstream_error",
+                                     "message": "the engine's stream could not be translated"})
+            return
         if out:
             yield out
     if not events.ended:  # the chat stream ended without [DONE]: say so rather than truncate
@@ -317,6 +329,11 @@ def _translated_whole(resp: Response, shape: ResponseShape) -> Response:
         chat = json.loads(resp.body)
     except ValueError:
         return resp
-    body = json.dumps(from_chat_completion(chat, shape), separators=(",", ":")).encode()
+    try:
+        body = json.dumps(from_chat_completion(chat, shape), separators=(",", ":")).encode()
+    except Exception:  # an engine answer of a shape no translation expects: the engine's 502, not a 500
+        log.exception("responses %s: the engine's answer could not be translated", shape.id)
+        instance = resp.headers.get("x-tokenfleet-instance", "?")
+        raise upstream_failed(f"engine instance {instance} sent an answer the gateway could not translate") from None
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
     return Response(body, status_code=resp.status_code, media_type="application/json", headers=headers)

@@ -377,6 +377,12 @@ class _Connection(asyncio.Protocol):
         if self._bad or not self.parser.should_keep_alive():
             self._bad = True  # closed once feed_data returns
             return
+        if self.paused:
+            # The body's last read took it past the buffer bound (reading paused) and ended it in
+            # the same read: nothing of this response is left to read, and its reader, holding a
+            # finished response, resumes nothing. Pooled paused, the connection's next request
+            # would never hear its answer (a whole answer from a live engine: never at all).
+            self.resume()
         self.pool._put(self)
 
 

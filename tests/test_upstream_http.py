@@ -496,3 +496,30 @@ def test_under_uvloop() -> None:
             srv.close()
 
     assert uvloop.run(scenario()) == (1, 1, PayloadIncomplete)
+
+
+async def test_a_body_that_ends_past_the_read_bound_leaves_a_pooled_connection_that_reads(
+        serve: Callable[..., Awaitable[Upstream]]) -> None:
+    # The body's last bytes arrive with more unread than `read_buffer_bytes`: reading pauses and
+    # the body completes in the same read, so the connection goes back to the pool paused. Its
+    # reader then took the body, but from a response already finished, and resumed nothing: the
+    # next request on the pooled connection never heard its answer (the relay's first-byte
+    # deadline, or for a whole answer from a live engine, never).
+    limit = 1024
+    client = UpstreamClient(connect_timeout_s=2.0, read_buffer_bytes=limit)
+    body = b"z" * (4 * limit)
+
+    async def answer(req: Request, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # one write, one read
+        await w.drain()
+        return True
+
+    up = await serve(answer)
+    try:
+        for _ in range(3):
+            resp = await asyncio.wait_for(client.post(up.url(), data=b"{}", headers={}), 5)
+            assert await asyncio.wait_for(resp.read(), 5) == body
+            resp.release()
+        assert up.connections == 1 and client.connections_opened == 1  # the same connection, reading
+    finally:
+        await client.close()
