@@ -11,52 +11,30 @@ stub engine that streams slowly."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 
 from fleetcore.fleet_config import GatewaySettings
 from gateway.app import create_app
-from gateway.listener import Listener, bind_socket, build_listeners, protocol_class
+from gateway.listener import Listener
 
 SEND_TIMEOUT_S = 1.0
 CHUNKS = 400  # x 0.05 s: a 20 s stream, far longer than the test waits for its abort
 SLACK_S = 8.0  # a loaded 2-core CI machine
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]  # leave pytest's signal handling alone
-        yield
-
-
 @pytest.fixture
-async def gateway(stub_upstream: Any, fake_adapter: Any, instance_factory: Any,
-                  config_factory: Any) -> AsyncIterator[tuple[int, Any, Listener]]:
+async def gateway(stub_upstream: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
+                  gateway_server: Any) -> tuple[int, Any, Listener]:
     """(port, stub engine, the public listener) of one gateway served by the real listener."""
     stub = await stub_upstream(chunks=CHUNKS, delay_s=0.05)
     app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
-    sock = bind_socket("127.0.0.1", 0)
-    listeners, _ = build_listeners(GatewaySettings(send_timeout_s=SEND_TIMEOUT_S), sock, None, 4096)
-    server = _Server(uvicorn.Config(app, http=protocol_class(listeners), ws="none", lifespan="on",
-                                    log_level="warning", timeout_graceful_shutdown=1))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    async with asyncio.timeout(30):
-        while not server.started:
-            assert not task.done(), "the gateway did not start"
-            await asyncio.sleep(0.01)
-    try:
-        yield sock.getsockname()[1], stub, listeners[0]
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 5)
-        sock.close()
+    listeners: list[Listener] = []
+    url = await gateway_server(app, listener=GatewaySettings(send_timeout_s=SEND_TIMEOUT_S), listeners=listeners)
+    return int(url.rsplit(":", 1)[1]), stub, listeners[0]
 
 
 def _request(stream: bool) -> bytes:
