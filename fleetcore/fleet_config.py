@@ -303,6 +303,11 @@ class GatewaySettings(_Strict):
         default=30.0, gt=0, description="least time an engine gets to send its first byte")
     first_byte_timeout_factor: float = Field(
         default=10.0, ge=1, description="first-byte deadline = max(floor, factor x predicted TTFT)")
+    whole_answer_timeout_s: float = Field(
+        default=600.0, gt=0, le=86400,
+        description="a non-streamed request's answer: past its first-byte deadline the gateway waits on while "
+                    "the engine passes its health checks, but no longer than this from the request's arrival "
+                    "(600 s: the OpenAI SDK's own timeout)")
     stream_idle_timeout_s: float = Field(
         default=30.0, gt=0, le=3600,
         description="no bytes from an engine for this long mid-response: it has stalled")

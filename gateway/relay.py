@@ -1057,8 +1057,16 @@ class Relay:
     async def head(self, d: Dispatch, path: str, body: bytes | None = None) -> UpstreamResponse:
         """Send and wait for the response head within the first-byte deadline. A non-streaming
         answer only comes once the whole generation is done, so past the deadline it may wait on
-        while the engine keeps passing its health checks (rechecked each poll)."""
-        alive = None if d.parsed.stream else d.engine_alive
+        while the engine keeps passing its health checks (rechecked each poll), until
+        `whole_answer_timeout_s` after the request's arrival: an engine whose scheduler hangs while
+        its /health still answers held such a request for ever (an attempt after that gets its
+        first-byte deadline only)."""
+        alive = None
+        if not d.parsed.stream:
+            until = d.parsed.profile.arrival + self.config.gateway.whole_answer_timeout_s
+
+            def alive() -> bool:
+                return self.clock() < until and d.engine_alive()
         try:
             resp = await d.watch.wait(self._send(d.parsed, path, d.target.instance, body), deadline=d.first_byte_at,
                                       keep_waiting=alive, recheck_s=self.state.poll_interval_s, phase="first_byte")

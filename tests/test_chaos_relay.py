@@ -469,15 +469,16 @@ class _PredictingRouter(InstanceRouter):
 
 
 async def _gateway_with(stubs: dict[str, Any], predicted_ttft_s: float, gateway_server: Any, fake_adapter: Any,
-                        instance_factory: Any, config_factory: Any) -> str:
+                        instance_factory: Any, config_factory: Any, poll_interval_s: float = 60,
+                        **settings: Any) -> str:
     from fleetcore.fleet_config import GatewaySettings
     from gateway.app import create_app
 
     config = config_factory()
     config = config.model_copy(update={"gateway": GatewaySettings(
-        first_byte_timeout_floor_s=0.3, first_byte_timeout_factor=4, stream_idle_timeout_s=5)})
+        first_byte_timeout_floor_s=0.3, first_byte_timeout_factor=4, stream_idle_timeout_s=5, **settings)})
     adapter = fake_adapter([instance_factory(iid, stub.url) for iid, stub in stubs.items()])
-    app = create_app(config, [adapter], router=_PredictingRouter(predicted_ttft_s), poll_interval_s=60)
+    app = create_app(config, [adapter], router=_PredictingRouter(predicted_ttft_s), poll_interval_s=poll_interval_s)
     return await gateway_server(app)
 
 
@@ -522,3 +523,21 @@ async def test_non_stream_answer_from_a_live_engine_may_outlast_the_first_byte_d
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == " tok0 tok1 tok2 tok3"
     assert len(stub.requests) == 1 and stub.completed == 1
+
+
+async def test_non_stream_answer_waits_no_longer_than_whole_answer_timeout_s(
+        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
+        config_factory: Any) -> None:
+    # an engine whose scheduler hangs while its /health still answers: past the first-byte deadline
+    # the gateway waits while the health checks pass, but not past whole_answer_timeout_s from the
+    # request's arrival (it waited for ever): 504, and the request aborted on the engine
+    stub = await stub_upstream(first_delay_s=3600.0)
+    url = await _gateway_with({"a": stub}, 0.0, gateway_server, fake_adapter, instance_factory, config_factory,
+                              poll_interval_s=0.2, whole_answer_timeout_s=1.5)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "upstream_timeout"
+    assert 1.5 <= time.monotonic() - t0 < 10.0
+    await asyncio.wait_for(stub.aborted.wait(), 5)
