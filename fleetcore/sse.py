@@ -41,16 +41,39 @@ TOKEN_DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "
 _SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
 
+# The largest event a splitter holds while it arrives (the engine's prompt logprobs of a long prompt
+# can be tens of MB; an engine that never ends an event must not take the gateway's memory).
+MAX_EVENT_BYTES = 256 * 1024 * 1024
+_LONG = 64 * 1024  # a partial event this long is kept in pieces, not re-joined every read
+
+
+class EventTooLarge(ValueError):
+    """An SSE event grew past the splitter's bound before it ended."""
+
+
 class SSESplitter:
-    """Cuts a byte stream into whole SSE events (each keeps its own terminator, bytes untouched)."""
+    """Cuts a byte stream into whole SSE events (each keeps its own terminator, bytes untouched).
 
-    __slots__ = ("_buf",)
+    An event that spans many reads is kept as a list of pieces until a read brings a separator
+    (only the boundary and the new read are searched): re-joining it every read was quadratic in
+    its length. Past `max_event_bytes` without an end: `EventTooLarge`."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_buf", "_pieces", "_tail", "_held", "max_event_bytes")
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._buf = b""
+        self._pieces: list[bytes] = []  # a long partial event's reads after `_buf` (no separator in any)
+        self._tail = b""  # the last 3 bytes of `_buf` and `_pieces` (while `_pieces` holds any)
+        self._held = 0  # bytes in `_buf` and `_pieces`
+        self.max_event_bytes = max_event_bytes
 
     def feed(self, data: bytes) -> list[bytes]:
-        buf = self._buf + data if self._buf else data
+        if self._pieces or len(self._buf) >= _LONG:
+            return self._feed_long(data)
+        return self._cut(self._buf + data if self._buf else data)
+
+    def _cut(self, buf: bytes) -> list[bytes]:
+        """The whole events at the head of `buf`; the rest is kept for the next read."""
         events: list[bytes] = []
         start = 0
         if buf.find(b"\r") < 0:  # (`find`, not `in`: module docstring)
@@ -62,13 +85,41 @@ class SSESplitter:
             while (cut := _next_cut(buf, start)) >= 0:
                 events.append(buf[start:cut])
                 start = cut
-        self._buf = buf[start:] if start else buf
+        self._buf = rest = buf[start:] if start else buf
+        self._held = len(rest)
+        if self._held > self.max_event_bytes:
+            self._too_large(self._held)
         return events
+
+    def _feed_long(self, data: bytes) -> list[bytes]:
+        """`feed` while a long event is arriving: a read that cannot end it (no separator in it or
+        across the boundary) is kept as a piece; one that may joins them all, once, and cuts."""
+        tail = self._tail if self._pieces else self._buf[-3:]  # the last bytes held, however small the reads
+        if not _may_end(data) and not _may_end(tail + data[:3]):
+            self._held += len(data)
+            if self._held > self.max_event_bytes:
+                self._too_large(self._held)
+            self._pieces.append(data)
+            self._tail = (tail + data)[-3:]
+            return []
+        buf = b"".join([self._buf, *self._pieces, data])
+        self._pieces = []
+        return self._cut(buf)
+
+    def _too_large(self, n: int) -> None:
+        self._buf, self._pieces, self._held = b"", [], 0
+        raise EventTooLarge(f"an SSE event of more than {self.max_event_bytes} bytes ({n} so far)")
 
     def flush(self) -> list[bytes]:
         """What is left at end of stream, if it holds anything but whitespace."""
-        rest, self._buf = self._buf, b""
+        rest = b"".join([self._buf, *self._pieces])
+        self._buf, self._pieces, self._held = b"", [], 0
         return [rest + b"\n\n"] if rest.strip() else []
+
+
+def _may_end(b: bytes) -> bool:
+    """Whether `b` holds an event separator."""
+    return b.find(b"\n\n") >= 0 or b.find(b"\r\r") >= 0 or b.find(b"\r\n\r\n") >= 0
 
 
 def _next_cut(buf: bytes, start: int) -> int:

@@ -58,7 +58,7 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.first_byte import ATTEMPTS_BEFORE_FIRST_BYTE
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.policies import InstanceRouter, SiteChooser
-from fleetcore.sse import PlainTokens, SSESplitter, StreamStats, parse_sse_event, usage_of_body
+from fleetcore.sse import MAX_EVENT_BYTES, PlainTokens, SSESplitter, StreamStats, parse_sse_event, usage_of_body
 from fleetcore.types import Candidate, RequestOutcome, RequestProfile, RouteDecision, SiteDecision
 from fleetmind.place import Choice, place
 from gateway.admission import AdmissionGate
@@ -1061,12 +1061,13 @@ class Relay:
         `whole_answer_timeout_s` after the request's arrival: an engine whose scheduler hangs while
         its /health still answers held such a request for ever (an attempt after that gets its
         first-byte deadline only)."""
-        alive = None
+        alive: Callable[[], bool] | None = None
         if not d.parsed.stream:
             until = d.parsed.profile.arrival + self.config.gateway.whole_answer_timeout_s
 
-            def alive() -> bool:
+            def alive_in_time() -> bool:
                 return self.clock() < until and d.engine_alive()
+            alive = alive_in_time
         try:
             resp = await d.watch.wait(self._send(d.parsed, path, d.target.instance, body), deadline=d.first_byte_at,
                                       keep_waiting=alive, recheck_s=self.state.poll_interval_s, phase="first_byte")
@@ -1102,10 +1103,15 @@ class Relay:
 
     @staticmethod
     async def _read_body(d: Dispatch) -> bytes:
-        """The whole body, each read within the idle deadline (an engine may stall half-way)."""
+        """The whole body, each read within the idle deadline (an engine may stall half-way), at most
+        MAX_EVENT_BYTES (the most the gateway holds of one engine answer or event): past that, 502."""
         assert d.resp is not None
         parts: list[bytes] = []
+        held = 0
         while chunk := await d.watch.wait(d.resp.content.readany()):
+            held += len(chunk)
+            if held > MAX_EVENT_BYTES:
+                raise upstream_failed(f"engine instance {d.iid} sent an answer larger than {MAX_EVENT_BYTES} bytes")
             parts.append(chunk)
         return b"".join(parts)
 

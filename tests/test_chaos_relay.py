@@ -541,3 +541,22 @@ async def test_non_stream_answer_waits_no_longer_than_whole_answer_timeout_s(
     assert r.json()["error"]["code"] == "upstream_timeout"
     assert 1.5 <= time.monotonic() - t0 < 10.0
     await asyncio.wait_for(stub.aborted.wait(), 5)
+
+
+async def test_a_whole_answer_larger_than_the_bound_is_a_502_not_the_gateways_memory(
+        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
+        config_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the gateway holds at most MAX_EVENT_BYTES of one engine answer (an engine that never stops
+    # sending must not take its memory); here the bound is made small, the answer ~5 kB
+    import gateway.relay as relay_module
+
+    monkeypatch.setattr(relay_module, "MAX_EVENT_BYTES", 1000)
+    stub = await stub_upstream(chunks=600, delay_s=0.0)
+    url = await _gateway_with({"a": stub}, 0.0, gateway_server, fake_adapter, instance_factory, config_factory)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 502, r.text
+        assert "larger than 1000 bytes" in r.json()["error"]["message"]
+        monkeypatch.setattr(relay_module, "MAX_EVENT_BYTES", 1 << 20)
+        r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200 and len(r.content) > 1000  # under the bound: whole, as before

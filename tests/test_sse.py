@@ -67,6 +67,54 @@ def test_splitter_flush_keeps_an_unterminated_tail_only_if_it_holds_something() 
     assert sp.flush() == []
 
 
+_BIG = 70_000  # longer than the splitter's `_LONG`: such an event is kept in pieces while it arrives
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3 * _BIG), st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r"])),
+                min_size=1, max_size=6),
+       st.lists(st.sampled_from([1, 2, 3, 5, 4096, _BIG, 3 * _BIG]), min_size=1, max_size=40))
+def test_splitter_long_events_in_any_reads_cut_as_one_read_would(events: list[tuple[int, bytes]],
+                                                                  reads: list[int]) -> None:
+    """Long events (in pieces) and short ones, in reads of any size (the separators' bytes split
+    across reads too), cut exactly as the whole stream fed at once."""
+    stream = b"".join(b"data: " + b"x y" * (n // 3) + sep for n, sep in events)
+    whole = SSESplitter()
+    expected = whole.feed(stream) + whole.flush()
+    sp, got, i, k = SSESplitter(), [], 0, 0
+    while i < len(stream):
+        size = reads[k % len(reads)]
+        got += sp.feed(stream[i:i + size])
+        i, k = i + size, k + 1
+    assert got + sp.flush() == expected
+    assert b"".join(expected) == stream
+
+
+def test_splitter_bounds_an_event_that_never_ends() -> None:
+    from fleetcore.sse import EventTooLarge
+
+    sp = SSESplitter(max_event_bytes=1_000_000)
+    with pytest.raises(EventTooLarge):
+        for _ in range(100):
+            sp.feed(b"x" * 65536)
+    assert sp.feed(b"data: 1\n\n") == [b"data: 1\n\n"]  # what it held is dropped; it reads on
+    with pytest.raises(EventTooLarge):
+        SSESplitter(max_event_bytes=1000).feed(b"data: " + b"y" * 2000)  # in one read too
+
+
+def test_splitter_time_is_linear_in_a_long_event() -> None:
+    """64 MB arriving in 16 KiB reads: re-joined every read, ~128 GB of copying (minutes); in pieces, one join."""
+    import time
+
+    sp, chunk = SSESplitter(), b"z" * 16384
+    t0 = time.perf_counter()
+    for _ in range(4096):
+        assert sp.feed(chunk) == []
+    [event] = sp.feed(b"\n\n")
+    assert len(event) == 4096 * 16384 + 2
+    assert time.perf_counter() - t0 < 5.0
+
+
 # --- one event ---------------------------------------------------------------------------
 
 def test_parse_event_kinds() -> None:
