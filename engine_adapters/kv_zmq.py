@@ -226,11 +226,15 @@ class KVEventSubscriber:
             self.stats.messages += 1
             try:
                 topic, seq, events = decode_message(frames)
-            except KVDecodeError as e:
+                self.deliver(topic, seq, events)
+            except Exception as e:  # noqa: BLE001
+                # Not only KVDecodeError: a well-formed batch whose fields have the wrong types
+                # (an unhashable `type` or hash, a non-numeric block_size, token_ids that are not a
+                # list) raises TypeError/ValueError in decoding or translation. Raised here it
+                # ended this task: every instance's KV feed went silent for the gateway's life.
                 self.stats.malformed += 1
                 log.debug("dropping malformed KV event message: %s", e)
                 continue
-            self.deliver(topic, seq, events)
 
     async def close(self) -> None:
         self._closed = True

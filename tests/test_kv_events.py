@@ -224,3 +224,40 @@ def test_unconsumed_streams_stay_bounded():
     ch = sub._by_instance["i"]
     assert len(ch.buffer) == 3 and ch.dropped == 7
     assert [b.seq for b in ch.buffer] == [7, 8, 9]
+
+
+async def test_hostile_batches_do_not_end_the_feed():
+    """A msgpack batch whose events have fields of the wrong types (an unhashable `type`, a
+    non-numeric block_size, an int for block_hashes, a list for a hash) is counted malformed and
+    dropped; the next good batch still arrives. The receive loop caught only KVDecodeError: the
+    first TypeError/ValueError ended it and every instance's feed went silent."""
+    sub = KVEventSubscriber()
+    endpoint = sub.start()
+    sub.register("t", "i0", BS)
+    ctx = zmq.Context()
+    pub = await _engine_pub(ctx, endpoint)
+    try:
+        prompt = list(range(600, 612))
+        hostile = [
+            [{"type": [1, 2]}],
+            [["BlockStored", [1], None, prompt, "x"]],
+            [{"type": "BlockStored", "block_hashes": 5, "token_ids": prompt, "block_size": BS}],
+            [stored([[1]], prompt[:4])],
+            [{"type": "BlockStored", "block_hashes": [1], "token_ids": 7, "block_size": BS}],
+        ]
+        for i, evs in enumerate(hostile):
+            _publish(pub, "t", i, evs)
+        _publish(pub, "t", len(hostile), [stored([7, 8, 9], prompt)])
+        stream = sub.stream("i0")
+        await _until(lambda: sub.stats.messages == len(hostile) + 1)
+        assert sub.stats.malformed == len(hostile)
+        batch = None
+        while True:  # skip what the hostile batches left behind before they raised (if anything)
+            batch = await asyncio.wait_for(stream.__anext__(), 5)
+            if batch.events:
+                break
+        assert batch.events[0]["block_hashes"] == block_hashes(prompt, BS)
+    finally:
+        pub.close(0)
+        ctx.term()
+        await sub.close()
