@@ -325,6 +325,10 @@ async def _watch(r: Replica, config: FleetConfig, stop: asyncio.Event) -> None:
             url = await r.start()
         except AdapterError as e:
             _say(f"{r.kind} {r.index} restart failed: {e}")
+            # One that never said it was ready (READY_TIMEOUT_S: hung loading or binding) is still
+            # running: the wait above waited on it for ever and the worker was never tried again.
+            if r.proc is not None:
+                await terminate([r.proc], STOP_EXTRA_S, groups=True)
             continue
         r.restarts += 1
         assert r.proc is not None
