@@ -119,6 +119,7 @@ class _Channel:
     buffer: deque[KVEventBatch]
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     dropped: int = 0
+    closed: bool = False  # unregistered: its stream ends
 
 
 @dataclass(slots=True)
@@ -171,6 +172,20 @@ class KVEventSubscriber:
         self._by_topic[topic] = ch
         self._by_instance[instance_id] = ch
 
+    def unregister(self, instance_id: str) -> None:
+        """The instance was removed for good (the planner scaled it down): drop its channel, hash map
+        and undelivered batches, and end a reader following its `stream`. Kept, every removed
+        instance's map (up to kv_translate.MAX_ENTRIES) stayed for the gateway's life, while ids
+        are never reused."""
+        ch = self._by_instance.pop(instance_id, None)
+        if ch is None:
+            return
+        for topic in [t for t, c in self._by_topic.items() if c is ch]:
+            del self._by_topic[topic]
+        ch.buffer.clear()
+        ch.closed = True
+        ch.wake.set()
+
     def reset(self, instance_id: str) -> None:
         """The instance's engine restarted: forget its hash map and undelivered batches, keep the
         channel (a reader following `stream` stays attached to it)."""
@@ -191,7 +206,7 @@ class KVEventSubscriber:
         ch = self._by_instance.get(instance_id)
         if ch is None:
             return
-        while not self._closed:
+        while not self._closed and not ch.closed:
             while ch.buffer:
                 yield ch.buffer.popleft()
             ch.wake.clear()

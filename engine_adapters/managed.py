@@ -300,6 +300,8 @@ class ManagedEngineAdapter(HttpEngineAdapter):
         proc = self._procs.pop(instance.instance_id, None)
         if proc is not None:
             await terminate([proc], self.options.stop_grace_s, groups=True)
+        if self.subscriber is not None:
+            self.subscriber.unregister(instance.instance_id)  # its hash map and buffer go with it
 
     def _log_dir(self) -> Path:
         if self.options.log_dir:

@@ -261,8 +261,10 @@ async def test_launched_deployment_adds_and_removes_engines(tmp_path):
             raise AssertionError("the added engine never became healthy")
         proc = a.process(first)
         assert proc is not None
+        assert a.subscriber is not None and a.subscriber.has(first.instance_id)
         await a.remove_instance(first)
         assert proc.returncode is not None and [i.instance_id for i in a.instances] == ["s1/tiny/1"]
+        assert not a.subscriber.has(first.instance_id)  # its KV hash map is not kept for ever
         assert (await a.add_instance()).instance_id == "s1/tiny/2"  # ids are never reused
     finally:
         await a.stop()

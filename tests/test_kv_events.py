@@ -261,3 +261,31 @@ async def test_hostile_batches_do_not_end_the_feed():
         pub.close(0)
         ctx.term()
         await sub.close()
+
+
+async def test_unregistered_instance_is_forgotten_and_its_stream_ends():
+    """The planner removed the instance (ids are never reused): its hash map and buffer go, its
+    reader's stream ends, and a late batch on its topic is an unknown topic. There was no way to
+    drop a channel: every removed instance's map stayed for the gateway's life."""
+    sub = KVEventSubscriber()
+    sub.start()
+    try:
+        sub.register("t0", "i0", BS)
+        sub.register("t1", "i1", BS)
+        sub.deliver("t0", 0, [stored([1, 2, 3], list(range(12)))])
+        assert len(sub.translator("i0")) == 3
+        got = []
+
+        async def follow() -> None:
+            async for batch in sub.stream("i0"):
+                got.append(batch)
+
+        reader = asyncio.create_task(follow())
+        await _until(lambda: got)
+        sub.unregister("i0")
+        await asyncio.wait_for(reader, 5)  # ended, not waiting for ever on a channel nobody feeds
+        assert not sub.has("i0") and sub.translator("i0") is None and sub.has("i1")
+        sub.deliver("t0", 1, [stored([4], list(range(4)))])
+        assert sub.stats.unknown_topic == 1
+    finally:
+        await sub.close()
