@@ -17,6 +17,10 @@ PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 # event loop could run, see gateway.fleet_state); a wall-clock timeout of their own would
 # fire during a stalled loop and blame the engine. This only bounds a forgotten caller.
 POLL_BACKSTOP_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
+# An engine's /metrics page is tens of KB (vLLM serving many LoRA adapters: a few MB). More is a
+# bug or not an engine; read whole, loopback delivers GBs within the poll's deadline. Such a
+# page is a failed scrape (not ready), as a non-200 one is.
+MAX_METRICS_BYTES = 16 * 1024 * 1024
 
 
 class HttpEngineAdapter(EngineAdapter):
@@ -61,9 +65,14 @@ class HttpEngineAdapter(EngineAdapter):
     async def snapshot(self, instance: Instance) -> LoadSnapshot:
         try:
             async with self._http().get(f"{instance.url}/metrics", timeout=POLL_BACKSTOP_TIMEOUT) as r:
-                if r.status != 200:
+                if r.status != 200 or (r.content_length or 0) > MAX_METRICS_BYTES:
                     return LoadSnapshot(ready=False)
-                return parse_metrics(await r.text())
+                body = bytearray()
+                async for chunk in r.content.iter_any():
+                    body += chunk
+                    if len(body) > MAX_METRICS_BYTES:
+                        return LoadSnapshot(ready=False)
+                return parse_metrics(body.decode("utf-8", "replace"))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return LoadSnapshot(ready=False)
 

@@ -335,3 +335,55 @@ def test_a_page_read_before_is_not_parsed_again_and_a_changed_one_is():
         parse_metrics(f"vllm:num_requests_running {i}\n")
     assert len(ms._parsed) == ms._PARSED_MAX
     assert parse_metrics("vllm:num_requests_running 3\n").num_running == 3
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_oversized_metrics_page_is_a_failed_scrape(chunked: bool) -> None:
+    """An endpoint whose /metrics page runs past MAX_METRICS_BYTES (a bug, or not an engine) is not
+    read whole into the gateway's memory: the scrape fails (not ready), as a non-200 one does. It
+    was read to the end (`r.text()`) and parsed as a ready engine."""
+    from aiohttp import web
+
+    from engine_adapters.base import Instance
+    from engine_adapters.http_engine import MAX_METRICS_BYTES, HttpEngineAdapter
+
+    page = b"vllm:num_requests_running 1\n" + b"# padding" + b"x" * 1000 + b"\n"
+    big = page * (MAX_METRICS_BYTES // len(page) + 2)
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=big, content_type="text/plain")
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for i in range(0, len(big), 1 << 20):
+            await resp.write(big[i:i + (1 << 20)])
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    class Scraper(HttpEngineAdapter):
+        @property
+        def instances(self) -> list[Instance]:
+            return []
+
+        async def launch(self) -> list[Instance]:
+            return []
+
+        async def stop(self) -> None:
+            await self.close_http()
+
+    a = Scraper()
+    try:
+        inst = Instance("i0", "s", "m", "v1", f"http://127.0.0.1:{port}", "vllm")
+        snap = await asyncio.wait_for(a.snapshot(inst), 30)
+        assert not snap.ready
+    finally:
+        await a.close_http()
+        await runner.cleanup()
