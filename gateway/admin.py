@@ -301,7 +301,11 @@ def install_admin_routes(app: FastAPI, config: FleetConfig, admin: RegionPolicyA
         before = placement.mode
         result = placement.set_mode(body.mode, actor)
         if asyncio.iscoroutine(result):  # gateway.replica_state.PlannerAdmin: kept in the durable admin store
-            await result
+            try:
+                await result
+            except StoreUnavailable as e:  # Redis (or the sqlite store) down or hung: a 503, not a 500
+                raise GatewayError(503, f"The admin store is unavailable: {e}", type="server_error",
+                                   code="admin_store_unavailable", headers={"Retry-After": "1"}) from None
         emit(audit_log, logging.INFO, {"event": "planner_mode", "actor": actor, "before": before,
                                        "mode": placement.mode})
         return JSONResponse({"mode": placement.mode})

@@ -410,3 +410,20 @@ async def test_a_dispatch_through_one_replica_is_booked_in_the_others_tokenpilot
         redis_proc.stop()  # nothing more can be heard: what B booked for A goes
         await until(b_has(0, 0), 5)
         assert "[DONE]" in await task  # A serves on
+
+
+async def test_planner_mode_change_with_a_hung_redis_is_a_503(three: Start, redis_proc: RedisProc) -> None:
+    """The planner's mode is kept in the admin store first; with Redis hung that call fails within
+    store_timeout_s. Its StoreUnavailable raised out of the route: a 500 instead of an OpenAI-style
+    503 `admin_store_unavailable` with Retry-After, as the keys' admin routes answer."""
+    urls, apps = await three(redis_proc.url, n=1, planner=True)
+    redis_proc.pause()
+    try:
+        async with aiohttp.ClientSession() as s, s.put(urls[0] + "/admin/v1/planner", json={"mode": "advise"},
+                                                       headers=ADMIN_H) as r:
+            body = await r.json(content_type=None)
+            assert r.status == 503, body
+            assert body["error"]["code"] == "admin_store_unavailable" and int(r.headers["retry-after"]) >= 1
+        assert apps[0].state.tokenfleet.placement.mode != "advise"  # not confirmed, not applied
+    finally:
+        redis_proc.resume()
