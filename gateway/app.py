@@ -155,6 +155,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         core = placement_cycle_for(config, DemandModel(config, wall_clock=True))
         placement = PlacementLoop(core, state, relay.router, admission.ledger, clock)
         relay.listeners.append(placement)
+        placement.on_removed.append(metrics.forget_instance)
         gate.on_released.append(placement.released)  # the ledger's verdict per site (settled_met_share)
     metrics.registry.register(FleetCollector(state, placement))
     # Several replicas: budgets, ledger, lease and admin state shared through Redis (gateway.replica_state).

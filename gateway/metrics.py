@@ -198,6 +198,20 @@ class GatewayMetrics:
     def set_inflight(self, instance: str, value: int) -> None:
         child_of(self._inflight, self.inflight, (instance,)).set(value)
 
+    def forget_instance(self, instance: str) -> None:
+        """An instance the planner stopped: its series go. Instance ids are never reused
+        (`engine_adapters.managed`), so each add/remove cycle left its label sets in the registry
+        and on /metrics for the gateway's life; the fleet's size bounds them only with this."""
+        for key in [k for k in self._answered if k[2] == instance]:
+            del self._answered[key]
+            self.requests.remove(*key)
+        if self._inflight.pop((instance,), None) is not None:
+            self.inflight.remove(instance)
+        kinds = {s.labels["kind"] for m in self.upstream_errors.collect() for s in m.samples
+                 if s.labels.get("instance") == instance}
+        for kind in kinds:
+            self.upstream_errors.remove(instance, kind)
+
 
 @dataclass(frozen=True, slots=True)
 class _SiteChildren:

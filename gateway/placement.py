@@ -64,6 +64,7 @@ class PlacementLoop:
         # ... and each step it carries out must pass the lease's fence (kind, target, detail) -> allowed.
         self.fence: Callable[[str, str, str], Awaitable[bool]] | None = None
         self.refused = 0  # steps the fence refused
+        self.on_removed: list[Callable[[str], None]] = []  # an instance stopped for good (its metrics go)
 
     @property
     def mode(self) -> Mode:
@@ -214,6 +215,11 @@ class PlacementLoop:
             else:
                 self.state.sync_instances()
                 forget_instances(self.router, [cmd.instance_id])
+                for hook in self.on_removed:
+                    try:
+                        hook(cmd.instance_id)
+                    except Exception:  # a listener's bug must not leave the step unrecorded
+                        log.exception("on_removed listener failed for %s", cmd.instance_id)
                 self.core.stopped(cmd.instance_id, self.clock())
         self._log_new()
 

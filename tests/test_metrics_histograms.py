@@ -107,3 +107,20 @@ def test_the_cuts_cost_benchmark_runs() -> None:
     for part in ("tokenize bench", "tokenize place_cost", "tokenize new pieces", "tokenize docs once", "histograms",
                  "render"):
         assert part in line
+
+
+def test_a_removed_instances_series_are_forgotten() -> None:
+    """Instance ids the planner creates are never reused: the series of one it stopped must go,
+    or /metrics grows by its label sets with every add/remove cycle."""
+    m = GatewayMetrics()
+    for iid in ("s/m/0", "s/m/1"):
+        m.answered("m", "s", iid, "200")
+        m.answered("m", "s", iid, "502")
+        m.set_inflight(iid, 1)
+        m.upstream_errors.labels(iid, "connect").inc()
+        m.upstream_errors.labels(iid, "stall").inc()
+    m.forget_instance("s/m/0")
+    text = m.render().decode()
+    assert 'instance="s/m/0"' not in text
+    assert text.count('instance="s/m/1"') >= 5
+    m.answered("m", "s", "s/m/0", "200")  # a late answer still counts (a series again, not an error)

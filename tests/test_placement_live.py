@@ -153,6 +153,10 @@ async def test_planner_moves_a_replica_to_demand_then_rolls_back_when_goodput_fa
         assert 'tokenfleet_planner_decisions_total{kind="rollback"} 1.0' in metrics
         assert 'tokenfleet_planner_actions_total{kind="stop"} 2.0' in metrics
         assert f'tokenfleet_replicas{{model="{MODEL}",site="b",state="ready",version="v1"}} 2.0' in metrics
+        # The stopped instances' series are gone (their ids are never reused: kept, /metrics grew by
+        # them with every move); the drained b replica answered requests, so it had some.
+        for iid in stopped:
+            assert f'instance="{iid}"' not in metrics, iid
 
 
 async def test_planner_mode_from_the_admin_api(gateway: tuple[str, Any]) -> None:
