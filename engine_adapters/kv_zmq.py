@@ -52,6 +52,10 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "AllBlocksCleared": (),
 }
 DEFAULT_BUFFER_BATCHES = 4096
+# A batch is at most a few MB (a 128k-token prompt stored at once: ~0.7 MB of token ids). ZMQ
+# otherwise takes a message of any size, up to RCVHWM of them, from anyone who can connect (the
+# bind may be a routable address for attached engines): a peer sending more is disconnected.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class KVDecodeError(ValueError):
@@ -154,6 +158,7 @@ class KVEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")  # all topics: exact topic match is ours (ZMQ matches prefixes)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.bind(self.bind_address)

@@ -289,3 +289,41 @@ async def test_unregistered_instance_is_forgotten_and_its_stream_ends():
         assert sub.stats.unknown_topic == 1
     finally:
         await sub.close()
+
+
+async def test_an_oversized_message_is_refused():
+    """A message past MAX_MESSAGE_BYTES never reaches the subscriber (ZMQ drops its sender's
+    connection, which reconnects); the next batches do. ZMQ took messages of any size, up to
+    RCVHWM (100,000) of them."""
+    from engine_adapters.kv_zmq import MAX_MESSAGE_BYTES
+
+    sub = KVEventSubscriber()
+    endpoint = sub.start()
+    sub.register("t", "i0", BS)
+    ctx = zmq.Context()
+    pub = await _engine_pub(ctx, endpoint)
+    try:
+        pub.send_multipart([b"t", (0).to_bytes(8, "big"), b"\xc1" * (MAX_MESSAGE_BYTES + 1)])
+        got: list = []
+
+        async def follow() -> None:
+            async for b in sub.stream("i0"):
+                got.append(b)
+
+        reader = asyncio.create_task(follow())
+        prompt = list(range(700, 704))
+        for seq in range(1, 200):  # the first sent after the reconnect gets through
+            _publish(pub, "t", seq, [stored([seq], prompt)])
+            try:
+                await wait_until(lambda: got, 0.1, "a batch after the oversized one")
+                break
+            except AssertionError:
+                continue
+        assert got, "no batch got through after the oversized one"
+        assert sub.stats.malformed == 0  # the oversized one was never received
+        await sub.close()
+        await asyncio.wait_for(reader, 5)
+    finally:
+        pub.close(0)
+        ctx.term()
+        await sub.close()
