@@ -130,7 +130,10 @@ class Replica:
         """Spawn and wait for the line giving its URL; returns that URL."""
         # own_group: a Ctrl-C in the terminal reaches only us, so each replica gets one SIGTERM
         # (a second would force it); die_with_parent (in spawn): no replica outlives us.
-        self.proc = await spawn(self.argv, own_group=True)
+        try:
+            self.proc = await spawn(self.argv, own_group=True)
+        except OSError as e:  # EAGAIN/ENOMEM/EMFILE: an AdapterError, so a restart is tried again
+            raise AdapterError(f"{self.kind} {self.index}: cannot start {self.argv[0]}: {e}") from None
         assert self.proc.stdout is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
@@ -327,7 +330,7 @@ async def _watch(r: Replica, config: FleetConfig, stop: asyncio.Event) -> None:
             _say(f"{r.kind} {r.index} restart failed: {e}")
             # One that never said it was ready (READY_TIMEOUT_S: hung loading or binding) is still
             # running: the wait above waited on it for ever and the worker was never tried again.
-            if r.proc is not None:
+            if r.proc is not None and r.proc.returncode is None:
                 await terminate([r.proc], STOP_EXTRA_S, groups=True)
             continue
         r.restarts += 1

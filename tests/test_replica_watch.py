@@ -53,3 +53,34 @@ async def test_a_restart_that_hangs_before_ready_is_killed_and_tried_again(tmp_p
         await asyncio.gather(watch, return_exceptions=True)
         assert r.proc is not None
         await terminate([r.proc], 1.0)
+
+
+async def test_a_restart_that_cannot_spawn_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fork/exec failing once (EAGAIN, ENOMEM, EMFILE under pressure) raised OSError out of `_watch`:
+    its task ended and the worker was never restarted again."""
+    counter = tmp_path / "starts"
+    script = tmp_path / "member.py"
+    script.write_text(_MEMBER.replace("if n == 2:", "if n == -1:"))  # no hang: the spawn fails instead
+    r = Replica(0, 1, [sys.executable, str(script), str(counter)], "worker")
+    await r.start()
+    real, calls = replicas_mod.spawn, []
+
+    async def flaky(*args: object, **kw: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(11, "Resource temporarily unavailable")
+        return await real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(replicas_mod, "spawn", flaky)
+    config = SimpleNamespace(gateway=SimpleNamespace(engine_restart_backoff_s=0.01, engine_restart_backoff_max_s=0.05))
+    stop = asyncio.Event()
+    watch = asyncio.ensure_future(replicas_mod._watch(r, config, stop))  # type: ignore[arg-type]
+    try:
+        await wait_until(lambda: r.restarts or watch.done(), 20, "the worker restarted after a failed spawn")
+        assert not watch.done() and r.restarts == 1 and len(calls) == 2
+    finally:
+        stop.set()
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        assert r.proc is not None
+        await terminate([r.proc], 1.0)
