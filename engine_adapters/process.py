@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -17,6 +18,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import IO, Any
 
 _PR_SET_PDEATHSIG = 1
+# A process SIGKILL cannot end at once (uninterruptible sleep: a hung GPU driver call, a dead NFS
+# mount) held the stop, and the gateway's exit, for ever: past this it is left to the kernel.
+KILL_WAIT_S = 5.0
+
+log = logging.getLogger("tokenfleet.engines")
 
 
 def die_with_parent() -> None:
@@ -74,7 +80,11 @@ async def terminate(procs: Iterable[asyncio.subprocess.Process], grace_s: float,
                 kill_group(p)
             with contextlib.suppress(ProcessLookupError):
                 p.kill()
-            await p.wait()
+            try:
+                await asyncio.wait_for(p.wait(), KILL_WAIT_S)
+            except asyncio.TimeoutError:
+                log.error("pid %d has not exited %.0f s after SIGKILL (uninterruptible sleep?); "
+                          "not waiting for it", p.pid, KILL_WAIT_S)
         if groups:
             kill_group(p)  # stragglers of an exited leader; a no-op when the group is empty
 
