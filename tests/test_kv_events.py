@@ -4,7 +4,9 @@ ZMQ subscriber over real sockets with a publisher that behaves like vLLM's (it c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
@@ -121,6 +123,22 @@ async def _until(pred, timeout=5.0):
     await wait_until(pred, timeout, "the subscriber to deliver what was published")
 
 
+@contextlib.asynccontextmanager
+async def _one_engine() -> AsyncIterator[tuple[KVEventSubscriber, zmq.Socket]]:
+    """(subscriber, the engine's publisher): one instance `i0` on topic `t`, connected; closed after."""
+    sub = KVEventSubscriber()
+    endpoint = sub.start()
+    sub.register("t", "i0", BS)
+    ctx = zmq.Context()
+    pub = await _engine_pub(ctx, endpoint)
+    try:
+        yield sub, pub
+    finally:
+        pub.close(0)
+        ctx.term()
+        await sub.close()
+
+
 async def _engine_pub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     """An engine's publisher connected to the subscriber, returned once the subscription has reached
     it (a PUB drops what it sends before that). An XPUB publishes as a PUB does and also hears the
@@ -183,13 +201,8 @@ async def test_subscriber_binds_and_routes_topics_to_instances():
 
 async def test_events_reach_the_cache_index_with_gateway_keys():
     """Fake publisher -> subscriber -> the router's index: a request's hashes match there."""
-    sub = KVEventSubscriber()
-    endpoint = sub.start()
-    sub.register("t", "i0", BS)
-    ctx = zmq.Context()
-    pub = await _engine_pub(ctx, endpoint)
-    index = PrefixCacheIndex(stride=1)
-    try:
+    async with _one_engine() as (sub, pub):
+        index = PrefixCacheIndex(stride=1)
         prompt = list(range(500, 532))
         _publish(pub, "t", 0, [stored(list(range(1, 9)), prompt)])
         stream = sub.stream("i0")
@@ -200,10 +213,6 @@ async def test_events_reach_the_cache_index_with_gateway_keys():
         batch = await asyncio.wait_for(stream.__anext__(), 5)
         index.apply_events(batch.instance_id, batch.seq, batch.events, now=0.0)
         assert index.match(block_hashes(prompt, BS), ["i0"]) == {"i0": 4}
-    finally:
-        pub.close(0)
-        ctx.term()
-        await sub.close()
 
 
 async def test_subscriber_bind_failure_is_an_oserror():
@@ -231,12 +240,7 @@ async def test_hostile_batches_do_not_end_the_feed():
     non-numeric block_size, an int for block_hashes, a list for a hash) is counted malformed and
     dropped; the next good batch still arrives. The receive loop caught only KVDecodeError: the
     first TypeError/ValueError ended it and every instance's feed went silent."""
-    sub = KVEventSubscriber()
-    endpoint = sub.start()
-    sub.register("t", "i0", BS)
-    ctx = zmq.Context()
-    pub = await _engine_pub(ctx, endpoint)
-    try:
+    async with _one_engine() as (sub, pub):
         prompt = list(range(600, 612))
         hostile = [
             [{"type": [1, 2]}],
@@ -257,10 +261,6 @@ async def test_hostile_batches_do_not_end_the_feed():
             if batch.events:
                 break
         assert batch.events[0]["block_hashes"] == block_hashes(prompt, BS)
-    finally:
-        pub.close(0)
-        ctx.term()
-        await sub.close()
 
 
 async def test_unregistered_instance_is_forgotten_and_its_stream_ends():
@@ -297,12 +297,7 @@ async def test_an_oversized_message_is_refused():
     RCVHWM (100,000) of them."""
     from engine_adapters.kv_zmq import MAX_MESSAGE_BYTES
 
-    sub = KVEventSubscriber()
-    endpoint = sub.start()
-    sub.register("t", "i0", BS)
-    ctx = zmq.Context()
-    pub = await _engine_pub(ctx, endpoint)
-    try:
+    async with _one_engine() as (sub, pub):
         pub.send_multipart([b"t", (0).to_bytes(8, "big"), b"\xc1" * (MAX_MESSAGE_BYTES + 1)])
         got: list = []
 
@@ -323,7 +318,3 @@ async def test_an_oversized_message_is_refused():
         assert sub.stats.malformed == 0  # the oversized one was never received
         await sub.close()
         await asyncio.wait_for(reader, 5)
-    finally:
-        pub.close(0)
-        ctx.term()
-        await sub.close()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +32,22 @@ time.sleep(3600)
 """
 
 
+@contextlib.asynccontextmanager
+async def _watching(r: Replica) -> AsyncIterator[asyncio.Future[None]]:
+    """The supervisor's `_watch` of `r` (short backoffs), running; stopped and `r` ended after."""
+    config = SimpleNamespace(gateway=SimpleNamespace(engine_restart_backoff_s=0.01, engine_restart_backoff_max_s=0.05))
+    stop = asyncio.Event()
+    watch = asyncio.ensure_future(replicas_mod._watch(r, config, stop))  # type: ignore[arg-type]
+    try:
+        yield watch
+    finally:
+        stop.set()
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        assert r.proc is not None
+        await terminate([r.proc], 1.0)
+
+
 async def test_a_restart_that_hangs_before_ready_is_killed_and_tried_again(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A restart that never printed its ready line (READY_TIMEOUT_S) was left running and `_watch` waited on
@@ -41,18 +59,9 @@ async def test_a_restart_that_hangs_before_ready_is_killed_and_tried_again(tmp_p
     script.write_text(_MEMBER)
     r = Replica(0, 1, [sys.executable, str(script), str(counter)], "worker")
     await r.start()
-    config = SimpleNamespace(gateway=SimpleNamespace(engine_restart_backoff_s=0.01, engine_restart_backoff_max_s=0.05))
-    stop = asyncio.Event()
-    watch = asyncio.ensure_future(replicas_mod._watch(r, config, stop))  # type: ignore[arg-type]
-    try:
+    async with _watching(r):
         await wait_until(lambda: r.restarts, 20, "the worker restarted after its hung restart was killed")
         assert counter.read_text() == "3"
-    finally:
-        stop.set()
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-        assert r.proc is not None
-        await terminate([r.proc], 1.0)
 
 
 async def test_a_restart_that_cannot_spawn_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,15 +81,6 @@ async def test_a_restart_that_cannot_spawn_is_tried_again(tmp_path: Path, monkey
         return await real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(replicas_mod, "spawn", flaky)
-    config = SimpleNamespace(gateway=SimpleNamespace(engine_restart_backoff_s=0.01, engine_restart_backoff_max_s=0.05))
-    stop = asyncio.Event()
-    watch = asyncio.ensure_future(replicas_mod._watch(r, config, stop))  # type: ignore[arg-type]
-    try:
+    async with _watching(r) as watch:
         await wait_until(lambda: r.restarts or watch.done(), 20, "the worker restarted after a failed spawn")
         assert not watch.done() and r.restarts == 1 and len(calls) == 2
-    finally:
-        stop.set()
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-        assert r.proc is not None
-        await terminate([r.proc], 1.0)
