@@ -531,6 +531,8 @@ class RelayStream:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise RetryableFailure("stream_start", describe(e),
                                    f"engine instance {iid} connection broke before the first event") from None
+        except Interrupted:  # the gateway ended the wait (shutdown's grace is over, a drain): not the engine's fault
+            raise
         except Exception as e:  # an event no parser expected (`"choices": 5`), or a bug: not a 500
             log.exception("request %s: the stream of %s could not be relayed", self.d.parsed.profile.request_id, iid)
             raise RetryableFailure(INVALID_STREAM, repr(e),

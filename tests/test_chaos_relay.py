@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from fleetcore.policies import InstanceRouter
+from tests.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"
@@ -433,6 +434,30 @@ async def test_draining_gateway_reports_shutting_down_and_refuses_new_work(
     assert r.status_code == 503 and r.headers["retry-after"]
     assert r.json()["error"]["code"] == "gateway_shutdown"
     assert stub.requests == [], "a draining gateway sends no new work to engines"
+
+
+async def test_a_stream_waiting_for_its_first_event_when_the_grace_ends_gets_a_503(
+        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
+        config_factory: Any) -> None:
+    # the engine sent its head, not yet an event (a long prefill); the shutdown's grace ends: a 503
+    # `gateway_shutdown` (retry it elsewhere), not a stream the gateway "could not relay" (502) and
+    # not an engine marked failed
+    from gateway.app import create_app
+
+    stub = await stub_upstream(chunks=2, first_delay_s=30.0)
+    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
+    url = await gateway_server(app)
+    relay = app.state.tokenfleet.relay
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        post = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+        await wait_until(lambda: relay.shutdown.in_flight == 1, 10, "the dispatch is waiting for its first event")
+        relay.shutdown.begin()
+        relay.shutdown.expire()
+        r = await asyncio.wait_for(post, 10)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "gateway_shutdown"
+    assert relay.state.get("i0").failed_at == float("-inf")  # the engine is not blamed
 
 
 async def test_refused_everywhere_502_names_instances_not_addresses(
