@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+
+from prometheus_client import Counter
 
 from fleetcore.policies import InstanceRouter
 from gateway.background import cancel_and_wait
@@ -27,7 +28,7 @@ class RouterRefit:
     operator sees whether the learned model is doing anything at all."""
 
     def __init__(self, router: InstanceRouter, interval_s: float = 5.0, timeout_s: float = 30.0,
-                 results: Any = None) -> None:
+                 results: Counter | None = None) -> None:
         if not interval_s > 0 or not timeout_s > 0:
             raise ValueError("interval_s and timeout_s must be positive")
         self.router, self.interval_s, self.timeout_s = router, interval_s, timeout_s

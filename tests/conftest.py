@@ -286,6 +286,21 @@ async def gateway_server() -> AsyncIterator[Callable[..., Awaitable[str]]]:
         sock.close()
 
 
+# --- a gateway over one stub engine ---
+
+@pytest.fixture
+def stub_gateway(gateway_server: Callable[..., Awaitable[str]]) -> Callable[..., Awaitable[tuple[str, Any]]]:
+    """Factory: `await stub_gateway(stub, listener=..., listeners=...)` → (base URL, app) of a gateway
+    over one instance `i0` (model `m1`) at `stub.url`, served as `gateway_server` serves it."""
+    from gateway.app import create_app
+
+    async def start(stub: StubUpstream, **serve: Any) -> tuple[str, Any]:
+        app = create_app(make_config(), [FakeAdapter([make_instance("i0", stub.url)])], poll_interval_s=60)
+        return await gateway_server(app, **serve), app
+
+    return start
+
+
 # --- a gateway over one stub engine, with a key ---
 
 KEYED_GATEWAY_KEY = "sk-test"  # the key of tenant `dev` (tests write it out: "Bearer sk-test")

@@ -417,13 +417,9 @@ def _refused(url: str) -> bool:
 # --- in-process, over real sockets: readiness while draining, errors without addresses ---
 
 async def test_draining_gateway_reports_shutting_down_and_refuses_new_work(
-        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
-        config_factory: Any) -> None:
-    from gateway.app import create_app
-
+        stub_upstream: Any, stub_gateway: Any) -> None:
     stub = await stub_upstream(chunks=2, delay_s=0.01)
-    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
-    url = await gateway_server(app)
+    url, app = await stub_gateway(stub)
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
     async with httpx.AsyncClient(base_url=url, timeout=10) as c:
         assert (await c.get("/health")).status_code == 200
@@ -437,16 +433,12 @@ async def test_draining_gateway_reports_shutting_down_and_refuses_new_work(
 
 
 async def test_a_stream_waiting_for_its_first_event_when_the_grace_ends_gets_a_503(
-        stub_upstream: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any,
-        config_factory: Any) -> None:
+        stub_upstream: Any, stub_gateway: Any) -> None:
     # the engine sent its head, not yet an event (a long prefill); the shutdown's grace ends: a 503
     # `gateway_shutdown` (retry it elsewhere), not a stream the gateway "could not relay" (502) and
     # not an engine marked failed
-    from gateway.app import create_app
-
     stub = await stub_upstream(chunks=2, first_delay_s=30.0)
-    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
-    url = await gateway_server(app)
+    url, app = await stub_gateway(stub)
     relay = app.state.tokenfleet.relay
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=10) as c:

@@ -179,12 +179,10 @@ async def test_forwarded_requests_still_get_the_proxy_headers_rewrite() -> None:
 
 
 @pytest.fixture
-async def gateway(stub_upstream: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
-                  gateway_server: Any) -> tuple[int, Any]:
+async def gateway(stub_upstream: Any, stub_gateway: Any) -> tuple[int, Any]:
     """(the listener's port, the stub engine): one gateway app served by the listener."""
     stub = await stub_upstream(chunks=20, delay_s=0.05)
-    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
-    url = await gateway_server(app, listener=GatewaySettings())
+    url, _ = await stub_gateway(stub, listener=GatewaySettings())
     return int(url.rsplit(":", 1)[1]), stub
 
 

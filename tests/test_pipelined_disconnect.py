@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from fleetcore.fleet_config import GatewaySettings
-from gateway.app import create_app
 from gateway.listener import Listener
 
 SEND_TIMEOUT_S = 1.0
@@ -27,13 +26,11 @@ SLACK_S = 8.0  # a loaded 2-core CI machine
 
 
 @pytest.fixture
-async def gateway(stub_upstream: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
-                  gateway_server: Any) -> tuple[int, Any, Listener]:
+async def gateway(stub_upstream: Any, stub_gateway: Any) -> tuple[int, Any, Listener]:
     """(port, stub engine, the public listener) of one gateway served by the real listener."""
     stub = await stub_upstream(chunks=CHUNKS, delay_s=0.05)
-    app = create_app(config_factory(), [fake_adapter([instance_factory("i0", stub.url)])], poll_interval_s=60)
     listeners: list[Listener] = []
-    url = await gateway_server(app, listener=GatewaySettings(send_timeout_s=SEND_TIMEOUT_S), listeners=listeners)
+    url, _ = await stub_gateway(stub, listener=GatewaySettings(send_timeout_s=SEND_TIMEOUT_S), listeners=listeners)
     return int(url.rsplit(":", 1)[1]), stub, listeners[0]
 
 
