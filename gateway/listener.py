@@ -79,19 +79,19 @@ class ListenerLimits:
     body_timeout_s: float
     max_header_count: int
     max_header_bytes: int
+    send_timeout_s: float  # a response's bytes not taken by the client for this long: closed
     paths: tuple[str, ...] | None = None  # None: every path; else only these (see OPS_PATHS)
-    send_timeout_s: float = 30.0  # a response's bytes not taken by the client for this long: closed
 
     @classmethod
     def public(cls, gw: GatewaySettings) -> ListenerLimits:
         return cls("public", gw.max_connections, min(gw.max_connections_per_client, gw.max_connections),
                    gw.header_timeout_s, gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes,
-                   send_timeout_s=gw.send_timeout_s)
+                   gw.send_timeout_s)
 
     @classmethod
     def ops(cls, gw: GatewaySettings) -> ListenerLimits:
         return cls("ops", OPS_MAX_CONNECTIONS, OPS_MAX_CONNECTIONS_PER_CLIENT, gw.header_timeout_s,
-                   gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes, OPS_PATHS, gw.send_timeout_s)
+                   gw.body_timeout_s, gw.max_header_count, gw.max_header_bytes, gw.send_timeout_s, OPS_PATHS)
 
 
 def bind_socket(host: str, port: int, backlog: int = 2048, reuse_port: bool = False) -> socket.socket:
