@@ -43,12 +43,14 @@ from starlette.responses import Response
 from fleetcore import hardware
 from fleetcore.fleet_config import FleetConfig
 from fleetcore.interconnect import kv_bytes, link_between
+from fleetcore.sse import MAX_EVENT_BYTES
 from fleetcore.types import Candidate, InstanceSnapshot, RequestProfile, RouteDecision
 from fleetmind.place import Choice, place
 from gateway.background import cancel_and_wait
 from gateway.relay import CLIENT_CLOSED, ClientGone, DisconnectWatch, Relay, Target, upstream_fields
 from gateway.requests import ParsedRequest
 from gateway.upstream_failure import RetryableFailure, SplitFailed, describe
+from gateway.upstream_http import BodyTooLarge
 from tokenpilot.disagg import DisaggPolicy, PDDecision, TokenPilotDisagg
 from tokenpilot.router import TokenPilot
 
@@ -279,7 +281,7 @@ class PDFlow:
                                              headers={"Content-Type": "application/json",
                                                       "X-Request-Id": f"{parsed.profile.request_id}-prefill"})
                 async with r:  # released when read, closed on any failure (the engine drops the room)
-                    raw = await r.read()
+                    raw = await r.read(MAX_EVENT_BYTES)
                     if r.status != 200:
                         raise PrefillFailed(f"prefill_http_{r.status}",
                                             f"engine instance {iid} answered the prefill leg with HTTP {r.status}")
@@ -288,6 +290,9 @@ class PDFlow:
             except ValueError:
                 raise PrefillFailed("prefill_answer", f"engine instance {iid} sent an unreadable prefill answer") from None
             return out if isinstance(out, dict) else {}
+        except BodyTooLarge:
+            raise PrefillFailed("prefill_answer", f"engine instance {iid} sent a prefill answer larger than "
+                                f"{MAX_EVENT_BYTES} bytes") from None
         except TimeoutError:
             raise PrefillFailed("prefill_timeout", f"engine instance {iid} did not prefill within {deadline:.1f} s",
                                 timed_out=True) from None

@@ -91,6 +91,7 @@ MAX_ATTEMPTS = ATTEMPTS_BEFORE_FIRST_BYTE  # the first try plus one retry elsewh
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the relay could not read
 _ERROR_SNIPPET = 300
+_ERROR_READ_BYTES = 4 * _ERROR_SNIPPET  # of an error answer's body: its snippet's characters, UTF-8
 
 
 class ClientGone(Exception):
@@ -1096,8 +1097,8 @@ class Relay:
 
     @staticmethod
     async def error_text(resp: UpstreamResponse) -> str:
-        try:
-            body = await asyncio.wait_for(resp.read(), 2.0)
+        try:  # a snippet is all it keeps: more is never read (the response is closed after)
+            body = await asyncio.wait_for(resp.read(_ERROR_READ_BYTES, truncate=True), 2.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             body = b""
         text = body.decode("utf-8", errors="replace").strip()[:_ERROR_SNIPPET]

@@ -101,6 +101,10 @@ class Headers(dict[str, str]):
         return isinstance(key, str) and dict.__contains__(self, key.lower())
 
 
+class BodyTooLarge(ValueError):
+    """`UpstreamResponse.read(limit)`: the body went past the limit."""
+
+
 class UpstreamResponse:
     """One response: its head (`status`, `headers`) and a bounded buffer of its body."""
 
@@ -146,11 +150,20 @@ class UpstreamResponse:
             conn.resume()
         return data
 
-    async def read(self) -> bytes:
-        """The rest of the body."""
+    async def read(self, limit: int | None = None, truncate: bool = False) -> bytes:
+        """The rest of the body. `limit`: at most that many bytes are held; past it `BodyTooLarge`,
+        or with `truncate` the first `limit` bytes (the rest left unread: the caller closes the
+        response, never pools it). An engine that never ends its body must not take the
+        gateway's memory in the seconds any caller's deadline allows (GBs over loopback)."""
         parts: list[bytes] = []
+        held = 0
         while data := await self.readany():
             parts.append(data)
+            held += len(data)
+            if limit is not None and held > limit:
+                if truncate:
+                    return b"".join(parts)[:limit]
+                raise BodyTooLarge(f"a body of more than {limit} bytes")
         return b"".join(parts)
 
     def release(self) -> None:

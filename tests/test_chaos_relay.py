@@ -577,3 +577,35 @@ async def test_a_whole_answer_larger_than_the_bound_is_a_502_not_the_gateways_me
         monkeypatch.setattr(relay_module, "MAX_EVENT_BYTES", 1 << 20)
         r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 200 and len(r.content) > 1000  # under the bound: whole, as before
+
+
+async def test_an_error_answer_that_never_ends_is_read_only_for_its_snippet(
+        gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any) -> None:
+    # A 500 whose body never ends: the gateway keeps a 300-character snippet of an error answer, and
+    # used to read the whole body for up to 2 s to get it (GBs over loopback); now it reads the
+    # snippet's bytes and closes, so the client's 502 comes at once and carries the snippet.
+    from types import SimpleNamespace
+
+    async def endless_500(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            while True:
+                writer.write(b"10000\r\n" + b"e" * 65536 + b"\r\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(endless_500, "127.0.0.1", 0)
+    try:
+        engine = SimpleNamespace(url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        url = await _gateway_with({"a": engine}, 0.0, gateway_server, fake_adapter, instance_factory, config_factory)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 502, r.text
+        assert "HTTP 500: eeee" in r.json()["error"]["message"]  # the snippet, not a 2 s timeout's nothing
+    finally:
+        server.close()

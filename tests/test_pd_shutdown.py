@@ -1,4 +1,6 @@
-"""The app's lifespan ends the P/D flow's background work: an SGLang prefill leg still running when
+"""The P/D flow's bounds: what its prefill leg may hold, and how long it may outlive the app.
+
+The app's lifespan ends the P/D flow's background work: an SGLang prefill leg still running when
 its decode leg's answer was handed over (`PDFlow._after_decode` leaves it in the background, bounded
 by its first-byte deadline) is cancelled at shutdown. `PDFlow.close` existed and nothing called it:
 such a leg outlived the app it belonged to, its engine connection and in-flight count with it."""
@@ -40,3 +42,43 @@ async def test_shutdown_cancels_prefill_legs_left_in_the_background(
         assert leg.done() and leg.cancelled()  # ended with the app, not left running
     finally:
         leg.cancel()
+
+
+async def test_a_prefill_answer_past_the_bound_fails_the_leg_not_the_gateways_memory(
+        fake_adapter: Any, instance_factory: Any, monkeypatch: Any) -> None:
+    # The prefill leg reads its engine's whole answer (one token and the KV's address): it used to
+    # read without a bound for as long as its first-byte deadline (GBs over loopback from an engine
+    # whose answer never ends). Now it holds at most MAX_EVENT_BYTES, the relay's bound on any one
+    # engine answer (made small here), and fails the leg as an unusable answer.
+    from types import SimpleNamespace
+
+    import pytest
+
+    import gateway.pd_flow as pd_flow
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while True:
+                writer.write(b"10000\r\n" + b" " * 65536 + b"\r\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    monkeypatch.setattr(pd_flow, "MAX_EVENT_BYTES", 1 << 20)
+    server = await asyncio.start_server(endless, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    app = create_app(FLEET, [fake_adapter([instance_factory("use1/m1/0", url)])], poll_interval_s=60)
+    pd = app.state.tokenfleet.relay.pd
+    try:
+        async with serve_app(app):
+            parsed = SimpleNamespace(profile=SimpleNamespace(request_id="r1"))
+            pre = SimpleNamespace(instance=SimpleNamespace(instance_id="use1/m1/0", url=url), route=None)
+            with pytest.raises(pd_flow.PrefillFailed) as failed:
+                await asyncio.wait_for(pd._prefill(parsed, "/v1/completions", pre, {"prompt": "x"}), 30)
+            assert failed.value.kind == "prefill_answer" and "larger than 1048576 bytes" in failed.value.public
+    finally:
+        server.close()

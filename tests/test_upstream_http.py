@@ -523,3 +523,29 @@ async def test_a_body_that_ends_past_the_read_bound_leaves_a_pooled_connection_t
         assert up.connections == 1 and client.connections_opened == 1  # the same connection, reading
     finally:
         await client.close()
+
+
+async def endless(req: Request, w: asyncio.StreamWriter, status: bytes = b"200 OK") -> bool:
+    """A body that never ends (chunked, 64 KiB a chunk) until the client goes."""
+    w.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    while True:
+        w.write(chunk(b"x" * 65536))
+        await w.drain()
+
+
+async def test_read_with_a_limit_stops_an_endless_body(serve: Callable[..., Awaitable[Upstream]],
+                                                       client: UpstreamClient) -> None:
+    # `read()` without a limit would hold GBs in the seconds a deadline allows; with one it holds
+    # at most the limit (plus one read) and raises, or with `truncate` hands back the first bytes
+    from gateway.upstream_http import BodyTooLarge
+
+    up = await serve(endless)
+    resp = await client.post(up.url(), data=b"{}", headers={})
+    with pytest.raises(BodyTooLarge):
+        await asyncio.wait_for(resp.read(1 << 20), 10)
+    resp.close()
+    resp = await client.post(up.url(), data=b"{}", headers={})
+    got = await asyncio.wait_for(resp.read(1000, truncate=True), 10)
+    resp.close()
+    assert got == b"x" * 1000
+    await wait_until(lambda: up.disconnects, 10, "both connections closed", ok=lambda n: n == 2)  # never pooled mid-body
