@@ -178,7 +178,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     backlog = Backlog(g.max_inflight_requests, g.max_pending_requests, g.overload_retry_after_s)
     metrics.watch_backlog(lambda: backlog.pending, lambda: backlog.inflight)
 
-    kv_feed = KVEventFeed(state, relay.router, clock) if relay.router.follows_kv_events else None
+    kv_feed = KVEventFeed(state, relay.router, clock, metrics=metrics) if relay.router.follows_kv_events else None
     # the router's learned latency model, fitted off the request path
     refit = RouterRefit(relay.router, results=metrics.router_refits)
     policy_admin = RegionPolicyAdmin(config, policy_sync)

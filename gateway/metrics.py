@@ -158,6 +158,14 @@ class GatewayMetrics:
         self._inflight: dict[tuple[str], Any] = {}
         self.overload_refused = Counter("tokenfleet_overload_refused", "/v1 requests refused with 503 "
                                         "gateway_overloaded, by the bound they hit", ["bound"], registry=r)
+        # The KV event feed per instance (`gateway.kv_feed`): a feed that stopped is invisible in
+        # routing (the index falls back to approximate), so it is visible here.
+        self.kv_batches = Counter("tokenfleet_kv_event_batches", "Engine KV event batches applied to the "
+                                  "router's cache index", ["instance"], registry=r)
+        self.kv_interruptions = Counter("tokenfleet_kv_feed_interruptions", "Engine KV event feeds that "
+                                        "stopped, by reason: ended (closed by the engine), error (broken or "
+                                        "unreadable)", ["instance", "reason"], registry=r)
+        self._kv_batches: dict[tuple[str], Any] = {}
 
     def watch_backlog(self, pending: Callable[[], float], inflight: Callable[[], float]) -> None:
         """Gauges of the overload bounds' counts (`gateway.overload`)."""
@@ -198,6 +206,12 @@ class GatewayMetrics:
     def set_inflight(self, instance: str, value: int) -> None:
         child_of(self._inflight, self.inflight, (instance,)).set(value)
 
+    def kv_batch(self, instance: str) -> None:
+        child_of(self._kv_batches, self.kv_batches, (instance,)).inc()
+
+    def kv_interrupted(self, instance: str, reason: str) -> None:
+        self.kv_interruptions.labels(instance, reason).inc()
+
     def forget_instance(self, instance: str) -> None:
         """An instance the planner stopped: its series go. Instance ids are never reused
         (`engine_adapters.managed`), so each add/remove cycle left its label sets in the registry
@@ -211,6 +225,11 @@ class GatewayMetrics:
                  if s.labels.get("instance") == instance}
         for kind in kinds:
             self.upstream_errors.remove(instance, kind)
+        if self._kv_batches.pop((instance,), None) is not None:
+            self.kv_batches.remove(instance)
+        for reason in {s.labels["reason"] for m in self.kv_interruptions.collect() for s in m.samples
+                       if s.labels.get("instance") == instance}:
+            self.kv_interruptions.remove(instance, reason)
 
 
 @dataclass(frozen=True, slots=True)
