@@ -108,6 +108,10 @@ class EngineAdapter(abc.ABC):
         """A stream of KV cache events, or None when the engine does not publish them."""
         return None
 
+    def kv_event_drops(self) -> dict[tuple[str, str], int]:
+        """KV events that never reached a stream, (instance id or "", reason) -> count so far."""
+        return {}
+
     # -- scaling (FleetMind's planner) ---------------------------------------------
     @property
     def scalable(self) -> bool:

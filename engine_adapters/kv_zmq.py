@@ -206,6 +206,17 @@ class KVEventSubscriber:
     def has(self, instance_id: str) -> bool:
         return instance_id in self._by_instance
 
+    def drops(self) -> dict[tuple[str, str], int]:
+        """What never reached the index, (instance id, reason) -> count (`EngineAdapter.kv_event_drops`):
+        batches a full buffer pushed out (`buffer_full`, per instance), messages that could not be read
+        (`malformed`) or named no registered topic (`unknown_topic`), not attributable ("")."""
+        out = {(iid, "buffer_full"): ch.dropped for iid, ch in self._by_instance.items() if ch.dropped}
+        if self.stats.malformed:
+            out["", "malformed"] = self.stats.malformed
+        if self.stats.unknown_topic:
+            out["", "unknown_topic"] = self.stats.unknown_topic
+        return out
+
     async def stream(self, instance_id: str) -> AsyncIterator[KVEventBatch]:
         """Translated batches of one instance, until the subscriber closes."""
         ch = self._by_instance.get(instance_id)

@@ -362,6 +362,9 @@ class ManagedEngineAdapter(HttpEngineAdapter):
             return None
         return sub.stream(instance.instance_id)
 
+    def kv_event_drops(self) -> dict[tuple[str, str], int]:
+        return self.subscriber.drops() if self.subscriber is not None else {}
+
     def kv_translator(self, instance: Instance) -> BlockHashTranslator | None:
         """The engine-hash -> index-key map of one instance (diagnostics, tests)."""
         return self.subscriber.translator(instance.instance_id) if self.subscriber else None

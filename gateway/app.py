@@ -177,6 +177,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
 
     backlog = Backlog(g.max_inflight_requests, g.max_pending_requests, g.overload_retry_after_s)
     metrics.watch_backlog(lambda: backlog.pending, lambda: backlog.inflight)
+    metrics.watch_kv_drops(lambda: _summed_drops(adapters))
 
     kv_feed = KVEventFeed(state, relay.router, clock, metrics=metrics) if relay.router.follows_kv_events else None
     # the router's learned latency model, fitted off the request path
@@ -333,3 +334,13 @@ async def _serve(ctx: GatewayContext, request: Request, kind: Kind, path: str) -
         raw = await request.body()
         return await parse_off_loop(ctx, parse_request, raw, kind, **parser_args(ctx, request, caller, rid, model))
     return await serve_endpoint(ctx, request, kind, path, parse)
+
+
+def _summed_drops(adapters: Sequence[EngineAdapter]) -> dict[tuple[str, str], int]:
+    """Every adapter's `kv_event_drops`, summed (two deployments' subscribers may both count the
+    unattributable reasons)."""
+    total: dict[tuple[str, str], int] = {}
+    for a in adapters:
+        for key, n in a.kv_event_drops().items():
+            total[key] = total.get(key, 0) + n
+    return total

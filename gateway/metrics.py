@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client import metrics as prometheus_metrics
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -174,6 +174,12 @@ class GatewayMetrics:
         Gauge("tokenfleet_requests_in_progress", "/v1 requests in progress, streams included",
               registry=self.registry).set_function(inflight)
 
+    def watch_kv_drops(self, drops: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        """`tokenfleet_kv_events_dropped_total{instance, reason}`, read from the engine adapters at
+        each scrape (`EngineAdapter.kv_event_drops`): events their subscribers dropped before any
+        feed read them (a full buffer, an unreadable message, an unknown topic)."""
+        self.registry.register(_KVDrops(drops))
+
     def refused_overload(self, bound: str) -> None:
         self.overload_refused.labels(bound).inc()
         self.answered("", "", "", "503")
@@ -230,6 +236,20 @@ class GatewayMetrics:
         for reason in {s.labels["reason"] for m in self.kv_interruptions.collect() for s in m.samples
                        if s.labels.get("instance") == instance}:
             self.kv_interruptions.remove(instance, reason)
+
+
+class _KVDrops(Collector):
+    def __init__(self, drops: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self._drops = drops
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("tokenfleet_kv_events_dropped", "Engine KV events dropped before the "
+                                     "router's index saw them, by reason: buffer_full (nobody read the "
+                                     "instance's feed in time), malformed, unknown_topic",
+                                     labels=["instance", "reason"])
+        for (instance, reason), n in sorted(self._drops().items()):
+            family.add_metric([instance, reason], n)
+        yield family
 
 
 @dataclass(frozen=True, slots=True)

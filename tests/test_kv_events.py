@@ -233,6 +233,8 @@ def test_unconsumed_streams_stay_bounded():
     ch = sub._by_instance["i"]
     assert len(ch.buffer) == 3 and ch.dropped == 7
     assert [b.seq for b in ch.buffer] == [7, 8, 9]
+    sub.deliver("nobody", 10, [])
+    assert sub.drops() == {("i", "buffer_full"): 7, ("", "unknown_topic"): 1}  # what /metrics shows
 
 
 async def test_hostile_batches_do_not_end_the_feed():
@@ -255,6 +257,7 @@ async def test_hostile_batches_do_not_end_the_feed():
         stream = sub.stream("i0")
         await _until(lambda: sub.stats.messages == len(hostile) + 1)
         assert sub.stats.malformed == len(hostile)
+        assert sub.drops() == {("", "malformed"): len(hostile)}
         batch = None
         while True:  # skip what the hostile batches left behind before they raised (if anything)
             batch = await asyncio.wait_for(stream.__anext__(), 5)

@@ -91,3 +91,25 @@ def test_a_removed_instances_feed_series_are_forgotten() -> None:
     text = m.render().decode()
     assert 'tokenfleet_kv_event_batches_total{instance="b"} 1.0' in text
     assert 'instance="a"' not in text
+
+
+async def test_adapters_kv_drops_are_on_the_gateways_metrics(
+        fake_adapter: Any, instance_factory: Any, config_factory: Any) -> None:
+    # summed over the adapters at each scrape: two subscribers' unattributable drops add up
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.embedded import serve_app
+
+    drops = [{("use1/m1/0", "buffer_full"): 3, ("", "malformed"): 1}, {("", "malformed"): 2}]
+    adapters = [fake_adapter([instance_factory(f"use1/m1/{i}", "http://127.0.0.1:9")]) for i in range(2)]
+    for adapter, counts in zip(adapters, drops):
+        adapter.kv_event_drops = lambda counts=counts: dict(counts)
+    app = create_app(config_factory(), adapters, poll_interval_s=60)
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as c:
+        text = (await c.get("/metrics")).text
+        drops[0][("use1/m1/0", "buffer_full")] = 5
+        later = (await c.get("/metrics")).text
+    assert 'tokenfleet_kv_events_dropped_total{instance="use1/m1/0",reason="buffer_full"} 3.0' in text
+    assert 'tokenfleet_kv_events_dropped_total{instance="",reason="malformed"} 3.0' in text
+    assert 'tokenfleet_kv_events_dropped_total{instance="use1/m1/0",reason="buffer_full"} 5.0' in later
