@@ -586,26 +586,12 @@ async def test_an_error_answer_that_never_ends_is_read_only_for_its_snippet(
     # snippet's bytes and closes, so the client's 502 comes at once and carries the snippet.
     from types import SimpleNamespace
 
-    async def endless_500(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n")
-            while True:
-                writer.write(b"10000\r\n" + b"e" * 65536 + b"\r\n")
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    from tests.endless_server import endless_body_server
 
-    server = await asyncio.start_server(endless_500, "127.0.0.1", 0)
-    try:
-        engine = SimpleNamespace(url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        url = await _gateway_with({"a": engine}, 0.0, gateway_server, fake_adapter, instance_factory, config_factory)
+    async with endless_body_server(b"500 Internal Server Error", b"text/plain", fill=b"e") as engine_url:
+        url = await _gateway_with({"a": SimpleNamespace(url=engine_url)}, 0.0, gateway_server, fake_adapter,
+                                  instance_factory, config_factory)
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 502, r.text
-        assert "HTTP 500: eeee" in r.json()["error"]["message"]  # the snippet, not a 2 s timeout's nothing
-    finally:
-        server.close()
+    assert r.status_code == 502, r.text
+    assert "HTTP 500: eeee" in r.json()["error"]["message"]  # the snippet, not a 2 s timeout's nothing

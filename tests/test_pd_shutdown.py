@@ -55,30 +55,15 @@ async def test_a_prefill_answer_past_the_bound_fails_the_leg_not_the_gateways_me
     import pytest
 
     import gateway.pd_flow as pd_flow
-
-    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
-            while True:
-                writer.write(b"10000\r\n" + b" " * 65536 + b"\r\n")
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    from tests.endless_server import endless_body_server
 
     monkeypatch.setattr(pd_flow, "MAX_EVENT_BYTES", 1 << 20)
-    server = await asyncio.start_server(endless, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    app = create_app(FLEET, [fake_adapter([instance_factory("use1/m1/0", url)])], poll_interval_s=60)
-    pd = app.state.tokenfleet.relay.pd
-    try:
+    async with endless_body_server() as url:
+        app = create_app(FLEET, [fake_adapter([instance_factory("use1/m1/0", url)])], poll_interval_s=60)
+        pd = app.state.tokenfleet.relay.pd
         async with serve_app(app):
             parsed = SimpleNamespace(profile=SimpleNamespace(request_id="r1"))
             pre = SimpleNamespace(instance=SimpleNamespace(instance_id="use1/m1/0", url=url), route=None)
             with pytest.raises(pd_flow.PrefillFailed) as failed:
                 await asyncio.wait_for(pd._prefill(parsed, "/v1/completions", pre, {"prompt": "x"}), 30)
-            assert failed.value.kind == "prefill_answer" and "larger than 1048576 bytes" in failed.value.public
-    finally:
-        server.close()
+    assert failed.value.kind == "prefill_answer" and "larger than 1048576 bytes" in failed.value.public
