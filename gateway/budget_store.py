@@ -18,6 +18,13 @@ Streams are counted per replica (a hash field per replica id); the script sums o
 fields of replicas alive in the roster (`gateway.shared_state`), so a replica that died
 with streams open stops holding them within `replica_ttl_s`, and each replica rewrites
 its own field with its true count every heartbeat (repairing a settlement that was lost).
+That rewrite must not race this replica's own changes to the field: a count read before an
+acquire's or a settlement's change landed, and written after it, undid it until the next
+heartbeat (a stream uncounted: one tenant past its `concurrent_streams` across the fleet;
+`tests/test_shared_state.py::test_concurrent_streams_are_counted_across_replicas` failed so
+about one run in three on a busy machine). So the repair waits for the changes in flight (the
+acquires awaiting Redis, a flush being sent), sends what is queued, and writes while new ones
+wait for it (`_Exclusive`: one round trip, once a heartbeat).
 
 The policy stays pure: the gateway asks here first and hands the verdict to the policy's
 BudgetBook (`preset`), which returns it instead of checking its local buckets. When Redis
@@ -29,10 +36,11 @@ live replicas (`BudgetBook.set_share`), and `tokenfleet_budget_mode` says which 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -124,6 +132,49 @@ class Charge:
     scope: str = TENANT
 
 
+class _Exclusive:
+    """Many changes at once, or one repair alone: a repair waits for the changes in flight and
+    changes that start meanwhile wait for it. Every wait is bounded (`timeout_s`); past it the
+    change goes ahead or the repair is skipped (the next heartbeat repairs)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._changes = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._repair: asyncio.Event | None = None  # set when the repair under way ends
+
+    @contextlib.asynccontextmanager
+    async def change(self) -> AsyncIterator[None]:
+        repair = self._repair
+        if repair is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(repair.wait(), self.timeout_s)
+        self._changes += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._changes -= 1
+            if not self._changes:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def repair(self) -> AsyncIterator[bool]:
+        """Yields whether the changes in flight all ended (False: skip the repair this time)."""
+        done = self._repair = asyncio.Event()
+        try:
+            try:
+                await asyncio.wait_for(self._idle.wait(), self.timeout_s)
+                quiet = True
+            except TimeoutError:
+                quiet = False
+            yield quiet
+        finally:
+            self._repair = None
+            done.set()
+
+
 class SharedBudgets:
     def __init__(self, shared: SharedRedis, policy: Any, clock: Callable[[], float]) -> None:
         self.shared = shared
@@ -136,6 +187,7 @@ class SharedBudgets:
         self._streams: dict[tuple[str, str], int] = {}  # (scope, owner) -> open streams charged in Redis
         self.dropped = 0  # settlements not sent (too many in flight)
         self.mode: Mode = "shared"
+        self._exclusive = _Exclusive(shared.timeout_s)  # this replica's stream fields: changes vs. repair
         shared.on_beat.append(self._after_beat)
 
     @property
@@ -169,18 +221,20 @@ class SharedBudgets:
         args = [self.shared.replica_id, budgets.requests_per_minute or 0, budgets.tokens_per_minute or 0,
                 -1 if budgets.concurrent_streams is None else budgets.concurrent_streams, tokens, ttl_ms,
                 _IDLE_EXPIRE_MS]
-        try:
-            ok, code, retry, seen = await self.shared.call("budget", self._acquire(keys=keys, args=args))
-        except StoreUnavailable:
-            self._set_mode("local_share")
-            return None
+        async with self._exclusive.change():
+            try:
+                ok, code, retry, seen = await self.shared.call("budget", self._acquire(keys=keys, args=args))
+            except StoreUnavailable:
+                self._set_mode("local_share")
+                return None
+            verdict = _verdict(int(ok), code, float(retry), seen, budgets, tokens)
+            if verdict.ok and budgets.concurrent_streams is not None:
+                # counted here before the repair may read it (the script has counted it in Redis)
+                self._streams[scope, owner] = self._streams.get((scope, owner), 0) + 1
         if self.mode != "shared" or self.policy.budgets.share != 1.0:
             self._set_mode("shared")
-        verdict = _verdict(int(ok), code, float(retry), seen, budgets, tokens)
         if not verdict.ok:
             return verdict, None
-        if budgets.concurrent_streams is not None:
-            self._streams[scope, owner] = self._streams.get((scope, owner), 0) + 1
         return verdict, Charge(owner, budgets, tokens, scope)
 
     async def before_admit(self, profile: RequestProfile) -> Charge | None:
@@ -235,6 +289,10 @@ class SharedBudgets:
 
     async def flush(self) -> int:
         """Send every queued settlement as one pipeline; how many were sent (0 on failure)."""
+        async with self._exclusive.change():
+            return await self._send_outbox()
+
+    async def _send_outbox(self) -> int:
         batch = [self._outbox.popleft() for _ in range(len(self._outbox))]
         if not batch:
             return 0
@@ -258,10 +316,17 @@ class SharedBudgets:
         owners |= self._streams.keys()  # API keys with streams open here
         if not owners:
             return
-        async with self.shared.redis.pipeline(transaction=False) as pipe:
-            for owner in sorted(owners):
-                pipe.hset(self._keys(*owner)[1], self.shared.replica_id, self._streams.get(owner, 0))
-            await self.shared.call("streams", pipe.execute())
+        async with self._exclusive.repair() as quiet:
+            if not quiet:
+                return  # a change still in flight: written now, the count could undo it
+            # The counts first: a settlement made from here on is off the count after these are
+            # written (the flush waits for this repair); the ones queued before, already off it, land first.
+            counts = {owner: self._streams.get(owner, 0) for owner in sorted(owners | self._streams.keys())}
+            await self._send_outbox()
+            async with self.shared.redis.pipeline(transaction=False) as pipe:
+                for owner, n in counts.items():
+                    pipe.hset(self._keys(*owner)[1], self.shared.replica_id, n)
+                await self.shared.call("streams", pipe.execute())
 
     async def close(self) -> None:
         """Send what is queued (within `store_timeout_s`), then stop the flush."""

@@ -213,6 +213,46 @@ async def test_concurrent_streams_are_counted_across_replicas(three: Start, redi
     await until(freed, 2)
 
 
+async def test_a_heartbeats_stream_count_repair_never_undoes_a_charge(three: Start, redis_proc: RedisProc) -> None:
+    # Each heartbeat rewrites this replica's open-stream count in Redis (repairing a lost
+    # settlement). It read the count, then wrote it a round trip later: a stream charged in
+    # between was counted by Redis and then written over, uncounted until the next heartbeat (the
+    # test above failed so about one run in three on a busy machine). Here the repair's write is
+    # held while a charge is made.
+    from gateway.budget_store import TENANT
+
+    urls, apps = await three(redis_proc.url, n=1, budgets={"concurrent_streams": 2})
+    sb = apps[0].state.tokenfleet.admission.shared_budgets
+    sb.shared.on_beat.remove(sb._after_beat)  # only this test's repair runs
+    sb.policy.budgets.preset("a", None, 0.0)
+    real = sb.shared.redis.pipeline
+    writing, release = asyncio.Event(), asyncio.Event()
+
+    def held_pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = real(*args, **kwargs)
+        execute = pipe.execute
+
+        async def held(*a: Any, **kw: Any) -> Any:
+            writing.set()
+            await release.wait()
+            return await execute(*a, **kw)
+        pipe.execute = held
+        return pipe
+
+    sb.shared.redis.pipeline = held_pipeline
+    repair = asyncio.create_task(sb._after_beat())
+    await asyncio.wait_for(writing.wait(), 10)  # the repair has its counts (no stream open), not yet written
+    charge = asyncio.create_task(sb.before_admit(_profile("r0")))
+    # (as it was: the charge lands in Redis meanwhile, a few ms; now it waits for the repair. The
+    # hold stays within the store's 0.3 s deadline, which bounds the repair's write and the wait for it.)
+    await asyncio.wait({charge}, timeout=0.15)
+    release.set()
+    await asyncio.wait_for(repair, 10)
+    assert await asyncio.wait_for(charge, 10) is not None
+    field = await sb.shared.redis.hget(sb._keys(TENANT, "a")[1], sb.shared.replica_id)
+    assert sb._streams[TENANT, "a"] == 1 and int(field) == 1  # counted here and in Redis
+
+
 def _profile(rid: str) -> Any:
     from fleetcore.types import RequestProfile
     return RequestProfile(request_id=rid, model="m1", prompt_tokens=10, tenant="a", max_tokens=4)
