@@ -89,7 +89,7 @@ T = TypeVar("T")
 
 MAX_ATTEMPTS = ATTEMPTS_BEFORE_FIRST_BYTE  # the first try plus one retry elsewhere (the simulator's too)
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
-INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the relay could not read
+INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the gateway could not read
 _ERROR_SNIPPET = 300
 
 
@@ -608,17 +608,33 @@ class RelayStream:
                              f"engine instance {iid} connection broke mid-stream", detail)
             return
         except Exception as e:
-            # An event no parser expected (an engine's `"choices": 5`), or a bug of the relay's: the
-            # stream still ends with its error event (not continued: the same engine output would
-            # meet the same code). Raised on, the client's stream was cut without one and the
-            # dispatch booked as a client that left.
-            log.exception("request %s: the stream of %s could not be relayed", self.d.parsed.profile.request_id, iid)
-            yield LegFailure(None, INVALID_STREAM, "upstream_error",
-                             f"engine instance {iid} sent a stream the gateway could not relay", repr(e))
+            # Raised on, the client's stream was cut without its error event and the dispatch
+            # booked as a client that left.
+            yield self._unreadable(e)
             return
         if not self.d.stats.done:
             message = f"engine instance {iid} ended the stream without [DONE]"
             yield LegFailure("engine_died", "stream_truncated", "upstream_error", message, message)
+
+    def _unreadable(self, e: Exception) -> LegFailure:
+        """An event no reader expected (an engine's `"choices": 5`), or a bug of the gateway's: the
+        engine's failure (`stream_invalid`), whose stream still ends with its error event. Not
+        continued: the same engine output would meet the same code."""
+        iid = self.d.iid
+        log.error("request %s: the stream of %s could not be relayed", self.d.parsed.profile.request_id, iid,
+                  exc_info=e)
+        return LegFailure(None, INVALID_STREAM, "upstream_error",
+                          f"engine instance {iid} sent a stream the gateway could not relay", repr(e))
+
+    def unreadable(self, e: Exception) -> LegFailure:
+        """What this stream handed on could not be read by the layer above it (the Responses API's
+        translation): booked now as the relay books a stream it cannot read itself (`_leg`), the
+        engine's failure, neither a success (its [DONE] may have passed) nor a client that left
+        (the response's `close` next). The caller ends the client's stream with the failure's
+        `code` and `public` in its own error event."""
+        f = self._unreadable(e)
+        self.end_leg(f)
+        return f
 
     def _checked(self, chunk: bytes) -> bytes:
         """Note that [DONE] passed by in `chunk` (the dispatch's end, at this moment's relay
@@ -709,6 +725,11 @@ class RelayStreamingResponse(Response):
         self.started = False  # the head has been sent (FastLane: an error after it cannot be answered)
         self.on_done: Callable[[], None] | None = None  # after the stream is over, whichever way
         self.watch: DisconnectWatch | None = None  # the request's, handed over by `Relay.handle`
+
+    @property
+    def relay_stream(self) -> RelayStream:
+        """The stream relayed (a layer that translates `body_iterator` books through it)."""
+        return self._relay_stream
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]

@@ -9,6 +9,10 @@ for `stream: true` the Responses event stream (`response.created`, `response.in_
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`,
 `response.completed` — or `response.incomplete` when `max_output_tokens` cut it).
 
+A stream chunk this translation cannot read is booked through the relay's stream
+(`RelayStream.unreadable`), as the relay books an engine stream it cannot read itself: an
+upstream error, not a success or a client that left.
+
 Nothing is stored: `store: true`, `previous_response_id` and `background: true` are a 400
 naming the field; so is any field this translation does not carry (a Responses client must
 not believe a tool or format was honoured when it was dropped).
@@ -30,7 +34,7 @@ from fleetcore.sse import SSESplitter, parse_sse_event
 from gateway.auth import Caller
 from gateway.errors import GatewayError, bad_request, upstream_failed
 from gateway.json_body import parse_json_object
-from gateway.relay import RelayStreamingResponse
+from gateway.relay import RelayStream, RelayStreamingResponse
 from gateway.requests import ParsedRequest, json_value_cap, parse_request
 from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 
@@ -256,7 +260,9 @@ class EventStream:
                                                                 error={"code": code, "message": message})))
 
 
-async def translate_stream(chat_bytes: AsyncIterator[bytes], events: EventStream) -> AsyncIterator[bytes]:
+async def translate_stream(chat_bytes: AsyncIterator[bytes], events: EventStream,
+                           relayed: RelayStream) -> AsyncIterator[bytes]:
+    """`chat_bytes`, the relay's stream of `relayed`, as Responses events."""
     splitter = SSESplitter()
     yield events.start()
     async for data in chat_bytes:
@@ -268,13 +274,13 @@ async def translate_stream(chat_bytes: AsyncIterator[bytes], events: EventStream
                     out += events.finish()
                 elif ev.obj is not None and not events.ended:
                     out += events.chunk(ev.obj)
-        except Exception:
+        except Exception as e:
             # A chunk this translation cannot read (an engine's `"prompt_tokens": "many"`), or a bug:
-            # the stream still ends with `error` and `response.failed`. Raised on, the client's
-            # connection was cut mid-body with neither (the relay then aborts the engine's stream).
-            log.exception("responses stream %s: a chunk could not be translated", events.shape.id)
-            yield out + events.fail({"code": "upstream_error",
-                                     "message": "the engine's stream could not be translated"})
+            # the stream still ends with `error` and `response.failed`, booked as the relay books a
+            # stream it cannot read. Raised on, the client's connection was cut mid-body with
+            # neither; ended here without booking it, the relay took it for a client that left.
+            f = relayed.unreadable(e)
+            yield out + events.fail({"code": f.code, "message": f.public})
             return
         if out:
             yield out
@@ -316,8 +322,9 @@ async def serve_responses(ctx: GatewayContext, request: Request) -> Response:
     assert body is not None  # parsed before anything was served
     shape = ResponseShape(body, str(body.get("model")))  # the name the client asked for, alias or not
     if isinstance(resp, RelayStreamingResponse):
-        # The relay's stream: usage, SLO and report accounting happen there, on the chat chunks.
-        resp.body_iterator = translate_stream(resp.body_iterator, EventStream(shape))
+        # The relay's stream: usage, SLO and report accounting happen there, on the chat chunks;
+        # a chunk this translation cannot read is booked through it too.
+        resp.body_iterator = translate_stream(resp.body_iterator, EventStream(shape), resp.relay_stream)
         return resp
     return _translated_whole(resp, shape)
 
