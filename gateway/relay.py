@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -90,6 +90,7 @@ T = TypeVar("T")
 MAX_ATTEMPTS = ATTEMPTS_BEFORE_FIRST_BYTE  # the first try plus one retry elsewhere (the simulator's too)
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the gateway could not read
+INVALID_ANSWER = "answer_invalid"  # upstream_errors{kind}: a whole engine answer the gateway could not read
 _ERROR_SNIPPET = 300
 
 
@@ -542,7 +543,7 @@ class RelayStream:
         chunk, self._pending = self._pending, b""
         return self._checked(chunk) if chunk else b""
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
+    async def iter_bytes(self) -> AsyncGenerator[bytes, None]:
         relay = self.d.relay
         try:
             if self._pending:
@@ -721,7 +722,8 @@ class RelayStreamingResponse(Response):
         self.background = None
         self.headers = dict(headers)
         self._relay_stream = stream
-        self._own = self.body_iterator = stream.iter_bytes()
+        self._own = stream.iter_bytes()
+        self.body_iterator: AsyncIterator[bytes] = self._own  # replaceable (the Responses API translates it)
         self.started = False  # the head has been sent (FastLane: an error after it cannot be answered)
         self.on_done: Callable[[], None] | None = None  # after the stream is over, whichever way
         self.watch: DisconnectWatch | None = None  # the request's, handed over by `Relay.handle`
@@ -1048,24 +1050,62 @@ class Relay:
         """A whole answer read as a stream (and continued where it failed): assembled for the client."""
         first = stream.d
         parts: list[bytes] = []
+        chunks = stream.iter_bytes()
 
         async def read_all() -> None:
-            async for chunk in stream.iter_bytes():
+            async for chunk in chunks:
                 parts.append(chunk)
+                if stream.d.stats.done:
+                    # Nothing comes after the read with [DONE]; asking for more would book its
+                    # dispatch (`_finish_due`) before the answer is known to be one (`close` below).
+                    return
         try:
             await watch.race(read_all())
+            body = self._assembled_body(stream.d, b"".join(parts), first.parsed.kind == "chat")
         finally:
-            await stream.close()  # a no-op when it ended by itself; else the client left: abort
+            await chunks.aclose()
+            # Books [DONE]'s dispatch, unless its answer's failure was booked first; a no-op when
+            # the stream failed by itself; else the client left: abort.
+            await stream.close()
+        headers = first.headers()
         cont = stream.cont
-        answer, error = assembled_answer(b"".join(parts), first.parsed.kind == "chat")
+        if cont is not None and cont.done:
+            headers[CONTINUED_HEADER] = str(cont.done)
+        return Response(body, status_code=200, media_type="application/json", headers=headers)
+
+    def _assembled_body(self, d: Dispatch, stream: bytes, chat: bool) -> bytes:
+        """The client's whole answer from the client-format stream read for it; the stream's own
+        error (booked already) as the client's 502 or 504."""
+        try:
+            answer, error = assembled_answer(stream, chat)
+        except Exception as e:  # an event no assembly expected (`"content": 5`): not a 500
+            raise self._unreadable_answer(d, e) from None
         if error is not None:
             message = str(error.get("message") or "upstream error")
             raise upstream_timeout(message) if error.get("code") == "upstream_timeout" else upstream_failed(message)
-        headers = first.headers()
-        if cont is not None and cont.done:
-            headers[CONTINUED_HEADER] = str(cont.done)
-        return Response(json.dumps(answer, separators=(",", ":")).encode(), status_code=200,
-                        media_type="application/json", headers=headers)
+        return self._client_body(d, json.dumps(answer, separators=(",", ":")).encode())
+
+    def _client_body(self, d: Dispatch, body: bytes) -> bytes:
+        """A whole answer as the client's API writes it (`ParsedRequest.translate_answer`),
+        translated before `d` is booked."""
+        translate = d.parsed.translate_answer
+        if translate is None:
+            return body
+        try:
+            return translate(body)
+        except Exception as e:
+            raise self._unreadable_answer(d, e) from None
+
+    def _unreadable_answer(self, d: Dispatch, e: Exception) -> GatewayError:
+        """A whole answer the gateway cannot assemble or translate, before `d` was booked: the
+        engine's failure (`answer_invalid`; the dispatch not answered, as for a stream the gateway
+        cannot read), and the client's 502 naming the instance. Not retried: the engine spent the
+        whole generation on it, and the same output would meet the same code."""
+        log.error("request %s: the answer of %s could not be read", d.parsed.profile.request_id, d.iid, exc_info=e)
+        public = f"engine instance {d.iid} sent an answer the gateway could not read"
+        self.metrics.upstream_errors.labels(d.iid, INVALID_ANSWER).inc()
+        d.finish(ok=False, status=None, error=public, abort=True)
+        return upstream_failed(public)
 
     def new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch:
         up = UpstreamWatch(self.deadlines.idle_s)
@@ -1158,5 +1198,7 @@ class Relay:
                 d.parsed.obs.whole_body(body)  # its finish reasons, read only for a traced request
             if d.parsed.requested_model is not None:
                 body = renamed_body(body, d.parsed.requested_model)
+            if d.parsed.translate_answer is not None:
+                body, content_type = self._client_body(d, body), "application/json"
         d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")
         return Response(body, status_code=status, media_type=content_type, headers=d.headers())

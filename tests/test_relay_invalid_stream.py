@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetcore.types import RequestOutcome
 from gateway.app import create_app
+from gateway.continuation import Continuation
 from gateway.slo_log import Finished
 from slomax.ledger import Cell
 
@@ -251,6 +252,79 @@ async def test_a_responses_stream_it_cannot_translate_is_booked_as_the_engines_f
             got += await r.read()
     assert b"event: response.failed" in got
     _booked_failed(await _books(app, caplog, told), "stream_error", "stream_invalid")
+
+
+async def test_a_whole_responses_answer_it_cannot_translate_is_booked_as_a_502(
+        engine: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    gw, app, told = await _watched(gateway_server, fake_adapter, instance_factory, config_factory,
+                                   await engine([{"id": "cmpl-x", "object": "chat.completion", "choices": 5}]), caplog)
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/responses", json={"model": "m1", "input": "hi"}) as r:
+        assert r.status == 502
+        assert "engine instance i0" in (await r.json())["error"]["message"]
+    _booked_failed(await _books(app, caplog, told), "502", "answer_invalid")
+
+
+async def test_a_whole_responses_answer_read_as_a_stream_it_cannot_translate_is_booked_as_a_502(
+        engine: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A whole answer that may be continued is read from the engine as a stream and assembled
+    (`Relay._assembled`): its translation fails after the stream's [DONE]."""
+    gw, app, told = await _watched(gateway_server, fake_adapter, instance_factory, config_factory,
+                                   await engine([GOOD, ODD_USAGE]), caplog)
+    _continuable(app)
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/responses", json={"model": "m1", "input": "hi"}) as r:
+        assert r.status == 502
+        assert "engine instance i0" in (await r.json())["error"]["message"]
+    _booked_failed(await _books(app, caplog, told), "502", "answer_invalid")
+
+
+def _continuable(app: Any) -> None:
+    """Every request may be continued: a whole answer is read from the engine as a stream and
+    assembled (`Relay._assembled`), as on a fleet of simulated engines."""
+    relay = app.state.tokenfleet.relay
+    relay.continuation = lambda parsed: Continuation(parsed, relay.continuation_limits, None)
+
+
+async def test_a_whole_chat_answer_read_as_a_stream_it_cannot_assemble_is_a_502_booked_as_such(
+        engine: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Was a 500 "internal error", booked as a success (its dispatch ended at [DONE])."""
+    odd_text = {"id": "cmpl-x", "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": 5}, "finish_reason": None}]}
+    gw, app, told = await _watched(gateway_server, fake_adapter, instance_factory, config_factory,
+                                   await engine([odd_text]), caplog)
+    _continuable(app)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/chat/completions", json=body) as r:
+        assert r.status == 502
+        error = (await r.json())["error"]
+        assert error["code"] == "upstream_error" and "engine instance i0" in error["message"]
+    _booked_failed(await _books(app, caplog, told), "502", "answer_invalid")
+
+
+@pytest.mark.parametrize("read_as_a_stream", [False, True])
+async def test_a_whole_responses_answer_is_booked_as_a_success(
+        engine: Any, gateway_server: Any, fake_adapter: Any, instance_factory: Any, config_factory: Any,
+        caplog: pytest.LogCaptureFixture, read_as_a_stream: bool) -> None:
+    usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    whole = {"id": "cmpl-x", "object": "chat.completion", "usage": usage,
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": " tok0"}, "finish_reason": "stop"}]}
+    usage_chunk = {"id": "cmpl-x", "object": "chat.completion.chunk", "choices": [], "usage": usage}
+    gw, app, told = await _watched(gateway_server, fake_adapter, instance_factory, config_factory,
+                                   await engine([GOOD, usage_chunk] if read_as_a_stream else [whole]), caplog)
+    if read_as_a_stream:
+        _continuable(app)
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/responses", json={"model": "m1", "input": "hi"}) as r:
+        assert r.status == 200 and r.content_type == "application/json"
+        answer = await r.json()
+    assert (answer["object"], answer["status"], answer["output"][0]["content"][0]["text"]) == \
+        ("response", "completed", " tok0")
+    b = await _books(app, caplog, told)
+    assert (b.access["status"], b.access["outcome"], b.access["slo_met"]) == ("200", "ok", True)
+    assert (b.requests, b.upstream_errors, b.slo_misses) == ({"200": 1.0}, {}, [])
+    assert (b.ledger.completed, b.ledger.cancelled, b.ledger.failed) == (1, 0, 0)
+    assert [(o.ok, o.cancelled, o.output_tokens) for o in b.outcomes] == [(True, False, 1)]
 
 
 # --- the Responses stream books what the chat stream books (these were right; kept so) ---
