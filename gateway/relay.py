@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -89,7 +89,8 @@ T = TypeVar("T")
 
 MAX_ATTEMPTS = ATTEMPTS_BEFORE_FIRST_BYTE  # the first try plus one retry elsewhere (the simulator's too)
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
-INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the relay could not read
+INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the gateway could not read
+INVALID_ANSWER = "answer_invalid"  # upstream_errors{kind}: a whole engine answer the gateway could not read
 _ERROR_SNIPPET = 300
 _ERROR_READ_BYTES = 4 * _ERROR_SNIPPET  # of an error answer's body: its snippet's characters, UTF-8
 
@@ -543,7 +544,7 @@ class RelayStream:
         chunk, self._pending = self._pending, b""
         return self._checked(chunk) if chunk else b""
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
+    async def iter_bytes(self) -> AsyncGenerator[bytes, None]:
         relay = self.d.relay
         try:
             if self._pending:
@@ -609,17 +610,33 @@ class RelayStream:
                              f"engine instance {iid} connection broke mid-stream", detail)
             return
         except Exception as e:
-            # An event no parser expected (an engine's `"choices": 5`), or a bug of the relay's: the
-            # stream still ends with its error event (not continued: the same engine output would
-            # meet the same code). Raised on, the client's stream was cut without one and the
-            # dispatch booked as a client that left.
-            log.exception("request %s: the stream of %s could not be relayed", self.d.parsed.profile.request_id, iid)
-            yield LegFailure(None, INVALID_STREAM, "upstream_error",
-                             f"engine instance {iid} sent a stream the gateway could not relay", repr(e))
+            # Raised on, the client's stream was cut without its error event and the dispatch
+            # booked as a client that left.
+            yield self._unreadable(e)
             return
         if not self.d.stats.done:
             message = f"engine instance {iid} ended the stream without [DONE]"
             yield LegFailure("engine_died", "stream_truncated", "upstream_error", message, message)
+
+    def _unreadable(self, e: Exception) -> LegFailure:
+        """An event no reader expected (an engine's `"choices": 5`), or a bug of the gateway's: the
+        engine's failure (`stream_invalid`), whose stream still ends with its error event. Not
+        continued: the same engine output would meet the same code."""
+        iid = self.d.iid
+        log.error("request %s: the stream of %s could not be relayed", self.d.parsed.profile.request_id, iid,
+                  exc_info=e)
+        return LegFailure(None, INVALID_STREAM, "upstream_error",
+                          f"engine instance {iid} sent a stream the gateway could not relay", repr(e))
+
+    def unreadable(self, e: Exception) -> LegFailure:
+        """What this stream handed on could not be read by the layer above it (the Responses API's
+        translation): booked now as the relay books a stream it cannot read itself (`_leg`), the
+        engine's failure, neither a success (its [DONE] may have passed) nor a client that left
+        (the response's `close` next). The caller ends the client's stream with the failure's
+        `code` and `public` in its own error event."""
+        f = self._unreadable(e)
+        self.end_leg(f)
+        return f
 
     def _checked(self, chunk: bytes) -> bytes:
         """Note that [DONE] passed by in `chunk` (the dispatch's end, at this moment's relay
@@ -706,10 +723,16 @@ class RelayStreamingResponse(Response):
         self.background = None
         self.headers = dict(headers)
         self._relay_stream = stream
-        self._own = self.body_iterator = stream.iter_bytes()
+        self._own = stream.iter_bytes()
+        self.body_iterator: AsyncIterator[bytes] = self._own  # replaceable (the Responses API translates it)
         self.started = False  # the head has been sent (FastLane: an error after it cannot be answered)
         self.on_done: Callable[[], None] | None = None  # after the stream is over, whichever way
         self.watch: DisconnectWatch | None = None  # the request's, handed over by `Relay.handle`
+
+    @property
+    def relay_stream(self) -> RelayStream:
+        """The stream relayed (a layer that translates `body_iterator` books through it)."""
+        return self._relay_stream
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]
@@ -1028,24 +1051,62 @@ class Relay:
         """A whole answer read as a stream (and continued where it failed): assembled for the client."""
         first = stream.d
         parts: list[bytes] = []
+        chunks = stream.iter_bytes()
 
         async def read_all() -> None:
-            async for chunk in stream.iter_bytes():
+            async for chunk in chunks:
                 parts.append(chunk)
+                if stream.d.stats.done:
+                    # Nothing comes after the read with [DONE]; asking for more would book its
+                    # dispatch (`_finish_due`) before the answer is known to be one (`close` below).
+                    return
         try:
             await watch.race(read_all())
+            body = self._assembled_body(stream.d, b"".join(parts), first.parsed.kind == "chat")
         finally:
-            await stream.close()  # a no-op when it ended by itself; else the client left: abort
+            await chunks.aclose()
+            # Books [DONE]'s dispatch, unless its answer's failure was booked first; a no-op when
+            # the stream failed by itself; else the client left: abort.
+            await stream.close()
+        headers = first.headers()
         cont = stream.cont
-        answer, error = assembled_answer(b"".join(parts), first.parsed.kind == "chat")
+        if cont is not None and cont.done:
+            headers[CONTINUED_HEADER] = str(cont.done)
+        return Response(body, status_code=200, media_type="application/json", headers=headers)
+
+    def _assembled_body(self, d: Dispatch, stream: bytes, chat: bool) -> bytes:
+        """The client's whole answer from the client-format stream read for it; the stream's own
+        error (booked already) as the client's 502 or 504."""
+        try:
+            answer, error = assembled_answer(stream, chat)
+        except Exception as e:  # an event no assembly expected (`"content": 5`): not a 500
+            raise self._unreadable_answer(d, e) from None
         if error is not None:
             message = str(error.get("message") or "upstream error")
             raise upstream_timeout(message) if error.get("code") == "upstream_timeout" else upstream_failed(message)
-        headers = first.headers()
-        if cont is not None and cont.done:
-            headers[CONTINUED_HEADER] = str(cont.done)
-        return Response(json.dumps(answer, separators=(",", ":")).encode(), status_code=200,
-                        media_type="application/json", headers=headers)
+        return self._client_body(d, json.dumps(answer, separators=(",", ":")).encode())
+
+    def _client_body(self, d: Dispatch, body: bytes) -> bytes:
+        """A whole answer as the client's API writes it (`ParsedRequest.translate_answer`),
+        translated before `d` is booked."""
+        translate = d.parsed.translate_answer
+        if translate is None:
+            return body
+        try:
+            return translate(body)
+        except Exception as e:
+            raise self._unreadable_answer(d, e) from None
+
+    def _unreadable_answer(self, d: Dispatch, e: Exception) -> GatewayError:
+        """A whole answer the gateway cannot assemble or translate, before `d` was booked: the
+        engine's failure (`answer_invalid`; the dispatch not answered, as for a stream the gateway
+        cannot read), and the client's 502 naming the instance. Not retried: the engine spent the
+        whole generation on it, and the same output would meet the same code."""
+        log.error("request %s: the answer of %s could not be read", d.parsed.profile.request_id, d.iid, exc_info=e)
+        public = f"engine instance {d.iid} sent an answer the gateway could not read"
+        self.metrics.upstream_errors.labels(d.iid, INVALID_ANSWER).inc()
+        d.finish(ok=False, status=None, error=public, abort=True)
+        return upstream_failed(public)
 
     def new_dispatch(self, parsed: ParsedRequest, target: Target) -> Dispatch:
         up = UpstreamWatch(self.deadlines.idle_s)
@@ -1138,5 +1199,7 @@ class Relay:
                 d.parsed.obs.whole_body(body)  # its finish reasons, read only for a traced request
             if d.parsed.requested_model is not None:
                 body = renamed_body(body, d.parsed.requested_model)
+            if d.parsed.translate_answer is not None:
+                body, content_type = self._client_body(d, body), "application/json"
         d.finish(ok=status < 400, status=str(status), error=None if status < 400 else f"HTTP {status}")
         return Response(body, status_code=status, media_type=content_type, headers=d.headers())

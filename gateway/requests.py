@@ -59,6 +59,11 @@ class ParsedRequest:
     # (`gateway.json_body.sent_as_parsed` decides whether the bytes hold exactly it). None: a
     # body changed as parsed (a fallback's model), or one not parsed from bytes.
     raw: tuple[dict[str, Any], bytes] | None = None
+    # A whole answer's bytes as the client's API writes them, from the engine's: the Responses
+    # API's translation of a chat answer (`gateway.responses_api`). The relay applies it before
+    # it books the answer, so that one it cannot translate (it raises) is booked as the engine's
+    # failure rather than a success (`Relay._client_body`). None: passed on as the engine wrote it.
+    translate_answer: Callable[[bytes], bytes] | None = None
 
     @property
     def stream(self) -> bool:

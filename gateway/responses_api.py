@@ -9,6 +9,12 @@ for `stream: true` the Responses event stream (`response.created`, `response.in_
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`,
 `response.completed` — or `response.incomplete` when `max_output_tokens` cut it).
 
+Every record the gateway keeps says what the client got: the relay translates a whole answer
+before it books it (`ParsedRequest.translate_answer`), and a stream chunk this translation
+cannot read is booked through the relay's stream (`RelayStream.unreadable`), as the relay
+books an engine answer it cannot read itself: an upstream error, not a success or a client
+that left.
+
 Nothing is stored: `store: true`, `previous_response_id` and `background: true` are a 400
 naming the field; so is any field this translation does not carry (a Responses client must
 not believe a tool or format was honoured when it was dropped).
@@ -17,27 +23,26 @@ not believe a tool or format was honoured when it was dropped).
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from fleetcore.fast_replace import replace
 from fleetcore.sse import SSESplitter, parse_sse_event
 from gateway.auth import Caller
-from gateway.errors import GatewayError, bad_request, upstream_failed
+from gateway.errors import GatewayError, bad_request
 from gateway.json_body import parse_json_object
-from gateway.relay import RelayStreamingResponse
+from gateway.relay import RelayStream, RelayStreamingResponse
 from gateway.requests import ParsedRequest, json_value_cap, parse_request
 from gateway.serving import parse_off_loop, parser_args, serve_endpoint
 
 if TYPE_CHECKING:
     from gateway.app import GatewayContext
-
-log = logging.getLogger("tokenfleet.gateway")
 
 CHAT_PATH = "/v1/chat/completions"
 # Fields carried into the chat body as they are.
@@ -256,7 +261,16 @@ class EventStream:
                                                                 error={"code": code, "message": message})))
 
 
-async def translate_stream(chat_bytes: AsyncIterator[bytes], events: EventStream) -> AsyncIterator[bytes]:
+def translated_answer(shape: ResponseShape, chat_answer: bytes) -> bytes:
+    """A whole chat answer's bytes as the `response` object's; raises on one of a shape no
+    translation expects (not JSON, `"choices": 5`), which the relay books as the engine's failure
+    and answers with a 502 naming the instance (`ParsedRequest.translate_answer`)."""
+    return json.dumps(from_chat_completion(json.loads(chat_answer), shape), separators=(",", ":")).encode()
+
+
+async def translate_stream(chat_bytes: AsyncIterator[bytes], events: EventStream,
+                           relayed: RelayStream) -> AsyncIterator[bytes]:
+    """`chat_bytes`, the relay's stream of `relayed`, as Responses events."""
     splitter = SSESplitter()
     yield events.start()
     async for data in chat_bytes:
@@ -268,13 +282,13 @@ async def translate_stream(chat_bytes: AsyncIterator[bytes], events: EventStream
                     out += events.finish()
                 elif ev.obj is not None and not events.ended:
                     out += events.chunk(ev.obj)
-        except Exception:
+        except Exception as e:
             # A chunk this translation cannot read (an engine's `"prompt_tokens": "many"`), or a bug:
-            # the stream still ends with `error` and `response.failed`. Raised on, the client's
-            # connection was cut mid-body with neither (the relay then aborts the engine's stream).
-            log.exception("responses stream %s: a chunk could not be translated", events.shape.id)
-            yield out + events.fail({"code": "upstream_error",
-                                     "message": "the engine's stream could not be translated"})
+            # the stream still ends with `error` and `response.failed`, booked as the relay books a
+            # stream it cannot read. Raised on, the client's connection was cut mid-body with
+            # neither; ended here without booking it, the relay took it for a client that left.
+            f = relayed.unreadable(e)
+            yield out + events.fail({"code": f.code, "message": f.public})
             return
         if out:
             yield out
@@ -299,41 +313,28 @@ async def serve_responses(ctx: GatewayContext, request: Request) -> Response:
     # Traced and access-logged like chat (gateway.telemetry), as operation "responses".
     body: dict[str, Any] | None = None
     chat_raw = b""
+    shape: ResponseShape | None = None
 
     async def parse(caller: Caller, rid: str, model: str | None) -> ParsedRequest:
-        nonlocal body, chat_raw
+        nonlocal body, chat_raw, shape
         if body is None:  # the Responses body, read and translated to chat once
             body = parse_json_object(await request.body(), max_depth=ctx.config.gateway.max_json_depth,
                                      max_values=json_value_cap(ctx.config))
             chat_raw = json.dumps(to_chat_body(body), separators=(",", ":")).encode()
+            shape = ResponseShape(body, str(body.get("model")))  # the name the client asked for, alias or not
+        assert shape is not None  # made with the body
         try:
-            return await parse_off_loop(ctx, parse_request, chat_raw, "chat",
-                                        **parser_args(ctx, request, caller, rid, model))
+            parsed = await parse_off_loop(ctx, parse_request, chat_raw, "chat",
+                                          **parser_args(ctx, request, caller, rid, model))
         except GatewayError as e:
             raise _client_param(e) from None
+        # A whole answer is translated by the relay, before it books it (an untranslatable one is a failure).
+        return replace(parsed, translate_answer=partial(translated_answer, shape))
 
     resp = await serve_endpoint(ctx, request, "responses", CHAT_PATH, parse)
-    assert body is not None  # parsed before anything was served
-    shape = ResponseShape(body, str(body.get("model")))  # the name the client asked for, alias or not
+    assert shape is not None  # parsed before anything was served
     if isinstance(resp, RelayStreamingResponse):
-        # The relay's stream: usage, SLO and report accounting happen there, on the chat chunks.
-        resp.body_iterator = translate_stream(resp.body_iterator, EventStream(shape))
-        return resp
-    return _translated_whole(resp, shape)
-
-
-def _translated_whole(resp: Response, shape: ResponseShape) -> Response:
-    if resp.status_code >= 400 or not resp.body:
-        return resp  # errors are OpenAI-shaped already; 499 has no body
-    try:
-        chat = json.loads(resp.body)
-    except ValueError:
-        return resp
-    try:
-        body = json.dumps(from_chat_completion(chat, shape), separators=(",", ":")).encode()
-    except Exception:  # an engine answer of a shape no translation expects: the engine's 502, not a 500
-        log.exception("responses %s: the engine's answer could not be translated", shape.id)
-        instance = resp.headers.get("x-tokenfleet-instance", "?")
-        raise upstream_failed(f"engine instance {instance} sent an answer the gateway could not translate") from None
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return Response(body, status_code=resp.status_code, media_type="application/json", headers=headers)
+        # The relay's stream: usage, SLO and report accounting happen there, on the chat chunks;
+        # a chunk this translation cannot read is booked through it too.
+        resp.body_iterator = translate_stream(resp.body_iterator, EventStream(shape), resp.relay_stream)
+    return resp  # a whole answer: the relay's, translated (errors are OpenAI-shaped already)
