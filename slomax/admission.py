@@ -216,8 +216,15 @@ class SLOMax(LedgeredAdmission):
             pool.queues.engines_open = lambda cls, pool=pool: self._engine_room(pool, cls)
         self._size_budget(pool, now)
 
-    def _size_budget(self, pool: _Pool, now: float) -> None:
-        """Keep the prefill budget in step with the controller's rate and the ready instances."""
+    def _size_budget(self, pool: _Pool, now: float, full: bool = True) -> None:
+        """Keep the prefill budget in step with the controller's rate and the ready instances.
+
+        A budget made here starts full when it is the configured one (`Knobs.prefill_rate`,
+        an idle pool), empty when the controller has just brought it in (`full=False`): it
+        does that because admitted work was already missing its TPOT, so the engines are
+        behind; a full bucket would let `burst_s` of the rate more through at once, and
+        under a burst it held nothing for seconds (bench/SLOMAX.md, "A budget brought in
+        mid-burst")."""
         knob = pool.controller.rate
         if knob is None:
             pool.queues.budget = None
@@ -226,7 +233,7 @@ class SLOMax(LedgeredAdmission):
         b = pool.queues.budget
         if b is None:
             protected = {c: p.protected for c, p in self.config.classes.items()}
-            pool.queues.budget = PrefillBudget(protected, rate, self.config.knobs.burst_s, now)
+            pool.queues.budget = PrefillBudget(protected, rate, self.config.knobs.burst_s, now, full=full)
         elif b.rate_per_s != rate:
             b.set_rate(rate, now)
 
@@ -616,7 +623,7 @@ class SLOMax(LedgeredAdmission):
             pool.controller.update(s, now)
             if LONG_CONTEXT in pool.queues.classes:
                 pool.queues.concurrency_override[LONG_CONTEXT] = pool.lc_cap.value
-            self._size_budget(pool, now)
+            self._size_budget(pool, now, full=False)
         pool.signals = Signals()
         pool.interval_start = now
         pool.next_control = now + self.config.knobs.control_interval_s

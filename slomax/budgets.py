@@ -31,12 +31,12 @@ class TokenBucket:
 
     __slots__ = ("_anchor", "_level", "capacity", "rate_per_s")
 
-    def __init__(self, capacity: float, rate_per_s: float, now: float) -> None:
+    def __init__(self, capacity: float, rate_per_s: float, now: float, level: float | None = None) -> None:
         if capacity <= 0 or rate_per_s <= 0:
             raise ValueError("a bucket needs a positive capacity and rate")
         self.capacity = float(capacity)
         self.rate_per_s = float(rate_per_s)
-        self._level = float(capacity)  # starts full
+        self._level = float(capacity) if level is None else min(float(capacity), float(level))  # full unless told
         self._anchor = now
 
     @classmethod

@@ -9,7 +9,8 @@ running stream, so too much prefill per second stretches everyone's decode. (TTF
 engine valve's and the queue's business; their misses are not a capacity signal.)
 
 * Prefill budget: unlimited until the first interval whose p95 exceeds the SLO; then it
-  starts at the rate the engines were taking and steps down. Later: down while p95 > 1;
+  starts at the rate the engines were taking and steps down (its buckets empty: the engines
+  are behind already, `SLOMax._size_budget`). Later: down while p95 > 1;
   up while p95 < `low` *and* the budget held work back (no pressure, no reason to grow:
   no wind-up in quiet hours); inside the band it holds still.
 * Long-context cap: down when TPOT or the engines' share of TTFT suffers while long prompts

@@ -208,14 +208,20 @@ class Decayed:
 
 
 class PrefillBudget:
-    """Token buckets of uncached prompt tokens: one per protected class, one shared."""
+    """Token buckets of uncached prompt tokens: one per protected class, one shared.
 
-    def __init__(self, protected: Mapping[str, float], rate_per_s: float, burst_s: float, now: float) -> None:
+    They start full (`burst_s` of the rate to spend at once), or, `full=False`, empty: a
+    budget brought in because the engines are already behind must not open with a burst
+    of credit on top of what they were given."""
+
+    def __init__(self, protected: Mapping[str, float], rate_per_s: float, burst_s: float, now: float,
+                 full: bool = True) -> None:
         self.protected = {c: p for c, p in protected.items() if p > 0}
         self.burst_s = burst_s
         self.rate_per_s = rate_per_s
         self.own: dict[str, TokenBucket] = {}
         self.shared: TokenBucket | None = None
+        self._start_level: float | None = None if full else 0.0
         self.set_rate(rate_per_s, now)
 
     def set_rate(self, rate_per_s: float, now: float) -> None:
@@ -227,7 +233,7 @@ class PrefillBudget:
                 continue
             b = self.own.get(name) if name else self.shared
             if b is None:
-                b = TokenBucket(r * self.burst_s, r, now)
+                b = TokenBucket(r * self.burst_s, r, now, self._start_level)
                 if name:
                     self.own[name] = b
                 else:

@@ -394,3 +394,55 @@ def test_fcfs_admits_everything_and_keeps_the_same_ledger() -> None:
 def test_config_defaults_keep_replace_friendly() -> None:
     cfg = replace(SLOMaxConfig(), knobs=replace(Knobs(), engine_wait_s=0.5))
     assert cfg.knobs.engine_wait_s == 0.5 and cfg.classes[INTERACTIVE].protected == 0.2
+
+
+def test_a_budget_the_controller_brings_in_holds_the_next_burst_back_at_once() -> None:
+    """The prefill budget is unlimited until a control interval's TPOT p95 misses the SLO. When
+    that first happens in the middle of a burst, the engines are behind already: the budget must
+    bite from that moment. It used to start with full buckets (`burst_s`, 2 s of its rate), so a
+    burst arriving then went straight through; live, SLOMax then held nothing for ~8 s of the
+    trace's burst of long prompts (bench/latency_live.py at 40/s: 5-17 rejections instead of 37,
+    80-100 more TPOT misses; bench/SLOMAX.md, "A budget brought in mid-burst")."""
+    sm = SLOMax()  # the defaults: feedback on, no prefill budget until TPOT suffers, 5 s intervals
+    v = view(2)
+    ends: list[tuple[float, str]] = []
+    t, k = 0.0, 0
+    # 20 chats a second, 1,000 tokens each, all of them at twice their TPOT SLO (50 ms):
+    # 10,000 tokens/s taken per instance, and the engines visibly behind.
+    while True:
+        assert t < 20.0, "the controller never brought a budget in"
+        for end, rid in sorted(e for e in ends if e[0] <= t):
+            ends.remove((end, rid))
+            sm.observe(finished(rid, ttft=0.05, tpot=0.1, e2e=1.95, out=20))
+            sm.poll(end, v)  # as the gateway's pump, after every release
+        if sm.snapshot(t)["pools"].get("m", {}).get("prefill_budget_tokens") is not None:
+            break
+        rid = f"c{k}"
+        assert sm.admit(profile(rid, 1000, arrival=t), v, t).action == "admit"
+        sm.on_dispatched(rid, f"i{k % 2}", t)
+        sm.on_first_token(rid, t + 0.05)
+        ends.append((t + 1.95, rid))
+        t, k = round(t + 0.05, 6), k + 1
+    pool = sm.snapshot(t)["pools"]["m"]
+    rate = pool["prefill_rate_per_instance"] * 2
+    assert rate >= 15_000  # from what the engines were taking (20,000 tokens/s)
+    # A burst of long prompts right then: a 4,000-token prompt every 50 ms for a second (80,000
+    # tokens/s), the instances taking turns and each through its prefill 50 ms later, so the
+    # engines' valve stays open: only the budget can hold them.
+    admitted = 0
+    for i in range(20):
+        now = round(t + 0.05 * i, 6)
+        for d in sm.poll(now, v):  # queued ones the budget lets go
+            if d.action == "admit":
+                admitted += 1
+                sm.on_dispatched(d.request_id, "i0", now)
+                sm.on_first_token(d.request_id, now)
+        d = sm.admit(profile(f"long{i}", 4000, arrival=now), v, now)
+        if d.action == "admit":
+            admitted += 1
+            sm.on_dispatched(f"long{i}", f"i{i % 2}", now)
+            sm.on_first_token(f"long{i}", now + 0.05)
+    # A second of the budget's rate, plus the eighth of a bucket a start needs; with the buckets
+    # full when it came in (2 s of its rate on top), 18 of the 20 went through.
+    assert admitted * 4000 <= rate * (1.0 + 2.0 / 8) + 4000, admitted
+    assert pool["prefill_budget_tokens"] == 0.0  # nothing in it when it came in
