@@ -1,7 +1,7 @@
 """The live latency bench's workload (bench/latency_live.py, sim engines) through fleetsim in virtual time:
 when does SLOMax bring its prefill budget in, and does it hold the trace's burst of long prompts?
 
-    .venv/bin/python bench/burst_budget_sim.py [--quiet-first X] [--full-start] [--sim-as-shipped] [--early S]
+    .venv/bin/python bench/burst_budget_sim.py [--quiet-first X] [--full-start] [--early S]
 
 latency_live runs bench/fleet_noisy_live.yaml's workers 4x faster than real time (time_scale 0.25)
 at 40 requests/s with the SLOs scaled alike. Here the same fleet runs in physical time: 10
@@ -10,9 +10,8 @@ requests/s, the SLOs x4 (interactive TTFT 1 s, TPOT 50 ms) and SLOMax's time kno
 conversation trace, clipped as latency_live clips them, fresh prompt blocks per request;
 TokenPilot. Times printed are wall-equivalent (physical / 4), as latency_live's.
 
-The simulator polls SLOMax only while it holds a request; the gateway's pump polls after every
-release, and SLOMax's controller runs only in `poll`. By default this script polls after every
-release, as the gateway does; `--sim-as-shipped` leaves the simulator as it is.
+The simulator polls SLOMax after every release, as the gateway's pump does (SLOMax's controller
+runs only in `poll`; before `FleetSimulator._after_release` did, this script patched it to).
 
 Diagnostics (each patches the policy in this process only):
   --quiet-first X   the control intervals ending before 6 s (wall) see their TPOT ratios x X:
@@ -55,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=40.0, help="requests per wall second (default 40)")
     ap.add_argument("--quiet-first", type=float, default=None, metavar="X")
     ap.add_argument("--full-start", action="store_true")
-    ap.add_argument("--sim-as-shipped", action="store_true")
     ap.add_argument("--early", type=float, default=None, metavar="S")
     a = ap.parse_args(argv)
 
@@ -105,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
 
     router = make_policy("tokenpilot", 0, fleet)
     sim = FleetSimulator(fleet, router, site_chooser=make_placement("fleetmind", fleet, router), admission=adm)
-    if not a.sim_as_shipped:
-        sim._after_release = sim._poll_admission  # type: ignore[method-assign]  # as AdmissionGate.pump
     recs = sim.run(prepare(trace, fleet)).records
 
     bins: dict[int, dict[str, int]] = {}

@@ -654,7 +654,7 @@ class FleetSimulator:
             else:
                 self._held[r.inp.request_id] = r
         t = self.admission.next_wakeup(now)
-        if t is not None and t < self._wake_at:
+        if t is not None and self._held and t < self._wake_at:  # as the gateway's: only while it holds one
             self._wake_at = max(t, now)
             self._push(self._wake_at, _POLL, None)
 
@@ -664,10 +664,12 @@ class FleetSimulator:
         return f"{d.code}: {text}" if d.code else text
 
     def _after_release(self, now: float) -> None:
-        """A dispatched request ended at the gateway: queued work may start."""
+        """A dispatched request ended at the gateway: queued work may start. The policy is polled
+        whether or not it holds a request, as the gateway's `AdmissionGate.pump` polls it after
+        every release: SLOMax's controller runs in `poll` (polled only while holding, it never
+        brought its prefill budget in here when nothing had queued yet, and live it did)."""
         if self._hook_queues:
-            if self._held:
-                self._poll_admission(now)
+            self._poll_admission(now)
         elif self._queue:
             self._drain_queue(now)
 
