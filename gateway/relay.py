@@ -91,6 +91,8 @@ MAX_ATTEMPTS = ATTEMPTS_BEFORE_FIRST_BYTE  # the first try plus one retry elsewh
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; only ever seen in metrics
 INVALID_STREAM = "stream_invalid"  # upstream_errors{kind}: an engine stream the gateway could not read
 INVALID_ANSWER = "answer_invalid"  # upstream_errors{kind}: a whole engine answer the gateway could not read
+ANSWER_TOO_LARGE = "answer_too_large"  # upstream_errors{kind}: a whole engine answer past MAX_EVENT_BYTES
+ENGINE_ERROR_EVENT = "stream_error"  # upstream_errors{kind}: an error the engine itself reported mid-stream
 _ERROR_SNIPPET = 300
 _ERROR_READ_BYTES = 4 * _ERROR_SNIPPET  # of an error answer's body: its snippet's characters, UTF-8
 
@@ -657,6 +659,8 @@ class RelayStream:
             return
         self._done_at = None
         error = self.d.stats.error
+        if error is not None:  # the engine's own error event (or a chunk it garbled): its failure, counted as such
+            self.d.relay.metrics.upstream_errors.labels(self.d.iid, ENGINE_ERROR_EVENT).inc()
         self.d.finish(ok=error is None, status="200" if error is None else "stream_error", error=error, at=at)
 
     def end_leg(self, f: LegFailure) -> None:
@@ -1175,6 +1179,7 @@ class Relay:
         while chunk := await d.watch.wait(d.resp.content.readany()):
             held += len(chunk)
             if held > MAX_EVENT_BYTES:
+                d.relay.metrics.upstream_errors.labels(d.iid, ANSWER_TOO_LARGE).inc()
                 raise upstream_failed(f"engine instance {d.iid} sent an answer larger than {MAX_EVENT_BYTES} bytes")
             parts.append(chunk)
         return b"".join(parts)

@@ -574,6 +574,8 @@ async def test_a_whole_answer_larger_than_the_bound_is_a_502_not_the_gateways_me
         r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 502, r.text
         assert "larger than 1000 bytes" in r.json()["error"]["message"]
+        metrics = (await c.get("/metrics")).text
+        assert 'tokenfleet_upstream_errors_total{instance="a",kind="answer_too_large"} 1.0' in metrics
         monkeypatch.setattr(relay_module, "MAX_EVENT_BYTES", 1 << 20)
         r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 200 and len(r.content) > 1000  # under the bound: whole, as before

@@ -352,6 +352,7 @@ async def test_an_engine_error_event_mid_stream_is_booked_as_a_failed_stream(
     assert (b.access["status"], b.access["outcome"], b.requests) == ("stream_error", "failed", {"stream_error": 1.0})
     assert (b.ledger.completed, b.ledger.cancelled, b.ledger.failed) == (0, 0, 1)
     assert [(o.ok, o.cancelled) for o in b.outcomes] == [(False, False)]
+    assert b.upstream_errors == {"stream_error": 1.0}  # the engine's failure, counted as one
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
