@@ -37,17 +37,18 @@ def die_with_parent() -> None:
 async def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                 stdout: int | IO[Any] | None = asyncio.subprocess.PIPE,
                 stderr: int | IO[Any] | None = None,
-                own_group: bool = False) -> asyncio.subprocess.Process:
+                own_group: bool = False, pass_fds: Sequence[int] = ()) -> asyncio.subprocess.Process:
     """Start `argv` with no stdin, dying with the gateway.
 
     `own_group` puts the child in a new process group: engines such as vLLM fork
     helpers (engine core, workers) that a hard kill must reach too (`kill_group`).
+    `pass_fds`: descriptors the child keeps open (a heartbeat pipe's write end).
     """
     linux = sys.platform.startswith("linux")
     return await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
         env=dict(env) if env is not None else None,
-        preexec_fn=die_with_parent if linux else None, start_new_session=own_group)
+        preexec_fn=die_with_parent if linux else None, start_new_session=own_group, pass_fds=tuple(pass_fds))
 
 
 def kill_group(proc: asyncio.subprocess.Process, sig: int = signal.SIGKILL) -> bool:
@@ -76,19 +77,27 @@ async def terminate(procs: Iterable[asyncio.subprocess.Process], grace_s: float,
         try:
             await asyncio.wait_for(p.wait(), grace_s)
         except asyncio.TimeoutError:
-            if groups:
-                kill_group(p)
-            with contextlib.suppress(ProcessLookupError):
-                p.kill()
-            try:
-                await asyncio.wait_for(p.wait(), KILL_WAIT_S)
-            except asyncio.TimeoutError:
-                log.error("pid %d has not exited %.0f s after SIGKILL (uninterruptible sleep?); "
-                          "not waiting for it", p.pid, KILL_WAIT_S)
+            await kill(p, groups)
         if groups:
             kill_group(p)  # stragglers of an exited leader; a no-op when the group is empty
 
     await asyncio.gather(*(reap(p) for p in procs))
+
+
+async def kill(p: asyncio.subprocess.Process, group: bool = False) -> None:
+    """SIGKILL `p` (with `group`, its whole process group) and wait at most KILL_WAIT_S for it."""
+    # The process before its group: under asyncio's own loop `p.kill()` first polls (waitpid) the
+    # child, and a leader the group kill had already ended was reaped there, behind the loop's
+    # back; its exit code then read 255 ("unknown child process") instead of -9.
+    with contextlib.suppress(ProcessLookupError):
+        p.kill()
+    if group:
+        kill_group(p)
+    try:
+        await asyncio.wait_for(p.wait(), KILL_WAIT_S)
+    except asyncio.TimeoutError:
+        log.error("pid %d has not exited %.0f s after SIGKILL (uninterruptible sleep?); "
+                  "not waiting for it", p.pid, KILL_WAIT_S)
 
 
 async def drain(stream: asyncio.StreamReader) -> None:

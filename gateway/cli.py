@@ -22,6 +22,7 @@ from engine_adapters.base import AdapterError, EngineAdapter
 from engine_adapters.registry import build_adapters, launch_all, stop_all
 from fleetcore.fleet_config import DEFAULT_FLEET_FILE, FleetConfig, load_fleet_file
 from gateway.listener import ListenerCollector, bind_socket, build_listeners, protocol_class, raise_fd_limit
+from gateway.liveness import heartbeat
 from gateway.logs import LOG_FORMATS, configure_logging
 from gateway.routing import DEFAULT_ROUTER, build_router
 from gateway.shutdown import Shutdown
@@ -155,6 +156,10 @@ async def _up(args: argparse.Namespace) -> int:
     assert main_task is not None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, main_task.cancel)
+    # A member of `--workers`/`--replicas`: its loop beats for its supervisor (gateway.liveness) from
+    # here until the very end, through the graceful drain and the engines' stop, so a member still
+    # finishing its streams is never taken for a hung one.
+    beats = None if args.heartbeat_fd is None else asyncio.ensure_future(heartbeat(args.heartbeat_fd, args.heartbeat_s))
     try:
         try:
             instances = await launch_all(adapters)
@@ -210,6 +215,8 @@ async def _up(args: argparse.Namespace) -> int:
         if ops_sock is not None:
             ops_sock.close()
         _say("stopped")
+        if beats is not None:
+            beats.cancel()
     return 0
 
 
@@ -253,6 +260,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "private redis-server (default: %(default)s)")
     up.add_argument("--attach-instances", metavar="PATH", help=argparse.SUPPRESS)  # set by --replicas/--workers
     up.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by --workers
+    # set by --replicas/--workers: where and how often this process's event loop beats (gateway.liveness)
+    up.add_argument("--heartbeat-fd", type=int, default=None, help=argparse.SUPPRESS)
+    up.add_argument("--heartbeat-s", type=float, default=1.0, help=argparse.SUPPRESS)
     up.set_defaults(func=run_up)
     return up
 

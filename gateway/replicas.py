@@ -15,7 +15,9 @@ shared through Redis: `--redis-url`, else a private `redis-server` this process 
 Stopping (SIGTERM/Ctrl-C): every replica gets SIGTERM (its own graceful shutdown), a second
 signal forces them; then the workers are stopped, then the private Redis. A replica that dies
 is started again on its port after a backoff that doubles up to the fleet file's
-`engine_restart_backoff_max_s`.
+`engine_restart_backoff_max_s`. So is one that hangs: each replica's event loop beats on a pipe
+of its own (`gateway.liveness`), and one silent for `gateway.liveness_timeout_s` is SIGKILLed
+(its process group) and then restarted the same way.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_adapters.base import AdapterError, EngineAdapter
-from engine_adapters.process import spawn, terminate
+from engine_adapters.process import kill, spawn, terminate
 from engine_adapters.registry import launch_all, stop_all
 from fleetcore.fleet_config import FleetConfig
+from gateway.liveness import BeatPipe, Pulse, beat_interval
 
 log = logging.getLogger("tokenfleet.replicas")
 
@@ -122,18 +125,44 @@ class Replica:
     port: int
     argv: list[str]
     kind: str = "replica"  # or "worker" (`--workers`): how messages name it
+    # Killed when its event loop sends no heartbeat for this long (None: no heartbeat asked of it).
+    liveness_timeout_s: float | None = None
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
+    hangs: int = 0  # kills for a missed heartbeat (each then restarted like an exit)
+    pulse: Pulse | None = None  # its heartbeat, once it said it is ready
     lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_KEEP_LINES))
+    _beats: BeatPipe | None = None
 
     async def start(self) -> str:
         """Spawn and wait for the line giving its URL; returns that URL."""
+        self.close_beats()  # the last start's pipe, if any
+        self.pulse = None
+        try:
+            return await self._start()
+        except BaseException:
+            self.close_beats()
+            raise
+
+    def _with_heartbeat(self) -> tuple[list[str], tuple[int, ...]]:
+        """Its command line and the descriptors it keeps: with a timeout, a heartbeat pipe of this start's own."""
+        if self.liveness_timeout_s is None:
+            return self.argv, ()
+        self._beats = BeatPipe()
+        fd = self._beats.write_fd
+        return [*self.argv, "--heartbeat-fd", str(fd), "--heartbeat-s", f"{beat_interval(self.liveness_timeout_s):g}"], (fd,)
+
+    async def _start(self) -> str:
+        argv, pass_fds = self._with_heartbeat()
         # own_group: a Ctrl-C in the terminal reaches only us, so each replica gets one SIGTERM
         # (a second would force it); die_with_parent (in spawn): no replica outlives us.
         try:
-            self.proc = await spawn(self.argv, own_group=True)
+            self.proc = await spawn(argv, own_group=True, pass_fds=pass_fds)
         except OSError as e:  # EAGAIN/ENOMEM/EMFILE: an AdapterError, so a restart is tried again
             raise AdapterError(f"{self.kind} {self.index}: cannot start {self.argv[0]}: {e}") from None
+        finally:
+            if self._beats is not None:
+                self._beats.handed_over()
         assert self.proc.stdout is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
@@ -150,6 +179,9 @@ class Replica:
             self.lines.append(line)
             if line.startswith("tokenfleet: gateway "):
                 asyncio.get_running_loop().create_task(self._drain())
+                if self._beats is not None and self.liveness_timeout_s is not None:
+                    self._beats.arrived()  # beats from its start-up do not count: the clock starts now
+                    self.pulse = Pulse(self.liveness_timeout_s, time.monotonic())
                 return line.split()[-1]
 
     async def _drain(self) -> None:
@@ -157,6 +189,15 @@ class Replica:
         assert self.proc is not None and self.proc.stdout is not None
         async for raw in self.proc.stdout:
             self.lines.append(raw.decode(errors="replace").rstrip())
+
+    def beaten(self) -> bool:
+        """Whether its loop beat since the last look."""
+        return self._beats is not None and self._beats.arrived()
+
+    def close_beats(self) -> None:
+        if self._beats is not None:
+            self._beats.close()
+            self._beats = None
 
 
 def replica_argv(args: argparse.Namespace, port: int, ops_port: int | None, redis_url: str,
@@ -273,7 +314,8 @@ async def _run(args: argparse.Namespace, config: FleetConfig, adapters: list[Eng
         attach_file = str(Path(tmp) / "attach.json")
         Path(attach_file).write_text(json.dumps(attach_view(config, adapters)), encoding="utf-8")
         replicas.extend(Replica(i, ports[i], replica_argv(args, ports[i], ops_ports[i], redis_url, attach_file,
-                                                          i if workers else None), "worker" if workers else "replica")
+                                                          i if workers else None), "worker" if workers else "replica",
+                                liveness_timeout_s=config.gateway.liveness_timeout_s)
                         for i in range(n))
         stack.push_async_callback(_stop_replicas, replicas, grace_s + SHUTDOWN_MARGIN_S + STOP_EXTRA_S)
         try:
@@ -307,18 +349,19 @@ async def _run(args: argparse.Namespace, config: FleetConfig, adapters: list[Eng
 
 
 async def _watch(r: Replica, config: FleetConfig, stop: asyncio.Event) -> None:
-    """Restart a replica that died, on its port, after a backoff (reset once it stayed up)."""
+    """Restart a replica that died or hung, on its port, after a backoff (reset once it stayed up)."""
     backoff = config.gateway.engine_restart_backoff_s
     backoff_max = max(config.gateway.engine_restart_backoff_max_s, backoff)
     while not stop.is_set():
         assert r.proc is not None
         started = time.monotonic()
-        code = await r.proc.wait()
+        code = await _until_exit(r)
         if stop.is_set():
             return
         if time.monotonic() - started > backoff_max:
             backoff = config.gateway.engine_restart_backoff_s
-        _say(f"{r.kind} {r.index} (port {r.port}) exited with code {code}; restarting in {backoff:g} s")
+        _say(f"{r.kind} {r.index} (port {r.port}) exited with code {code}; restarting in {backoff:g} s" if code is not None
+             else f"{r.kind} {r.index} (port {r.port}) outlived its SIGKILL; starting another in {backoff:g} s")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), backoff)
         if stop.is_set():
@@ -335,12 +378,47 @@ async def _watch(r: Replica, config: FleetConfig, stop: asyncio.Event) -> None:
             continue
         r.restarts += 1
         assert r.proc is not None
-        _say(f"gateway  {r.kind} {r.index} (pid {r.proc.pid})  {url} (restart {r.restarts})")
+        hung = f"; {r.hangs} after a missed heartbeat" if r.hangs else ""
+        _say(f"gateway  {r.kind} {r.index} (pid {r.proc.pid})  {url} (restart {r.restarts}{hung})")
+
+
+async def _until_exit(r: Replica) -> int | None:
+    """Wait for `r` to exit, killing it first if its heartbeat stops; its exit code (None: it
+    outlived even SIGKILL, in uninterruptible sleep, and is left to the kernel).
+
+    Wakes only to look at the heartbeat pipe (a few times per timeout), never per beat; a
+    cancel (the fleet's stop) ends the wait at once."""
+    assert r.proc is not None
+    exited = asyncio.ensure_future(r.proc.wait())
+    try:
+        if r.pulse is None:
+            return await exited
+        while not exited.done():
+            wait_s = r.pulse.look(time.monotonic(), r.beaten())
+            if wait_s <= 0:
+                await _kill_hung(r)
+                break
+            await asyncio.wait({exited}, timeout=wait_s)
+        return r.proc.returncode
+    finally:
+        exited.cancel()
+
+
+async def _kill_hung(r: Replica) -> None:
+    assert r.proc is not None and r.pulse is not None
+    r.hangs += 1
+    _say(f"{r.kind} {r.index} (pid {r.proc.pid}) sent no heartbeat for "
+         f"{r.pulse.silent_for(time.monotonic()):.0f} s: killed")
+    # Its whole group: it cannot stop what it started when its loop does not run.
+    await kill(r.proc, group=True)
 
 
 async def _stop_replicas(replicas: list[Replica], timeout_s: float) -> None:
     # Each replica drains on its own SIGTERM; past its grace it is killed, never waited on forever.
+    # (Their heartbeats are no longer judged: the watchers were cancelled before this.)
     await terminate([r.proc for r in replicas if r.proc is not None], timeout_s, groups=True)
+    for r in replicas:
+        r.close_beats()
 
 
 async def _stop_workers(adapters: list[EngineAdapter]) -> None:
