@@ -14,6 +14,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from gateway.metrics import GatewayMetrics
 from gateway.relay import RelayStream
 
 
@@ -21,7 +22,7 @@ class FakeDispatch:
     """What RelayStream's iteration and close use of a Dispatch once [DONE] is in its first chunk."""
 
     def __init__(self, clock: list[float], error: str | None = None) -> None:
-        self.relay = SimpleNamespace(live=set(), clock=lambda: clock[0])
+        self.relay = SimpleNamespace(live=set(), clock=lambda: clock[0], metrics=GatewayMetrics())
         self.stats = SimpleNamespace(done=True, error=error)
         self.iid = "i0"
         self.finished = False
@@ -85,6 +86,8 @@ def test_an_error_event_before_done_finishes_as_a_stream_error() -> None:
         async for _ in s.iter_bytes():
             pass
         assert d.calls == [{"ok": False, "status": "stream_error", "error": "engine said no", "at": 1.0}]
+        # the engine's failure, counted as one (upstream_errors{kind="stream_error"})
+        assert d.relay.metrics.upstream_errors.labels("i0", "stream_error")._value.get() == 1.0
 
     asyncio.run(main())
 
