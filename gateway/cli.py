@@ -59,10 +59,12 @@ class _Server(uvicorn.Server):
     off, streams get the grace, then an error event) while uvicorn stops accepting; a second one
     forces: whatever is still open is ended with its error event at once and the server exits."""
 
-    def __init__(self, config: uvicorn.Config, shutdown: Shutdown | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, shutdown: Shutdown | None = None,
+                 on_serving: Callable[[], None] | None = None) -> None:
         self._exit_wake: asyncio.Event | None = None
         super().__init__(config)
         self.drain = shutdown  # not `shutdown`: uvicorn.Server has a method of that name
+        self.on_serving = on_serving  # once the app's start-up is done and its sockets accept
 
     # uvicorn's main loop wakes every 0.1 s to see whether it should exit (and refreshes the Date
     # header every tenth time): 10 of an idle gateway's ~50 wakeups a second, ~100 us of CPU each
@@ -79,6 +81,10 @@ class _Server(uvicorn.Server):
             self._exit_wake.set()
 
     async def main_loop(self) -> None:
+        # uvicorn runs it once start-up is over (the app's lifespan, the sockets served): the
+        # moment the gateway may say it is ready
+        if self.on_serving is not None:
+            self.on_serving()
         self._exit_wake = asyncio.Event()
         counter = 0
         should_exit = await self.on_tick(counter)
@@ -178,6 +184,32 @@ async def _up(args: argparse.Namespace) -> int:
         if args.worker_index is not None:  # one of `--workers N`: answers say which one served them
             app.state.tokenfleet.relay.worker = f"worker{args.worker_index}"
         shutdown = app.state.tokenfleet.relay.shutdown
+
+        def announce() -> None:
+            # Said once the app has started (its lifespan: the engines' state, the fitter's import, the
+            # collector's freeze; ~2 s) and accepts: said before, a client that believed it waited in the
+            # listen backlog for that long (`--replicas`/`--workers` take this line for readiness).
+            host, port = sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            sites = sorted({i.site for i in instances})
+            _say(f"{len(instances)} instance(s) ready in {len(sites)} site(s): {', '.join(sites)}")
+            _say(f"gateway  http://{shown}:{port}/v1")
+            if ops_sock is not None:
+                ops_host, ops_bound = ops_sock.getsockname()[:2]
+                _say(f"ops      http://{f'[{ops_host}]' if ':' in ops_host else ops_host}:{ops_bound}")
+            key = _dev_key(config)
+            _say(f"api key  {key}" if key else "api key  (none needed: the fleet file has no tenants)")
+            if args.fleet is None and config.admin_api_keys:
+                # Only the embedded local fleet's plain dev key: a real fleet file's keys are never echoed.
+                _say(f"admin key {config.admin_api_keys[0]}  (dev only: /admin/v1/..., /dashboard, /docs)")
+            budgets = sum(1 for t in config.tenants if t.budgets is not None)
+            _say(f"admission {config.admission.policy} (classes {', '.join(sorted(config.admission.class_names))}; "
+                 f"{budgets} tenant(s) with budgets); goodput report at /v1/reports/goodput")
+            placement = app.state.tokenfleet.placement
+            _say(f"planner  every {placement.core.settings.cycle_s:g} s; log at /admin/v1/planner" if placement
+                 else "planner  off (replicas stay where the fleet file puts them)")
+            _say("stop with Ctrl-C")
+
         server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                         timeout_graceful_shutdown=math.ceil(shutdown.grace_s + SHUTDOWN_MARGIN_S),
                                         # header/body deadlines, connection caps, header limits
@@ -185,27 +217,8 @@ async def _up(args: argparse.Namespace) -> int:
                                         # longer than clients' pools keep idle connections (the
                                         # OpenAI SDK: 5 s), so a reused connection is never
                                         # closed under a request in flight
-                                        timeout_keep_alive=config.gateway.keep_alive_timeout_s), shutdown)
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        sites = sorted({i.site for i in instances})
-        _say(f"{len(instances)} instance(s) ready in {len(sites)} site(s): {', '.join(sites)}")
-        _say(f"gateway  http://{shown}:{port}/v1")
-        if ops_sock is not None:
-            ops_host, ops_bound = ops_sock.getsockname()[:2]
-            _say(f"ops      http://{f'[{ops_host}]' if ':' in ops_host else ops_host}:{ops_bound}")
-        key = _dev_key(config)
-        _say(f"api key  {key}" if key else "api key  (none needed: the fleet file has no tenants)")
-        if args.fleet is None and config.admin_api_keys:
-            # Only the embedded local fleet's plain dev key: a real fleet file's keys are never echoed.
-            _say(f"admin key {config.admin_api_keys[0]}  (dev only: /admin/v1/..., /dashboard, /docs)")
-        budgets = sum(1 for t in config.tenants if t.budgets is not None)
-        _say(f"admission {config.admission.policy} (classes {', '.join(sorted(config.admission.class_names))}; "
-             f"{budgets} tenant(s) with budgets); goodput report at /v1/reports/goodput")
-        placement = app.state.tokenfleet.placement
-        _say(f"planner  every {placement.core.settings.cycle_s:g} s; log at /admin/v1/planner" if placement
-             else "planner  off (replicas stay where the fleet file puts them)")
-        _say("stop with Ctrl-C")
+                                        timeout_keep_alive=config.gateway.keep_alive_timeout_s), shutdown,
+                         on_serving=announce)
         await server.serve(sockets=[sock] if ops_sock is None else [sock, ops_sock])
     finally:
         # Runs on a signal, a launch failure or a crash alike: no engine outlives the gateway.
