@@ -227,15 +227,16 @@ class GatewayMetrics:
             self.requests.remove(*key)
         if self._inflight.pop((instance,), None) is not None:
             self.inflight.remove(instance)
-        kinds = {s.labels["kind"] for m in self.upstream_errors.collect() for s in m.samples
-                 if s.labels.get("instance") == instance}
-        for kind in kinds:
-            self.upstream_errors.remove(instance, kind)
+        _remove_instance_series(self.upstream_errors, instance, "kind")
         if self._kv_batches.pop((instance,), None) is not None:
             self.kv_batches.remove(instance)
-        for reason in {s.labels["reason"] for m in self.kv_interruptions.collect() for s in m.samples
-                       if s.labels.get("instance") == instance}:
-            self.kv_interruptions.remove(instance, reason)
+        _remove_instance_series(self.kv_interruptions, instance, "reason")
+
+
+def _remove_instance_series(counter: Counter, instance: str, other: str) -> None:
+    """Remove every series of an ["instance", `other`]-labelled counter that is `instance`'s."""
+    for value in {s.labels[other] for m in counter.collect() for s in m.samples if s.labels.get("instance") == instance}:
+        counter.remove(instance, value)
 
 
 class _KVDrops(Collector):
