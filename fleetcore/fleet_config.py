@@ -345,9 +345,13 @@ class GatewaySettings(_Strict):
     overload_retry_after_s: int = Field(default=1, ge=1, description="Retry-After of an overload 503")
     # --- work before routing ---
     tokenize_workers: int = Field(
-        default=1, ge=1, description="threads that tokenize prompts off the event loop (more help only with "
-                                     "models' own Rust tokenizers, which release the GIL; the built-in one "
-                                     "holds it, and a second thread only contends with the event loop)")
+        default=1, ge=1, description="threads that tokenize prompts off the event loop (models' own Rust "
+                                     "tokenizers release the GIL; the built-in one tokenizes long prompts in a "
+                                     "helper process per thread, see tokenize_helper)")
+    tokenize_helper: bool = Field(
+        default=True, description="long prompts (16k+ characters) of the built-in tokenizer are tokenized in a "
+                                  "helper process per tokenizer thread, not on the thread, whose Python holds the "
+                                  "GIL the event loop needs (gateway.tokenize_pool); false: on the threads")
     tokenize_queue: int = Field(default=256, ge=1, description="prompts waiting for a tokenizer thread; more: 503")
     tokenize_timeout_s: float = Field(default=5.0, gt=0)
     # --- routing ---

@@ -27,8 +27,41 @@ MAX_PIECE_CHARS = 32
 _PIECE = re.compile(r"\s{0,15}[A-Za-z]{1,16}|\s{0,15}\d{1,3}|\s{0,15}[^\sA-Za-z\d]|\s{1,32}")
 
 
-def split_pieces(text: str) -> list[str]:
-    return _PIECE.findall(text)
+# One `findall` over a long text is one C call that holds the GIL all along (~80 ns a character:
+# 9 ms for a prompt of 32k tokens), and prompts are tokenized on a pool thread beside the event
+# loop, which waits for the GIL that long whenever it wants it back. A longer text is matched a
+# slice of this many characters at a time (~0.3 ms), and the thread gives the GIL up between
+# slices at the interpreter's switch interval (tests/test_tokenize_stall.py).
+SLICE_CHARS = 4096
+# The same for the ids of a long prompt's pieces (`_ids`: a C-level map, ~30 ns a piece).
+SLICE_PIECES = 8192
+
+
+def split_pieces(text: str, slice_chars: int | None = None) -> list[str]:
+    """The pieces of `text` (one token each); a long text a slice at a time (default
+    SLICE_CHARS), with the same result."""
+    if slice_chars is None:
+        slice_chars = SLICE_CHARS
+    n = len(text)
+    if n <= slice_chars:
+        return _PIECE.findall(text)
+    if slice_chars <= MAX_PIECE_CHARS:
+        raise ValueError(f"slice_chars must exceed MAX_PIECE_CHARS ({MAX_PIECE_CHARS})")
+    findall = _PIECE.findall
+    out: list[str] = []
+    pos = 0
+    while pos + slice_chars < n:
+        pieces = findall(text, pos, pos + slice_chars)
+        # The last piece may be cut short by the slice's end (a word running on past it): it is
+        # matched again, whole, from its start in the next slice. Every piece before it ends
+        # before the cut and was decided by the characters it spans and the one after it (the
+        # pattern looks no further), so they are the pieces one call over the text gives. A
+        # slice holds at least two pieces (each is at most MAX_PIECE_CHARS long): pos advances.
+        pieces.pop()
+        out += pieces
+        pos += sum(map(len, pieces))
+    out += findall(text, pos)
+    return out
 
 
 def min_tokens(chars: int) -> int:
@@ -74,6 +107,15 @@ ID_CACHE_MAX = 1 << 15
 
 def _ids(pieces: list[str]) -> list[int]:
     """`[token_id(p) for p in pieces]`, from `_ID_CACHE` where it can (one per prompt token: it shows)."""
+    if len(pieces) > SLICE_PIECES:  # (a slice at a time: SLICE_PIECES)
+        out: list[int] = []
+        for k in range(0, len(pieces), SLICE_PIECES):
+            out += _slice_ids(pieces[k:k + SLICE_PIECES])
+        return out
+    return _slice_ids(pieces)
+
+
+def _slice_ids(pieces: list[str]) -> list[int]:
     cache = _ID_CACHE
     try:
         # (the usual case: every piece seen before; `map` runs no bytecode per piece)
@@ -121,14 +163,14 @@ def encode(text: str) -> list[int]:
     for part in parts:
         ids = cache.get(part)
         if ids is None:
-            ids = tuple(_ids(_PIECE.findall(part + _MARKER_END)))
+            ids = tuple(_ids(split_pieces(part + _MARKER_END)))
             if len(part) <= PART_CACHE_CHARS:
                 if len(cache) >= PART_CACHE_MAX:
                     cache.clear()
                 cache[part] = ids
         out += ids
     if last:
-        out += _ids(_PIECE.findall(last))
+        out += _ids(split_pieces(last))
     return out
 
 

@@ -70,10 +70,11 @@ from slomax import make_admission
 # "GC discipline"), so the default stays, set here explicitly: the one place to tune it.
 GC_THRESHOLDS: tuple[int, int, int] = (700, 10, 10)
 # How long a thread may hold the GIL while another waits (CPython's default is 5 ms). The
-# tokenizer pool's threads tokenize in Python (the built-in tokenizer) or call into Rust; the
-# event loop re-takes the GIL after every poll and every socket call, and at 5 ms it waited
-# that long each time: a burst of 16 prompts of 32k tokens held the loop ~50 ms, at 1 ms
-# ~7-19 ms (tests/test_tokenize_stall.py; bench/README.md, "Tokenization off the loop").
+# tokenizer pool's threads parse and hash in Python (the built-in tokenizer's long prompts go to
+# helper processes since) or call into Rust; the event loop re-takes the GIL after every poll and
+# every socket call, and at 5 ms it waited that long each time: a burst of 16 prompts of 32k
+# tokens held the loop ~50 ms, at 1 ms ~7-19 ms, with helpers ~2-9 ms
+# (tests/test_tokenize_stall.py; bench/README.md, "Tokenization off the loop").
 SWITCH_INTERVAL_S = 0.001
 
 
@@ -165,7 +166,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     relay.listeners.append(dash_recorder)
     gate.on_released.append(dash_recorder.released)  # per-site goodput: class and outcome meet there
     g = config.gateway
-    pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s)
+    pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s, helper=g.tokenize_helper)
     if key_store is None:  # tenant keys created by API (`gateway.keys`), in the durable admin store
         kv = replicas.kv or SqliteKV(state_dir(g.state_dir) / "admin-keys.sqlite3", timeout_s=g.store_timeout_s)
         key_store = KVKeyStore(kv)

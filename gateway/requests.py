@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from fleetcore.fleet_config import FleetConfig, ModelConfig
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.prefix import block_hashes
-from fleetcore.tokens import PromptTooLong, encode_upto, min_tokens, render_chat
+from fleetcore.tokens import PromptTooLong, min_tokens, render_chat
 from fleetcore.types import RequestProfile
 from gateway.auth import Caller
 from gateway.errors import bad_request, context_length_exceeded, model_not_found
 from gateway.json_body import parse_json_object
 from gateway.openai_fields import check_logprobs, check_unsupported, choice_count
+from gateway.tokenize_pool import builtin_encode_upto
 
 if TYPE_CHECKING:
     from gateway.telemetry import RequestRecord
@@ -273,7 +274,7 @@ def builtin_ids(text: str, limit: int) -> list[int]:
     """`fleetcore.tokens` ids of `text`; PromptTooLong as soon as they provably exceed `limit`."""
     if (at_least := min_tokens(len(text))) > limit:
         raise PromptTooLong(at_least, exact=False)
-    ids = encode_upto(text, limit)
+    ids = builtin_encode_upto(text, limit)  # (a long text, on a tokenize pool thread: in its helper process)
     if len(ids) > limit:
         raise PromptTooLong(len(ids), exact=False)
     return ids

@@ -71,6 +71,9 @@ def test_ids_equal_the_piece_pattern_on_adversarial_text(seed: int, monkeypatch:
     cache small enough to fill and empty while it runs (the oracle for any cheaper path)."""
     rng = random.Random(1000 + seed)
     monkeypatch.setattr(tokens, "ID_CACHE_MAX", 50)
+    # long texts are matched and looked up a slice at a time: slices as small as they may be
+    monkeypatch.setattr(tokens, "SLICE_CHARS", tokens.MAX_PIECE_CHARS + 1 + seed)
+    monkeypatch.setattr(tokens, "SLICE_PIECES", 1 + seed)
     tokens._ID_CACHE.clear()
     texts = [_adversarial(rng) for _ in range(250)] + _texts(rng, 50) + ["", " ", "\n" * 40, "x" * 200]
     for text in texts + texts[::-1]:
@@ -81,6 +84,24 @@ def test_ids_equal_the_piece_pattern_on_adversarial_text(seed: int, monkeypatch:
                 assert encode_upto(text, limit) == want[:limit + 1], (repr(text), limit)
         assert len(tokens._ID_CACHE) <= 50
     tokens._ID_CACHE.clear()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_long_text_is_split_a_slice_at_a_time_into_the_same_pieces(seed: int) -> None:
+    """`split_pieces` matches a long text a slice at a time (one C call over all of it holds the
+    GIL, and the event loop with it, ~9 ms for a 32k-token prompt): at every slice size from the
+    smallest allowed, the pieces one `findall` over the whole text gives, on texts at the
+    pattern's bounds (a slice's end falls inside words, digit runs, whitespace runs of every
+    kind, marks)."""
+    rng = random.Random(3000 + seed)
+    texts = ["".join(_adversarial(rng) for _ in range(5)) for _ in range(60)]
+    for text in texts:
+        want = tokens._PIECE.findall(text)
+        for size in {33, 34, 35, 47, 48, 64, 65, rng.randrange(33, 400), len(text), len(text) + 1}:
+            if size > tokens.MAX_PIECE_CHARS:
+                assert split_pieces(text, size) == want, (repr(text), size)
+    with pytest.raises(ValueError):
+        split_pieces("x" * 100, tokens.MAX_PIECE_CHARS)
 
 
 def test_a_long_text_is_read_no_further_than_the_cap() -> None:
