@@ -397,11 +397,13 @@ class GatewaySettings(_Strict):
                                          "ended with an error event")
     engine_restart_backoff_s: float = Field(default=1.0, gt=0, description="first wait before restarting a dead engine")
     engine_restart_backoff_max_s: float = Field(default=60.0, gt=0)
-    liveness_timeout_s: float = Field(
+    liveness_timeout_s: float | None = Field(
         default=30.0, ge=1, le=3600,
         description="`up --workers` / `--replicas`: a gateway process whose event loop sent no heartbeat for "
                     "this long (blocked, stopped, stuck) is killed and restarted with the restart backoff "
-                    "above; far above any legitimate stall (default: gunicorn's worker timeout)")
+                    "above; far above any legitimate stall (default: gunicorn's worker timeout). null: no "
+                    "heartbeat, no such kill (a debugger paused in a member, say); members that exit are "
+                    "still restarted")
 
     @model_validator(mode="after")
     def _check_lease(self) -> GatewaySettings:

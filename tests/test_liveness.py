@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from fleetcore.fleet_config import GatewaySettings
 from gateway.liveness import BeatPipe, Pulse, beat_interval, heartbeat
+from gateway.replicas import Replica
 from tests.waits import wait_until
 
 
@@ -75,6 +76,20 @@ def test_the_timeout_is_a_validated_gateway_setting() -> None:
     for bad in (0, -1, 0.5, 3601):  # below a second every GC pause would be a kill
         with pytest.raises(ValidationError, match="liveness_timeout_s"):
             GatewaySettings(liveness_timeout_s=bad)
+    assert GatewaySettings(liveness_timeout_s=None).liveness_timeout_s is None  # the off switch
+
+
+def test_without_a_timeout_a_member_gets_no_heartbeat_pipe() -> None:
+    """`liveness_timeout_s: null`: the member is started without `--heartbeat-fd` (nothing to
+    kill it for), with one otherwise."""
+    off = Replica(0, 0, ["tokenfleet", "up"], "worker", liveness_timeout_s=None)
+    assert off._with_heartbeat() == (["tokenfleet", "up"], ())
+    on = Replica(0, 0, ["tokenfleet", "up"], "worker", liveness_timeout_s=2.0)
+    argv, fds = on._with_heartbeat()
+    try:
+        assert argv[:2] == ["tokenfleet", "up"] and argv[2:] == ["--heartbeat-fd", str(fds[0]), "--heartbeat-s", "0.5"]
+    finally:
+        on.close_beats()
 
 
 async def test_the_member_beats_from_its_loop_and_a_blocked_loop_stops_the_beats() -> None:
