@@ -758,6 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 probes.append((mode, model, probe))
             got = np.array(joined(sent, seen), dtype=float).reshape(-1, HELD + 1)
             if a.save:
+                Path(a.save).parent.mkdir(parents=True, exist_ok=True)
                 np.save(f"{a.save}.{mode}.{model}{'.' + str(i) if i else ''}.npy", got)
             results.append((mode, model, got, len(sent), (before, os.getloadavg()[0])))
             print(f"done: {mode} {model}, {len(got)} of {len(sent)} answered, load {results[-1][4][1]:.2f}", flush=True)
