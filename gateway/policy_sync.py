@@ -62,6 +62,7 @@ class PolicySync:
         self._persisted: KnownState | None = None
         self._write_lock = asyncio.Lock()
         self._store_ok = True
+        self._refused = False  # a load failed while nothing was known: requests were refused
         self._task: asyncio.Task[None] | None = None
         on_disk = snapshot_file.read() if snapshot_file is not None else None
         if on_disk is not None:
@@ -83,7 +84,10 @@ class PolicySync:
         """A snapshot read from (or just committed to) the store: route by it and keep it on disk."""
         self._apply(snap)
         if not self.known:
-            log.warning("region policies: the store answered (version %d); serving again", snap.version)
+            if self._refused:
+                log.warning("region policies: the store answered (version %d); serving again", snap.version)
+            else:  # (the first answer at start-up: nothing was refused, nothing to warn of)
+                log.info("region policies: version %d from the store", snap.version)
         self.known = True
         await self.persist()
 
@@ -109,6 +113,7 @@ class PolicySync:
                 log.warning("region policies: %s; %s", e, "keeping version %d" % self._applied if self.known
                             else "refusing requests until it answers (no saved snapshot)")
             self._store_ok = False
+            self._refused = self._refused or not self.known
             return False
         if not self._store_ok:
             log.warning("region policies: the store is reachable again")

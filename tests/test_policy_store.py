@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from fleetcore.region_policy import RegionPolicy
 from gateway.policy_snapshot import SnapshotFile
 from gateway.policy_store import (AuditEntry, KnownState, MemoryPolicyStore, RedisPolicyStore, Snapshot,
                                   StoreUnavailable, VersionConflict, watch)
+from gateway.policy_sync import PolicySync
 from tests.redis_control import RedisProc
 from tests.redis_server import redis_url
 from tests.waits import wait_until
@@ -206,3 +208,50 @@ async def test_memory_store_starts_from_its_known_state() -> None:
     assert (await store.load()).version == 4 and [e.version for e in await store.audit()] == [4]
     assert await store.commit([], entry(5, "delete"), expected_version=4) == 5
     assert store.known().version == 5 and [e.action for e in store.known().audit] == ["delete", "create"]
+
+
+class _FlakyStore:
+    """Knows nothing until a load answers; `down` makes loads fail as an unreachable store's do."""
+
+    identity = "flaky"
+
+    def __init__(self, down: bool) -> None:
+        self.down = down
+        self._known: KnownState | None = None
+
+    async def load(self) -> Snapshot:
+        if self.down:
+            raise StoreUnavailable("connection refused")
+        self._known = KnownState(Snapshot(1, ()))
+        return self._known.snapshot
+
+    def known(self) -> KnownState | None:
+        return self._known
+
+
+class _Chooser:
+    def set_policies(self, policies: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("down_first", [False, True])
+async def test_the_first_answer_warns_only_if_requests_were_refused_before_it(
+        down_first: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway without a saved snapshot refuses routing until its policy store answers. At a
+    normal start the first load answers and nothing was refused: no warning ("serving again" at
+    every start read as an incident). Only after loads failed is the answer a recovery to warn of."""
+    store = _FlakyStore(down=down_first)
+    sync = PolicySync(store, _Chooser(), None)  # type: ignore[arg-type]
+    assert not sync.known
+    with caplog.at_level(logging.INFO, "tokenfleet.gateway"):
+        if down_first:
+            assert not await sync.sync_once()
+            store.down = False
+        assert await sync.sync_once() and sync.known
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if down_first:
+        assert any("refusing requests until it answers" in w for w in warnings)
+        assert any("serving again" in w for w in warnings)
+    else:
+        assert warnings == []
+        assert any("version 1 from the store" in r.getMessage() for r in caplog.records)
