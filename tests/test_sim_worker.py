@@ -326,6 +326,7 @@ async def test_a_step_delivered_late_is_counted_in_wall_seconds() -> None:
     ("path", "body", "status"),
     [
         ("/v1/chat/completions", b"{not json", 400),
+        ("/v1/completions", b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),  # (was a 500)
         ("/v1/chat/completions", {"model": MODEL}, 400),
         ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
         ("/v1/completions", {"model": MODEL}, 400),

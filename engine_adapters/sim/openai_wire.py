@@ -59,6 +59,8 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw or b"null")
+    except RecursionError:  # (thousands of nested brackets: json.loads recurses; a 400, not a 500)
+        raise bad_request("Invalid JSON body: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"Invalid JSON body: {exc}") from None
     if not isinstance(body, dict):
