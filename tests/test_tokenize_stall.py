@@ -22,11 +22,13 @@ STALL_BOUND_S = 0.020
 
 
 async def test_a_burst_of_16_prompts_of_32k_tokens_stalls_the_loop_under_20_ms() -> None:
-    """Three bursts (other prompts each time, so no cache helps); the best must stay under the
-    bound. Why several: "busy" counts the loop's lag whenever any thread of this process ran
-    meanwhile, so on a crowded machine the OS descheduling the loop thread while the tokenizer
-    thread runs reads as a stall of ours; a stall the gateway causes shows in every burst (the
-    code before issue 14 held the loop 50-56 ms in each)."""
+    """Three bursts (other prompts each time, so no cache helps); two of them must stay under the
+    bound. Why not all three: "busy" counts the loop's lag whenever any thread of this process ran
+    meanwhile, so on a crowded machine the OS descheduling the loop thread while another thread
+    of ours runs reads as a stall of ours; a stall the gateway causes shows in every burst (the
+    code before issue 14 held the loop 50-56 ms in each; with the tokenizer on the pool's thread,
+    holding the GIL, 9-30 ms; with its helper process, 2-9 ms: bench/README.md, "Tokenization off
+    the loop, again")."""
     b = load_bench("tokenize_stall")  # the bursts of bench/tokenize_stall.py: its fleet, prompts and client process
     prompts = [b.prompt(k) for k in range(3 * b.BURST)]
     assert count_tokens(prompts[0]) >= b.PROMPT_TOKENS
@@ -35,4 +37,4 @@ async def test_a_burst_of_16_prompts_of_32k_tokens_stalls_the_loop_under_20_ms()
         for k in range(3):
             m = await b.burst(f.url, prompts[k * b.BURST:(k + 1) * b.BURST])
             lags.append((m.max_busy_lag_s, m.max_lag_s))
-    assert min(busy for busy, _ in lags) < STALL_BOUND_S, lags
+    assert sorted(busy for busy, _ in lags)[1] < STALL_BOUND_S, lags
