@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,7 +31,7 @@ from gateway.aliases import alias_entries
 from gateway.auth import Authenticator, Caller
 from gateway import dashboard
 from gateway.router_refit import RouterRefit
-from gateway.errors import install_handlers
+from gateway.errors import install_handlers, model_not_found
 from gateway.body_limit import BodySizeLimit
 from gateway.fast_path import FastLane, GatewayApp
 from gateway.fleet_metrics import FleetCollector
@@ -286,9 +287,8 @@ def _add_openai_routes(app: GatewayApp, ctx: GatewayContext) -> None:
     app.fast_routes = {"/v1/chat/completions": chat_completions, "/v1/completions": completions,
                        "/v1/embeddings": embeddings, "/v1/responses": responses}
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        ctx.auth.authenticate(request.headers)
+    def model_entries() -> list[dict[str, Any]]:
+        """The models (and aliases) that some ready instance serves now."""
         ready: dict[str, set[str]] = {}
         for inst in ctx.state.view().instances():
             if inst.ready and not inst.draining:
@@ -296,8 +296,23 @@ def _add_openai_routes(app: GatewayApp, ctx: GatewayContext) -> None:
         data = [{"id": m.name, "object": "model", "created": created, "owned_by": "tokenfleet",
                  "versions": sorted(ready[m.name]), "max_model_len": m.engine.max_model_len}
                 for m in ctx.config.models if m.name in ready]
-        data += alias_entries(ctx.config, ready, created)
-        return JSONResponse({"object": "list", "data": data})
+        return data + alias_entries(ctx.config, ready, created)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        ctx.auth.authenticate(request.headers)
+        return JSONResponse({"object": "list", "data": model_entries()})
+
+    # OpenAI's "retrieve model" (`client.models.retrieve(id)`); `:path`: ids may hold a slash
+    # (`meta-llama/Llama-3.1-8B`). A model the list would not show (unknown, or nothing serves it
+    # now) is a 404 `model_not_found`, as OpenAI answers.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        ctx.auth.authenticate(request.headers)
+        for entry in model_entries():
+            if entry["id"] == model_id:
+                return JSONResponse(entry)
+        raise model_not_found(model_id)
 
 
 def _add_ops_routes(app: FastAPI, ctx: GatewayContext) -> None:

@@ -148,6 +148,16 @@ async def test_alias_keeps_the_requested_name(fleet: Fleet) -> None:
     ids = {m.id: m for m in (await fleet.client().models.list()).data}
     assert {"fast", "quick", MODEL} <= set(ids) and "ghost" not in ids
     assert ids["quick"].model_extra["alias_of"] == MODEL  # type: ignore[index]
+    # "retrieve model": the list's own entry, for a model and for an alias; 404 for what it lacks
+    for name in ("quick", MODEL):
+        got = await fleet.client().models.retrieve(name)
+        assert got.model_dump() == ids[name].model_dump()
+    for missing in ("ghost", "no-such-model", "meta-llama/no-such-model"):  # (ghost: nothing serves it)
+        with pytest.raises(openai.NotFoundError) as e:
+            await fleet.client().models.retrieve(missing)
+        assert e.value.code == "model_not_found" and missing in str(e.value)
+    with pytest.raises(openai.AuthenticationError):
+        await fleet.client("sk-not-a-key").models.retrieve(MODEL)
 
 
 async def test_unready_model_falls_back_visibly(fleet: Fleet) -> None:
