@@ -113,15 +113,22 @@ class _HelperProcess:
             got += len(part)
         return b"".join(parts)
 
-    def kill(self) -> None:
+    def end(self) -> None:
+        """Kill the process and reap it (killed: at once), leaving the pipes open: a thread may be
+        reading them this moment, and a descriptor closed under it could be another's by the time
+        it reads. That thread then reads the end of the pipe; the pipes close with their owner."""
         self.proc.kill()
+        try:
+            self.proc.wait(START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        """`end`, and close the pipes: only by the thread that uses them."""
+        self.end()
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
-        try:
-            self.proc.wait(START_TIMEOUT_S)  # (killed: at once; reaped, not left a zombie)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 class TokenizerHelpers:
@@ -181,7 +188,7 @@ class TokenizerHelpers:
             self._closed = True
             live, self._live = self._live, set()
         for helper in live:
-            helper.kill()
+            helper.end()  # (not `kill`: its thread may be using the pipes)
 
 
 class TokenizePool:
