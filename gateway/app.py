@@ -146,8 +146,11 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     chooser = site_chooser if site_chooser is not None else build_site_chooser(config, router)
     # Region policies: newest version from the store, durable on disk; no known policies, no routing.
     policy_sync = build_policy_sync(config, policy_store, chooser)
+    g = config.gateway
+    # Prompts (large bodies) and continuations' prompts are tokenized here, off the event loop.
+    pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s, helper=g.tokenize_helper)
     relay = Relay(config, state, router, GuardedSiteChooser(chooser, policy_sync),
-                  metrics, decisions, clock=clock, retry_after_s=max(1, round(2 * state.poll_interval_s)),
+                  metrics, decisions, pool, clock=clock, retry_after_s=max(1, round(2 * state.poll_interval_s)),
                   admission=gate)
     relay.pd = PDFlow.for_relay(relay)  # P/D fleets: TokenPilot's split decision and both legs' flow
     # A restarted engine's cache is cold: the router forgets what it indexed there.
@@ -166,8 +169,6 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
     dash_recorder, dash_sampler = dashboard.wire(admission.ledger, dashboard_sample_s)
     relay.listeners.append(dash_recorder)
     gate.on_released.append(dash_recorder.released)  # per-site goodput: class and outcome meet there
-    g = config.gateway
-    pool = TokenizePool(g.tokenize_workers, g.tokenize_queue, g.tokenize_timeout_s, helper=g.tokenize_helper)
     if key_store is None:  # tenant keys created by API (`gateway.keys`), in the durable admin store
         kv = replicas.kv or SqliteKV(state_dir(g.state_dir) / "admin-keys.sqlite3", timeout_s=g.store_timeout_s)
         key_store = KVKeyStore(kv)

@@ -78,6 +78,7 @@ from gateway.resume import DRAINED, continuation_of, drained, resume
 from gateway.route_share import RouteShare
 from gateway.routing import index_flusher
 from gateway.shutdown import Shutdown
+from gateway.tokenize_pool import TokenizePool
 from gateway.upstream_failure import NotAStream, RetryableFailure, SplitFailed, describe
 from gateway.upstream_http import UpstreamClient, UpstreamResponse
 
@@ -816,9 +817,10 @@ def _connect_failure(iid: str, e: BaseException) -> RetryableFailure:
 class Relay:
     def __init__(self, config: FleetConfig, state: FleetState, router: InstanceRouter,
                  site_chooser: SiteChooser, metrics: GatewayMetrics, decisions: DecisionLog,
-                 clock: Callable[[], float] = time.monotonic, retry_after_s: int = 1,
+                 tokenize_pool: TokenizePool, clock: Callable[[], float] = time.monotonic, retry_after_s: int = 1,
                  admission: AdmissionGate | None = None) -> None:
         self.admission = admission  # SLOMax (or FCFS) before any site or instance is chosen
+        self.tokenize_pool = tokenize_pool  # the app's: continuations re-tokenize their prompts there
         self.config = config
         self.state = state
         self.router = router

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from gateway.relay import Dispatch, LegFailure, RelayStream, Target
     from gateway.requests import ParsedRequest
     from gateway.route_share import RouteShare
+    from gateway.tokenize_pool import TokenizePool
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -59,6 +60,7 @@ class ResumeHost(Protocol):
     continuation_limits: ContinuationLimits
     continuation_metrics: ContinuationMetrics
     tokenizers: Mapping[str, PromptTokenizer]
+    tokenize_pool: TokenizePool
     live: set[RelayStream]
 
     def choose(self, profile: RequestProfile, excluded: Collection[str], attempt: int,
@@ -118,9 +120,9 @@ async def resume(host: ResumeHost, s: RelayStream, f: LegFailure) -> bytes | Non
             _counted(host, reason, why)
             log.warning("request %s: not continued after %s on %s: %s", rid, reason, s.d.iid, why)
             return None
-        try:  # re-tokenizing a long prompt: off the event loop, within the tokenizer deadline
-            leg = await asyncio.wait_for(asyncio.to_thread(c.next_leg, tail),
-                                         host.config.gateway.tokenize_timeout_s)
+        try:  # re-tokenizing a long prompt: off the event loop, in the app's bounded tokenizer pool
+            # (its deadline; a long text of the built-in tokenizer in the pool's helper process)
+            leg = await host.tokenize_pool.run(c.next_leg, tail)
         except Exception as e:
             _counted(host, reason, "tokenize_failed")
             log.warning("request %s: continuation prompt not built: %s", rid, describe(e))

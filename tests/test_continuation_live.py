@@ -32,6 +32,7 @@ from engine_adapters.base import Instance
 from engine_adapters.sim.launcher import SimAdapter
 from fleetcore.fleet_config import FleetConfig
 from gateway.embedded import ServedFleet, serve_fleet
+from gateway.errors import overloaded
 from tests.upstream_tap import Fired, UpstreamTap
 from tests.waits import wait_until
 
@@ -398,6 +399,42 @@ async def test_third_failure_ends_with_error_event(healthy: Fleet, tap: Upstream
     assert 70 <= s.tokens < 300 and len(s.ids) == 1
     assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="limit") == before + 1
     assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="continued") >= 2
+
+
+async def test_a_continuation_re_tokenizes_its_prompt_in_the_apps_tokenizer_pool(
+        healthy: Fleet, tap: UpstreamTap, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The continuation's prompt is tokenized again (ids and block hashes, a long prompt's
+    milliseconds) in the app's bounded pool, as a request's is: not on the event loop, not in an
+    unbounded side pool. A full pool refuses it like any other work (`tokenize_failed`): the
+    stream ends with an error event, never a hang."""
+    f = healthy
+    pool = f.ctx.relay.tokenize_pool
+    assert pool is f.ctx.tokenize_pool
+    ran: list[str] = []
+    real = pool.run
+
+    async def spy(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        ran.append(getattr(fn, "__name__", repr(fn)))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(pool, "run", spy)
+    rid = kill_at(f, tap, 20)
+    s = await read_stream(f, chat_body("a story told in the tokenizer pool", 300), request_id=rid)
+    acted(tap, rid)
+    assert_whole(s, 300)
+    assert ran == ["next_leg"]  # (the small request itself was parsed on the loop)
+
+    async def full(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        raise overloaded("The gateway's tokenizer pool is full (test)", "tokenizer_busy", 1)
+
+    monkeypatch.setattr(pool, "run", full)
+    before = f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="tokenize_failed")
+    rid = kill_at(f, tap, 20)
+    s = await read_stream(f, chat_body("a story the full pool cannot continue", 300), request_id=rid)
+    acted(tap, rid)
+    (err,) = s.errors
+    assert err["code"] == "upstream_error" and s.events[-1] == "[DONE]" and 20 <= s.tokens < 300
+    assert f.metric("tokenfleet_continuations_total", reason="engine_died", outcome="tokenize_failed") == before + 1
 
 
 @pytest.mark.parametrize(("extra", "label"), [({"logprobs": True, "top_logprobs": 2}, "logprobs"),
