@@ -42,13 +42,13 @@ from fleetcore.fleet_config import FleetConfig
 from fleetcore.model_tokenizer import PromptTokenizer
 from fleetcore.prefix import block_hashes
 from fleetcore.sse import SSE_DONE, SSEEvent, SSESplitter, parse_sse_event, usage_counts
-from fleetcore.tokens import encode
 from fleetcore.types import RequestProfile
 # the very functions that tokenized the prompt for routing: the continuation's ids equal them
 from gateway.openai_fields import PD_LEG_FIELDS  # a P/D decode leg's body carries them
 from gateway.requests import ParsedRequest
 from gateway.requests import _chat_prompt_ids as chat_prompt_ids
 from gateway.requests import _completion_prompt_ids as completion_prompt_ids
+from gateway.tokenize_pool import builtin_encode_upto
 
 CONTINUATION_PATH = "/v1/completions"
 CONTINUED_HEADER = "x-tokenfleet-continued"
@@ -134,8 +134,8 @@ def generated_ids(text: str, tok: PromptTokenizer | None) -> list[int]:
     """Token ids of generated text, as the engine appends them (no special tokens)."""
     if not text:
         return []
-    if tok is None:
-        return encode(text)
+    if tok is None:  # (every piece holds a character: a limit of len(text) keeps them all)
+        return builtin_encode_upto(text, len(text))
     plain = getattr(tok, "plain_ids", None)
     if plain is None:
         raise TypeError(f"{type(tok).__name__} cannot tokenize generated text")

@@ -19,7 +19,7 @@ import json
 import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fleetcore.sse import SSE_DONE
 from fleetcore.continuation import ContinuationLimits
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from gateway.tokenize_pool import TokenizePool
 
 log = logging.getLogger("tokenfleet.gateway")
+
+T = TypeVar("T")
 
 DRAINED = "drained"  # the Interrupted code with which a drain moves a stream off its instance
 
@@ -85,6 +87,19 @@ def continuation_of(host: ResumeHost, parsed: ParsedRequest) -> Continuation | N
                         engine_ids=engine_gives_ids(host.config, parsed.profile.model))
 
 
+async def _tokenized(host: ResumeHost, reason: str, rid: str, fn: Callable[..., T], *args: Any) -> T | None:
+    """`fn(*args)` (tokenizing: the text relayed so far where the engine gave no ids, the prompt
+    again) off the event loop, in the app's bounded tokenizer pool: its deadline, and a long
+    text of the built-in tokenizer in its helper process. None, counted as `tokenize_failed`,
+    when it fails or the pool refuses it (full, too slow): the stream then ends with its error."""
+    try:
+        return await host.tokenize_pool.run(fn, *args)
+    except Exception as e:
+        _counted(host, reason, "tokenize_failed")
+        log.warning("request %s: continuation prompt not built: %s", rid, describe(e))
+        return None
+
+
 def _refused_label(host: ResumeHost, parsed: ParsedRequest) -> str:
     usable, _ = continuation_tokenizer(host.config, parsed.profile.model, host.tokenizers)
     return static_refusal(parsed, usable, host.continuation_limits) or "disabled"
@@ -109,7 +124,9 @@ async def resume(host: ResumeHost, s: RelayStream, f: LegFailure) -> bytes | Non
     s.gap_from, s.gap_reason = s.d.stats.last_token_at or host.clock(), reason
     while True:
         c.excluded.append(s.d.iid)
-        tail = c.tail_ids()
+        tail = await _tokenized(host, reason, rid, c.tail_ids)
+        if tail is None:
+            return None
         if c.sent.finished and not c.sent.unfaithful:
             # the answer was whole (its finish_reason went by); only the end of the stream was lost
             _counted(host, reason, "complete")
@@ -120,12 +137,8 @@ async def resume(host: ResumeHost, s: RelayStream, f: LegFailure) -> bytes | Non
             _counted(host, reason, why)
             log.warning("request %s: not continued after %s on %s: %s", rid, reason, s.d.iid, why)
             return None
-        try:  # re-tokenizing a long prompt: off the event loop, in the app's bounded tokenizer pool
-            # (its deadline; a long text of the built-in tokenizer in the pool's helper process)
-            leg = await host.tokenize_pool.run(c.next_leg, tail)
-        except Exception as e:
-            _counted(host, reason, "tokenize_failed")
-            log.warning("request %s: continuation prompt not built: %s", rid, describe(e))
+        leg = await _tokenized(host, reason, rid, c.next_leg, tail)
+        if leg is None:
             return None
         target = host.choose(leg.profile, c.excluded, c.done + 1, leg=(c.done + 1, reason))
         if target is None:

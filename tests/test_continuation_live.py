@@ -403,9 +403,9 @@ async def test_third_failure_ends_with_error_event(healthy: Fleet, tap: Upstream
 
 async def test_a_continuation_re_tokenizes_its_prompt_in_the_apps_tokenizer_pool(
         healthy: Fleet, tap: UpstreamTap, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The continuation's prompt is tokenized again (ids and block hashes, a long prompt's
-    milliseconds) in the app's bounded pool, as a request's is: not on the event loop, not in an
-    unbounded side pool. A full pool refuses it like any other work (`tokenize_failed`): the
+    """A continuation's tokenizing (the text relayed so far, where the engine gave no ids; the
+    prompt again, its ids and block hashes: a long one's milliseconds) runs in the app's bounded
+    pool, as a request's does: not on the event loop, not in an unbounded side pool. A full pool refuses it like any other work (`tokenize_failed`): the
     stream ends with an error event, never a hang."""
     f = healthy
     pool = f.ctx.relay.tokenize_pool
@@ -422,7 +422,7 @@ async def test_a_continuation_re_tokenizes_its_prompt_in_the_apps_tokenizer_pool
     s = await read_stream(f, chat_body("a story told in the tokenizer pool", 300), request_id=rid)
     acted(tap, rid)
     assert_whole(s, 300)
-    assert ran == ["next_leg"]  # (the small request itself was parsed on the loop)
+    assert ran == ["tail_ids", "next_leg"]  # (the small request itself was parsed on the loop)
 
     async def full(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise overloaded("The gateway's tokenizer pool is full (test)", "tokenizer_busy", 1)
