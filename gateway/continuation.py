@@ -259,9 +259,14 @@ class Continuation:
                        prompt_tokens=p.prompt_tokens,
                        remaining_tokens=remaining_budget(p.max_tokens, generated_tokens), limits=self.limits)
 
+    @property
+    def tail_needs_tokenizing(self) -> bool:
+        """Whether `tail_ids` tokenizes (the engine gave no ids for some of the text) or only copies."""
+        return not (self.sent.ids_complete and self.sent.ids)
+
     def tail_ids(self) -> list[int]:
         """The generated tokens so far: the engine's ids where it gave them, else the text re-tokenized."""
-        if self.sent.ids_complete and self.sent.ids:
+        if not self.tail_needs_tokenizing:
             return list(self.sent.ids)
         return generated_ids(self.sent.text, self.tok)
 

@@ -124,7 +124,7 @@ async def resume(host: ResumeHost, s: RelayStream, f: LegFailure) -> bytes | Non
     s.gap_from, s.gap_reason = s.d.stats.last_token_at or host.clock(), reason
     while True:
         c.excluded.append(s.d.iid)
-        tail = await _tokenized(host, reason, rid, c.tail_ids)
+        tail = await _tokenized(host, reason, rid, c.tail_ids) if c.tail_needs_tokenizing else c.tail_ids()
         if tail is None:
             return None
         if c.sent.finished and not c.sent.unfaithful:

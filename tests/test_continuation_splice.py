@@ -42,8 +42,12 @@ def test_chat_continuation_is_a_completion_of_prompt_ids_plus_tail() -> None:
     c = Continuation(p, ContinuationLimits(), None)
     c.sent.observe({"id": "chatcmpl-x", "created": 5, "model": MODEL,
                     "choices": [{"index": 0, "delta": {"content": "alpha beta gamma"}}]})
+    assert c.tail_needs_tokenizing  # text without the engine's ids: re-tokenized (off the loop, by resume)
     tail = c.tail_ids()
     assert tail == encode("alpha beta gamma") and len(tail) == 3
+    with_ids = Continuation(p, ContinuationLimits(), None)
+    with_ids.sent.observe({"choices": [{"index": 0, "delta": {"content": "alpha beta"}, "token_ids": [5, 6]}]})
+    assert not with_ids.tail_needs_tokenizing and with_ids.tail_ids() == [5, 6]  # the engine's ids, copied
     leg = c.next_leg(tail)
     body = json.loads(leg.encoded("served-name"))
     prompt = encode(render_chat(MESSAGES))
