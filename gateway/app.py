@@ -93,9 +93,13 @@ class GatewayContext:
     tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
     admission: AdmissionGate | None = None  # SLOMax (or FCFS), its ledger and live state
     placement: PlacementLoop | None = None  # FleetMind's replica planner, when the fleet file enables it
-    tokenize_pool: TokenizePool | None = None  # parses large bodies off the event loop (bounded)
     loop_monitor: LoopMonitor | None = None  # event-loop stalls (/metrics; health checks count only responsive time)
     telemetry: Telemetry | None = None  # traces, OTel metrics, access log, SLO misses (gateway.telemetry)
+
+    @property
+    def tokenize_pool(self) -> TokenizePool:
+        """Parses large bodies (and continuations' prompts) off the event loop, bounded: the relay's."""
+        return self.relay.tokenize_pool
 
 
 def _client_session(settings: GatewaySettings) -> UpstreamClient:
@@ -174,7 +178,7 @@ def create_app(config: FleetConfig, adapters: Sequence[EngineAdapter],
         key_store = KVKeyStore(kv)
     gate.key_budgets = KeyBudgets(key_store)  # a key's own budgets, on top of its tenant's
     ctx = GatewayContext(config, state, relay, metrics, decisions, Authenticator.from_config(config, key_store),
-                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement, pool,
+                         model_tokenizers(config) if tokenizers is None else tokenizers, gate, placement,
                          loop_monitor, telemetry)
     relay.tokenizers = ctx.tokenizers  # continuations rebuild the engine's prompt ids with them
 

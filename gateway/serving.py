@@ -33,7 +33,7 @@ Parse = Callable[[Caller, str, "str | None"], Awaitable[ParsedRequest]]
 async def parse_off_loop(ctx: GatewayContext, fn: Callable[..., ParsedRequest], raw: bytes, *lead: Any,
                          **kwargs: Any) -> ParsedRequest:
     """`fn(*lead, raw, **kwargs)`, in the tokenize pool when the body is large."""
-    if len(raw) > INLINE_PARSE_BYTES and ctx.tokenize_pool is not None:
+    if len(raw) > INLINE_PARSE_BYTES:
         return await ctx.tokenize_pool.run(fn, *lead, raw, **kwargs)
     return fn(*lead, raw, **kwargs)
 
